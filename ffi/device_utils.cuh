@@ -1,0 +1,183 @@
+// Device primitives shared by every kernel: storage <-> accumulator conversion, vector memory
+// access, exp/max with the NaN semantics of jax.nn.softmax, and the reductions of one row over a
+// lane group, a block and a thread-block cluster.
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace jax_softmax {
+
+// --- types ------------------------------------------------------------------------------------
+// 16-bit and float32 inputs accumulate in float; float64 in double.
+template <typename T>
+using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ double to_acc(double v) { return v; }
+__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_acc(acc_t<T> v);
+template <>
+__device__ __forceinline__ float from_acc<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ double from_acc<double>(double v) { return v; }
+template <>
+__device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+template <typename A>
+__device__ __forceinline__ A neg_inf() {
+  return -static_cast<A>(INFINITY);
+}
+
+// --- math ---------------------------------------------------------------------------------------
+// exp through the SFU: ex2.approx.ftz(x * log2(e)). Relative error: ex2.approx's 2 ulp plus the
+// rounding of x * log2(e), i.e. at most 2 ulp + |x| * 2^-24 with x = z - max <= 0. Results below
+// 2^-126 flush to zero. exp(-inf) = 0 and exp(NaN) = NaN, as softmax needs.
+__device__ __forceinline__ float exp_acc(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+}
+__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
+__device__ __forceinline__ float log_acc(float x) { return logf(x); }
+__device__ __forceinline__ double log_acc(double x) { return log(x); }
+
+// max that propagates NaN like XLA's (fmaxf would drop it).
+template <typename A>
+__device__ __forceinline__ A max_nan(A a, A b) {
+  return (a > b || a != a) ? a : b;
+}
+
+// --- vector memory access ---------------------------------------------------------------------
+template <int kBytes>
+struct VecWord;
+template <> struct VecWord<1> { using type = uint8_t; };
+template <> struct VecWord<2> { using type = uint16_t; };
+template <> struct VecWord<4> { using type = uint32_t; };
+template <> struct VecWord<8> { using type = uint2; };
+template <> struct VecWord<16> { using type = uint4; };
+
+// N consecutive elements in one access of N * sizeof(T) bytes (16 at most); the caller
+// guarantees the alignment.
+template <int N, typename T>
+__device__ __forceinline__ void load_vec(const T* src, T (&dst)[N]) {
+  using W = typename VecWord<N * sizeof(T)>::type;
+  static_assert(sizeof(W) == N * sizeof(T), "vector width");
+  *reinterpret_cast<W*>(dst) = *reinterpret_cast<const W*>(src);
+}
+template <int N, typename T>
+__device__ __forceinline__ void store_vec(T* dst, const T (&src)[N]) {
+  using W = typename VecWord<N * sizeof(T)>::type;
+  *reinterpret_cast<W*>(dst) = *reinterpret_cast<const W*>(src);
+}
+
+// --- reduction states -----------------------------------------------------------------------------
+// Running (max, sum of exp(z - max)) of part of a row. Merging rescales each sum to the common
+// max; a part with max == the common max (including both -inf) keeps its sum as is, so an all
+// -inf or fully masked part contributes 0 and a NaN max poisons the result.
+template <typename A>
+struct MaxSum {
+  A m;
+  A s;
+  static __device__ __forceinline__ MaxSum identity() { return {neg_inf<A>(), A(0)}; }
+};
+
+template <typename A>
+__device__ __forceinline__ MaxSum<A> combine(MaxSum<A> a, MaxSum<A> b) {
+  const A m = max_nan(a.m, b.m);
+  const A fa = a.m == m ? A(1) : exp_acc(a.m - m);
+  const A fb = b.m == m ? A(1) : exp_acc(b.m - m);
+  return {m, a.s * fa + b.s * fb};
+}
+
+// Plain sum (the backward's dot products).
+template <typename A>
+struct Sum {
+  A s;
+  static __device__ __forceinline__ Sum identity() { return {A(0)}; }
+};
+template <typename A>
+__device__ __forceinline__ Sum<A> combine(Sum<A> a, Sum<A> b) {
+  return {a.s + b.s};
+}
+
+template <typename A>
+__device__ __forceinline__ MaxSum<A> shfl_xor(MaxSum<A> v, int offset) {
+  return {__shfl_xor_sync(0xffffffffu, v.m, offset), __shfl_xor_sync(0xffffffffu, v.s, offset)};
+}
+template <typename A>
+__device__ __forceinline__ Sum<A> shfl_xor(Sum<A> v, int offset) {
+  return {__shfl_xor_sync(0xffffffffu, v.s, offset)};
+}
+
+// --- reductions -------------------------------------------------------------------------------
+// All-reduce over aligned groups of kWidth lanes. Every lane of the warp must call it.
+template <int kWidth, typename S>
+__device__ __forceinline__ S group_allreduce(S v) {
+#pragma unroll
+  for (int offset = kWidth / 2; offset > 0; offset /= 2) v = combine(v, shfl_xor(v, offset));
+  return v;
+}
+
+// All-reduce over the block. `slots` is 32 states of shared memory; callers alternate between two
+// such buffers on consecutive calls, so one barrier per call suffices: a buffer is rewritten only
+// after the next call's barrier, which every reader of the previous one has passed.
+template <int kBlock, typename S>
+__device__ __forceinline__ S block_allreduce(S v, S* slots) {
+  v = group_allreduce<32>(v);
+  if constexpr (kBlock > 32) {
+    constexpr int kWarps = kBlock / 32;
+    const int lane = threadIdx.x % 32;
+    if (lane == 0) slots[threadIdx.x / 32] = v;
+    __syncthreads();
+    v = lane < kWarps ? slots[lane] : S::identity();
+    v = group_allreduce<32>(v);
+  }
+  return v;
+}
+
+// All-reduce over the CTAs of a cluster through distributed shared memory, after each CTA holds
+// its block-wide value. `slot` is one state of shared memory per buffer parity (as above).
+template <int kCluster, typename S>
+__device__ __forceinline__ S cluster_allreduce(S v, S* slot) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  if (threadIdx.x == 0) *slot = v;
+  cluster.sync();  // release our slot, acquire everyone's
+  const int lane = threadIdx.x % 32;
+  S r = S::identity();
+  if (lane < kCluster) r = *cluster.map_shared_rank(slot, lane);
+  return group_allreduce<32>(r);
+#else
+  __trap();  // cluster kernels are launched on sm_90+ only
+  return v;
+#endif
+}
+
+__device__ __forceinline__ unsigned cluster_rank() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return cooperative_groups::this_cluster().block_rank();
+#else
+  return 0;
+#endif
+}
+
+__device__ __forceinline__ void cluster_sync_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cooperative_groups::this_cluster().sync();
+#endif
+}
+
+}  // namespace jax_softmax

@@ -1,0 +1,335 @@
+// Softmax kernels. One row kernel serves every tier that keeps the row in registers; the tiers
+// differ only in how many threads share a row (kGroup lanes of a warp, a whole block, or kCluster
+// blocks of a thread-block cluster) and how the row's (max, sum) is reduced. What is loaded
+// (scale, bias, mask, causal limit) and what is stored (softmax, log-softmax, the two
+// backwards) is the same code for all tiers: RowLoader and the epilogues below.
+//
+// Layout of a row in the register tiers: the CTA with cluster rank r covers columns
+// [r * kChunk, (r + 1) * kChunk), kChunk = kGroup * kElems. Pack k of lane l starts at column
+// r * kChunk + (k * kGroup + l) * kVec, so each pack index is one coalesced sweep of the group.
+#pragma once
+
+#include "device_utils.cuh"
+#include "row_params.h"
+
+namespace jax_softmax {
+
+// Threads per block: a block tier uses kGroup threads; lane-group tiers pack 128 / kGroup rows
+// into a 4-warp block.
+constexpr int BlockThreads(int group) { return group >= 128 ? group : 128; }
+
+// --- loading one pack -----------------------------------------------------------------------------
+// Per-row state for reading x (or y and dy) plus the optional bias and mask of a row.
+template <typename T, int kVec, bool kBwd>
+struct RowLoader {
+  using A = acc_t<T>;
+  const T* in;
+  const T* grad;
+  const T* bias;
+  const uint8_t* mask;
+  int64_t bias_cs, mask_cs;  // column strides, 0 or 1
+  int64_t limit;             // last column to read (causal / row end); -1: nothing
+  A scale;
+
+  __device__ __forceinline__ RowLoader(const RowParams& p, int64_t row, bool row_ok) {
+    const int64_t base = row * p.cols;
+    in = static_cast<const T*>(p.in) + base;
+    grad = kBwd ? static_cast<const T*>(p.grad_in) + base : nullptr;
+    bias = nullptr;
+    mask = nullptr;
+    bias_cs = mask_cs = 0;
+    if (!kBwd && p.bias.data) {
+      bias = static_cast<const T*>(p.bias.data) + p.bias.row_offset(row);
+      bias_cs = p.bias.col_stride;
+    }
+    if (p.mask.data) {
+      mask = static_cast<const uint8_t*>(p.mask.data) + p.mask.row_offset(row);
+      mask_cs = p.mask.col_stride;
+    }
+    limit = row_ok ? p.causal_limit(row) : -1;
+    scale = static_cast<A>(p.scale);
+  }
+
+  // Loads the pack at column c (a multiple of kVec). Forward: v = scale * x + bias. Backward:
+  // v = y, g = dy. ok[e] says whether column c + e takes part in the row.
+  __device__ __forceinline__ void load(int64_t c, A (&v)[kVec], A (&g)[kVec], bool (&ok)[kVec]) const {
+    if (c > limit) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) ok[e] = false, v[e] = A(0), g[e] = A(0);
+      return;
+    }
+    T xs[kVec];
+    load_vec<kVec>(in + c, xs);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      v[e] = to_acc(xs[e]);
+      ok[e] = c + e <= limit;
+    }
+    if constexpr (kBwd) {
+      T gs[kVec];
+      load_vec<kVec>(grad + c, gs);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) g[e] = to_acc(gs[e]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) v[e] *= scale;
+      if (bias) {
+        T bs[kVec];
+        if (bias_cs) {
+          load_vec<kVec>(bias + c, bs);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) bs[e] = bias[0];
+        }
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[e] += to_acc(bs[e]);
+      }
+    }
+    if (mask) {
+      uint8_t ms[kVec];
+      if (mask_cs) {
+        load_vec<kVec>(mask + c, ms);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) ms[e] = mask[0];
+      }
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) ok[e] = ok[e] && ms[e] != 0;
+    }
+  }
+};
+
+// --- epilogues ------------------------------------------------------------------------------------
+// Row statistics after the reduction, turned into the per-element output.
+template <typename A>
+struct FwdStats {
+  A max;      // row max over valid positions
+  A factor;   // softmax: exp(thread max - row max) / row sum, applied to stored exp(z - thread max)
+  A log_sum;  // log-softmax: log(row sum)
+};
+
+// The forward's per-thread pass over its values: thread max, then exp(z - shift) summed, where
+// shift = thread max unless that is -inf (then nothing valid is finite and 0 avoids -inf - -inf).
+// Softmax keeps exp(z - shift) in v; log-softmax keeps z.
+template <typename A, int N>
+__device__ __forceinline__ MaxSum<A> thread_maxsum(A (&v)[N], const bool (&ok)[N], bool log) {
+  A m = neg_inf<A>();
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    if (ok[i]) m = max_nan(m, v[i]);
+  const A shift = m == neg_inf<A>() ? A(0) : m;
+  A s = A(0);
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    if (ok[i]) {
+      const A e = exp_acc(v[i] - shift);
+      s += e;
+      if (!log) v[i] = e;
+    }
+  }
+  return {m, s};
+}
+
+template <typename A>
+__device__ __forceinline__ FwdStats<A> fwd_stats(A thread_max, MaxSum<A> row, bool log) {
+  FwdStats<A> st;
+  st.max = row.m;
+  if (log) {
+    st.log_sum = log_acc(row.s);
+    st.factor = A(0);
+  } else {
+    const A rescale = thread_max == row.m ? A(1) : exp_acc(thread_max - row.m);
+    st.factor = rescale / row.s;
+    st.log_sum = A(0);
+  }
+  return st;
+}
+
+template <typename A>
+__device__ __forceinline__ A fwd_output(A v, bool ok, const FwdStats<A>& st, bool log) {
+  if (log) return ok ? (v - st.max) - st.log_sum : neg_inf<A>();
+  return ok ? v * st.factor : A(0);
+}
+
+// Backward: softmax: dx = scale * y * (dy - sum(y * dy)); log-softmax: dx = scale * (dy -
+// exp(y) * sum(dy)); zero at invalid positions.
+template <typename A>
+__device__ __forceinline__ A bwd_term(A y, A g, bool log) {
+  return log ? g : y * g;
+}
+template <typename A>
+__device__ __forceinline__ A bwd_output(A y, A g, bool ok, A dot, A scale, bool log) {
+  if (!ok) return A(0);
+  return log ? scale * (g - exp_acc(y) * dot) : scale * (y * (g - dot));
+}
+
+// --- register tiers ---------------------------------------------------------------------------------
+template <typename S, int kGroup, int kCluster>
+__device__ __forceinline__ S row_allreduce(S v, S* block_slots, S* cluster_slot) {
+  constexpr int kBlock = BlockThreads(kGroup);
+  if constexpr (kGroup <= 32) {
+    return group_allreduce<kGroup>(v);
+  } else {
+    v = block_allreduce<kBlock>(v, block_slots);
+    if constexpr (kCluster > 1) v = cluster_allreduce<kCluster>(v, cluster_slot);
+    return v;
+  }
+}
+
+template <typename T, int kGroup, int kElems, int kVec, int kCluster, bool kBwd>
+__global__ void __launch_bounds__(BlockThreads(kGroup))
+    softmax_rows_kernel(const RowParams p) {
+  using A = acc_t<T>;
+  using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;
+  constexpr int kBlock = BlockThreads(kGroup);
+  constexpr int kRowsPerBlock = kBlock / kGroup;
+  constexpr int kPacks = kElems / kVec;
+  constexpr int64_t kChunk = int64_t(kGroup) * kElems;
+  static_assert(kElems % kVec == 0 && kGroup * kRowsPerBlock == kBlock, "tier shape");
+  static_assert(kCluster == 1 || kGroup == kBlock, "a cluster splits whole-block rows");
+
+  __shared__ S block_slots[2][32];
+  __shared__ S cluster_slots[2];
+
+  const int lane = threadIdx.x % kGroup;
+  const int group = threadIdx.x / kGroup;
+  const int64_t first_col = int64_t(kCluster > 1 ? cluster_rank() : 0) * kChunk + lane * kVec;
+  const int64_t num_ctas = gridDim.x / kCluster;
+  const bool log = p.log;
+  const A scale = static_cast<A>(p.scale);
+  T* out_base = static_cast<T*>(p.out);
+
+  int parity = 0;
+  // The loop bound is uniform over the block (and cluster): lane groups past the last row still
+  // take part in the shuffles, with nothing loaded or stored.
+  for (int64_t row0 = int64_t(blockIdx.x / kCluster) * kRowsPerBlock; row0 < p.rows;
+       row0 += num_ctas * kRowsPerBlock, parity ^= 1) {
+    const int64_t row = row0 + group;
+    const bool row_ok = row < p.rows;
+    const RowLoader<T, kVec, kBwd> loader(p, row, row_ok);
+
+    A v[kPacks][kVec];
+    A g[kPacks][kVec];
+    bool ok[kPacks][kVec];
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) loader.load(first_col + int64_t(k) * kGroup * kVec, v[k], g[k], ok[k]);
+
+    A out[kPacks][kVec];
+    if constexpr (!kBwd) {
+      MaxSum<A> mine = thread_maxsum(reinterpret_cast<A(&)[kElems]>(v),
+                                     reinterpret_cast<const bool(&)[kElems]>(ok), log);
+      const MaxSum<A> total =
+          row_allreduce<S, kGroup, kCluster>(mine, block_slots[parity], &cluster_slots[parity]);
+      const FwdStats<A> st = fwd_stats(mine.m, total, log);
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) out[k][e] = fwd_output(v[k][e], ok[k][e], st, log);
+    } else {
+      Sum<A> mine{A(0)};
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e)
+          if (ok[k][e]) mine.s += bwd_term(v[k][e], g[k][e], log);
+      const A dot = row_allreduce<S, kGroup, kCluster>(mine, block_slots[parity],
+                                                       &cluster_slots[parity]).s;
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e)
+          out[k][e] = bwd_output(v[k][e], g[k][e], ok[k][e], dot, scale, log);
+    }
+
+    if (row_ok) {
+      T* dst = out_base + row * p.cols;
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        const int64_t c = first_col + int64_t(k) * kGroup * kVec;
+        if (c < p.cols) {  // columns past the causal limit are written too (0 or -inf)
+          T ys[kVec];
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) ys[e] = from_acc<T>(out[k][e]);
+          store_vec<kVec>(dst + c, ys);
+        }
+      }
+    }
+  }
+  // No CTA may leave while another still reads its shared memory.
+  if constexpr (kCluster > 1) cluster_sync_all();
+}
+
+// --- streaming tier: any row length, x read twice ------------------------------------------------
+// For rows longer than the register tiers hold (or GPUs without clusters). Pass 1 reduces the row
+// (online max/sum, or the backward's dot product) tile by tile; pass 2 reads it again and writes.
+// A row's second read usually hits L2, which holds the rows of all resident blocks.
+template <typename T, int kBlock, int kVec, int kUnroll, bool kBwd>
+__global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowParams p) {
+  using A = acc_t<T>;
+  using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;
+  constexpr int64_t kTile = int64_t(kBlock) * kVec * kUnroll;
+  __shared__ S block_slots[2][32];
+  const bool log = p.log;
+  const A scale = static_cast<A>(p.scale);
+  int parity = 0;
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x, parity ^= 1) {
+    const RowLoader<T, kVec, kBwd> loader(p, row, true);
+    const int64_t end = loader.limit + 1;  // columns past it are not read
+    S mine = S::identity();
+    for (int64_t t0 = 0; t0 < end; t0 += kTile) {
+      A v[kUnroll][kVec], g[kUnroll][kVec];
+      bool ok[kUnroll][kVec];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k)
+        loader.load(t0 + (int64_t(k) * kBlock + threadIdx.x) * kVec, v[k], g[k], ok[k]);
+      if constexpr (!kBwd) {
+        // log=true keeps v: the sums are all this pass needs.
+        mine = combine(mine, thread_maxsum(reinterpret_cast<A(&)[kUnroll * kVec]>(v),
+                                           reinterpret_cast<const bool(&)[kUnroll * kVec]>(ok),
+                                           true));
+      } else {
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k)
+#pragma unroll
+          for (int e = 0; e < kVec; ++e)
+            if (ok[k][e]) mine.s += bwd_term(v[k][e], g[k][e], log);
+      }
+    }
+    const S total = block_allreduce<kBlock>(mine, block_slots[parity]);
+    T* dst = static_cast<T*>(p.out) + row * p.cols;
+    FwdStats<A> st{};
+    if constexpr (!kBwd) {
+      // Every element is recomputed from z, so the stored-exp rescale does not apply.
+      st.max = total.m;
+      st.log_sum = log ? log_acc(total.s) : A(0);
+      st.factor = log ? A(0) : A(1) / total.s;
+    }
+    for (int64_t t0 = 0; t0 < p.cols; t0 += kTile) {
+      A v[kUnroll][kVec], g[kUnroll][kVec];
+      bool ok[kUnroll][kVec];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k)
+        loader.load(t0 + (int64_t(k) * kBlock + threadIdx.x) * kVec, v[k], g[k], ok[k]);
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const int64_t c = t0 + (int64_t(k) * kBlock + threadIdx.x) * kVec;
+        if (c >= p.cols) continue;
+        T ys[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          A o;
+          if constexpr (!kBwd) {
+            o = log ? fwd_output(v[k][e], ok[k][e], st, true)
+                    : (ok[k][e] ? exp_acc(v[k][e] - st.max) * st.factor : A(0));
+          } else {
+            o = bwd_output(v[k][e], g[k][e], ok[k][e], total.s, scale, log);
+          }
+          ys[e] = from_acc<T>(o);
+        }
+        store_vec<kVec>(dst + c, ys);
+      }
+    }
+  }
+}
+
+}  // namespace jax_softmax

@@ -1,0 +1,254 @@
+// Tier selection and launch. Included by the per-dtype instantiation files only, so each dtype
+// compiles in its own translation unit.
+//
+// Tier table (E = elements per thread held in registers: 32 forward, 16 backward, whose rows
+// take two values per element, both halved when V = 1 because scalar accesses need more address
+// registers (ptxas spilled at 1024 threads x 32 scalar elements), and halved again for float64,
+// whose values take two registers; V = the 16-byte vector width,
+// or 1 when cols % V != 0 or a pointer is not 16-byte aligned):
+//   cols <= 32 * V          lane group of G = 1..32 lanes per row, one vector each; 128 / G rows
+//                           per 4-warp block (several rows per warp for tiny rows)
+//   cols <= 32 * E          one warp per row, E' <= E elements per lane (E' the smallest power
+//                           of two that fits)
+//   cols <= 1024 * E        one block of G = 64..1024 threads per row, E elements per thread
+//   cols <= 1024 * E * C    sm_90+: a cluster of C = 2, 4, 8 (16 where the GPU can schedule it)
+//                           blocks of 1024 threads per row, reduced through distributed shared
+//                           memory: still one read of x
+//   longer rows, or pre-sm_90 beyond the block tier: the two-pass streaming kernel.
+// Grids are one wave: blocks (clusters) = resident blocks per SM (clusters per GPU) from the
+// occupancy calculator, read once per device and kernel, then rows are looped over.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <mutex>
+#include <string>
+
+#include "common.h"
+#include "softmax_kernels.cuh"
+
+namespace jax_softmax {
+
+template <typename Tag>
+struct CudaStorage {
+  using type = Tag;
+};
+template <>
+struct CudaStorage<Float16Tag> {
+  using type = __half;
+};
+template <>
+struct CudaStorage<BFloat16Tag> {
+  using type = __nv_bfloat16;
+};
+
+// Properties read once per device.
+struct DeviceInfo {
+  int sm_count = 0;
+  int cc_major = 0;
+};
+
+constexpr int kMaxDevices = 64;
+
+inline ffi::ErrorOr<DeviceInfo> GetDeviceInfo(int device) {
+  static std::once_flag once[kMaxDevices];
+  static DeviceInfo info[kMaxDevices];
+  static cudaError_t status[kMaxDevices];
+  if (device < 0 || device >= kMaxDevices) return ffi::Unexpected(Internal("device ordinal out of range"));
+  std::call_once(once[device], [device] {
+    cudaError_t e = cudaDeviceGetAttribute(&info[device].sm_count, cudaDevAttrMultiProcessorCount, device);
+    if (e == cudaSuccess)
+      e = cudaDeviceGetAttribute(&info[device].cc_major, cudaDevAttrComputeCapabilityMajor, device);
+    status[device] = e;
+  });
+  if (status[device] != cudaSuccess)
+    return ffi::Unexpected(
+        Internal(std::string("reading device properties: ") + cudaGetErrorString(status[device])));
+  return info[device];
+}
+
+inline ffi::Error CheckLaunch(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return Internal(std::string(what) + " launch failed: " + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+// Per (kernel, device) cached occupancy: resident blocks per SM, or active clusters per GPU.
+// Function-local statics are per template instantiation, i.e. per kernel.
+template <auto Kernel>
+struct KernelCache {
+  static std::atomic<int>& slot(int device) {
+    static std::atomic<int> values[kMaxDevices];
+    return values[device];
+  }
+};
+
+template <auto Kernel, int kBlock>
+ffi::ErrorOr<int> BlocksPerSm(int device) {
+  std::atomic<int>& cached = KernelCache<Kernel>::slot(device);
+  int n = cached.load(std::memory_order_relaxed);
+  if (n == 0) {
+    const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, kBlock, 0);
+    if (e != cudaSuccess)
+      return ffi::Unexpected(Internal(std::string("occupancy query: ") + cudaGetErrorString(e)));
+    if (n < 1) return ffi::Unexpected(Internal("kernel cannot be resident on this GPU"));
+    cached.store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+// Active clusters of kCluster blocks for a cluster kernel; 0 when the GPU cannot schedule one.
+template <auto Kernel, int kBlock, int kCluster>
+int ActiveClusters(int device) {
+  std::atomic<int>& cached = KernelCache<Kernel>::slot(device);
+  int n = cached.load(std::memory_order_relaxed);
+  if (n == 0) {
+    n = -1;
+    if (kCluster > 8)
+      cudaFuncSetAttribute(Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    cudaLaunchConfig_t config = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = kCluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    config.gridDim = dim3(kCluster);
+    config.blockDim = dim3(kBlock);
+    config.attrs = attr;
+    config.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, Kernel, &config) == cudaSuccess && clusters > 0)
+      n = clusters;
+    cudaGetLastError();  // a refused size is an answer, not an error to report later
+    cached.store(n, std::memory_order_relaxed);
+  }
+  return n > 0 ? n : 0;
+}
+
+struct LaunchCtx {
+  const RowParams& p;
+  cudaStream_t stream;
+  int device;
+  DeviceInfo dev;
+};
+
+template <typename T, int kGroup, int kElems, int kVec, bool kBwd>
+ffi::Error LaunchRows(const LaunchCtx& c) {
+  constexpr int kBlock = BlockThreads(kGroup);
+  constexpr int kRowsPerBlock = kBlock / kGroup;
+  constexpr auto kernel = softmax_rows_kernel<T, kGroup, kElems, kVec, 1, kBwd>;
+  auto per_sm = BlocksPerSm<kernel, kBlock>(c.device);
+  if (per_sm.has_error()) return per_sm.error();
+  const int64_t needed = (c.p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int64_t wave = int64_t(*per_sm) * c.dev.sm_count;
+  const int grid = static_cast<int>(needed < wave ? needed : wave);
+  kernel<<<grid, kBlock, 0, c.stream>>>(c.p);
+  return CheckLaunch("softmax row kernel");
+}
+
+template <typename T, int kElems, int kVec, int kCluster, bool kBwd>
+ffi::Error LaunchCluster(const LaunchCtx& c, int active) {
+  constexpr int kBlock = 1024;
+  constexpr auto kernel = softmax_rows_kernel<T, kBlock, kElems, kVec, kCluster, kBwd>;
+  const int64_t clusters = c.p.rows < active ? c.p.rows : active;
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kCluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
+  config.blockDim = dim3(kBlock);
+  config.stream = c.stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  const cudaError_t e = cudaLaunchKernelEx(&config, kernel, c.p);
+  if (e != cudaSuccess)
+    return Internal(std::string("softmax cluster kernel launch failed: ") + cudaGetErrorString(e));
+  return CheckLaunch("softmax cluster kernel");
+}
+
+template <typename T, int kVec, bool kBwd>
+ffi::Error LaunchTwoPass(const LaunchCtx& c) {
+  constexpr int kBlock = 512;
+  constexpr int kUnroll = (kVec == 1 ? 8 : 4);
+  constexpr auto kernel = softmax_rows_twopass_kernel<T, kBlock, kVec, kUnroll, kBwd>;
+  auto per_sm = BlocksPerSm<kernel, kBlock>(c.device);
+  if (per_sm.has_error()) return per_sm.error();
+  const int64_t wave = int64_t(*per_sm) * c.dev.sm_count;
+  const int grid = static_cast<int>(c.p.rows < wave ? c.p.rows : wave);
+  kernel<<<grid, kBlock, 0, c.stream>>>(c.p);
+  return CheckLaunch("softmax two-pass kernel");
+}
+
+// Picks the tier for one vector width. kE: elements per thread in registers.
+template <typename T, int kVec, bool kBwd>
+ffi::Error LaunchWithVec(const LaunchCtx& c) {
+  constexpr int kE = (kBwd ? 16 : 32) / (kVec == 1 ? 2 : 1) / (sizeof(acc_t<T>) / 4);
+  const int64_t n = c.p.cols;
+  // Lane groups: one vector per lane.
+  if (n <= 1 * kVec) return LaunchRows<T, 1, kVec, kVec, kBwd>(c);
+  if (n <= 2 * kVec) return LaunchRows<T, 2, kVec, kVec, kBwd>(c);
+  if (n <= 4 * kVec) return LaunchRows<T, 4, kVec, kVec, kBwd>(c);
+  if (n <= 8 * kVec) return LaunchRows<T, 8, kVec, kVec, kBwd>(c);
+  if (n <= 16 * kVec) return LaunchRows<T, 16, kVec, kVec, kBwd>(c);
+  if (n <= 32 * kVec) return LaunchRows<T, 32, kVec, kVec, kBwd>(c);
+  // One warp per row.
+  if constexpr (2 * kVec <= kE) if (n <= 32 * 2 * kVec) return LaunchRows<T, 32, 2 * kVec, kVec, kBwd>(c);
+  if constexpr (4 * kVec <= kE) if (n <= 32 * 4 * kVec) return LaunchRows<T, 32, 4 * kVec, kVec, kBwd>(c);
+  if constexpr (8 * kVec <= kE) if (n <= 32 * 8 * kVec) return LaunchRows<T, 32, 8 * kVec, kVec, kBwd>(c);
+  if constexpr (16 * kVec <= kE) if (n <= 32 * 16 * kVec) return LaunchRows<T, 32, 16 * kVec, kVec, kBwd>(c);
+  if constexpr (32 * kVec <= kE) if (n <= 32 * 32 * kVec) return LaunchRows<T, 32, 32 * kVec, kVec, kBwd>(c);
+  // One block per row.
+  if (n <= 64 * kE) return LaunchRows<T, 64, kE, kVec, kBwd>(c);
+  if (n <= 128 * kE) return LaunchRows<T, 128, kE, kVec, kBwd>(c);
+  if (n <= 256 * kE) return LaunchRows<T, 256, kE, kVec, kBwd>(c);
+  if (n <= 512 * kE) return LaunchRows<T, 512, kE, kVec, kBwd>(c);
+  if (n <= 1024 * kE) return LaunchRows<T, 1024, kE, kVec, kBwd>(c);
+  // A cluster of blocks per row (Hopper and newer).
+  if (c.dev.cc_major >= 9) {
+    constexpr int kB = 1024;
+    if (n <= 2 * kB * kE) {
+      if (int a = ActiveClusters<softmax_rows_kernel<T, kB, kE, kVec, 2, kBwd>, kB, 2>(c.device))
+        return LaunchCluster<T, kE, kVec, 2, kBwd>(c, a);
+    } else if (n <= 4 * kB * kE) {
+      if (int a = ActiveClusters<softmax_rows_kernel<T, kB, kE, kVec, 4, kBwd>, kB, 4>(c.device))
+        return LaunchCluster<T, kE, kVec, 4, kBwd>(c, a);
+    } else if (n <= 8 * kB * kE) {
+      if (int a = ActiveClusters<softmax_rows_kernel<T, kB, kE, kVec, 8, kBwd>, kB, 8>(c.device))
+        return LaunchCluster<T, kE, kVec, 8, kBwd>(c, a);
+    } else if (n <= 16 * kB * kE) {
+      if (int a = ActiveClusters<softmax_rows_kernel<T, kB, kE, kVec, 16, kBwd>, kB, 16>(c.device))
+        return LaunchCluster<T, kE, kVec, 16, kBwd>(c, a);
+    }
+  }
+  return LaunchTwoPass<T, kVec, kBwd>(c);
+}
+
+inline bool Aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
+template <typename Tag, bool kBwd>
+ffi::Error LaunchSoftmax(const RowParams& p, cudaStream_t stream) {
+  using T = typename CudaStorage<Tag>::type;
+  if (p.rows == 0 || p.cols == 0) return ffi::Error::Success();
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess)
+    return Internal(std::string("cudaGetDevice: ") + cudaGetErrorString(e));
+  auto dev = GetDeviceInfo(device);
+  if (dev.has_error()) return dev.error();
+  const LaunchCtx ctx{p, stream, device, *dev};
+  constexpr int kVec = 16 / sizeof(T);
+  // Pointers are aligned by XLA (checked anyway: the choice depends on addresses, never on data).
+  const bool aligned = p.cols % kVec == 0 && Aligned16(p.in) && Aligned16(p.out) &&
+                       (!p.grad_in || Aligned16(p.grad_in)) &&
+                       (!p.bias.data || Aligned16(p.bias.data)) &&
+                       (!p.mask.data || Aligned16(p.mask.data));
+  return aligned ? LaunchWithVec<T, kVec, kBwd>(ctx) : LaunchWithVec<T, 1, kBwd>(ctx);
+}
+
+#define JAX_SOFTMAX_INSTANTIATE(TAG)                                                   \
+  template ffi::Error LaunchSoftmax<TAG, false>(const RowParams&, cudaStream_t);      \
+  template ffi::Error LaunchSoftmax<TAG, true>(const RowParams&, cudaStream_t);
+
+}  // namespace jax_softmax

@@ -1,0 +1,116 @@
+"""``python -m jax_softmax``: self-check and a quick timing table on JAX's default backend.
+
+``python -m jax_softmax bench [...]`` runs the benchmark suite instead (see benchmarks/).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def _progress(iterable, total, desc):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(iterable, total=total, desc=desc, leave=False)
+    except ImportError:  # a plain counter keeps the output readable without tqdm
+        def gen():
+            for i, item in enumerate(iterable):
+                print(f"\r{desc}: {i + 1}/{total}", end="", file=sys.stderr, flush=True)
+                yield item
+            print(file=sys.stderr)
+
+        return gen()
+
+
+def _time_jitted(fn, x, repeats=20):
+    """Median seconds per call of a jitted fn, compile and first-call excluded."""
+    fn(x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(x).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def self_check() -> bool:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_softmax
+
+    backend = jax.default_backend()
+    print(f"jax_softmax {jax_softmax.__version__} | jax {jax.__version__} | backend {backend} "
+          f"({jax.devices()[0].device_kind}) | kernels built for {jax_softmax.available_platforms()}")
+    rng = np.random.default_rng(0)
+    cases = [((64, 1000), -1, jnp.float32), ((8, 33, 257), 1, jnp.float32),
+             ((16, 4096), -1, jnp.bfloat16), ((4, 8, 128, 128), -1, jnp.float16),
+             ((32, 3000), -1, jnp.float64)]
+    tol = {jnp.float32: 1e-5, jnp.float64: 1e-12, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
+    ok = True
+    for shape, axis, dtype in _progress(cases, len(cases), "self-check"):
+        if dtype == jnp.float64 and not jax.config.jax_enable_x64:
+            continue
+        x = jnp.asarray(rng.standard_normal(shape) * 4, dtype)
+        where = jnp.asarray(rng.random(shape) > 0.2)
+        for name, ours, ref in [("softmax", jax_softmax.softmax, jax.nn.softmax),
+                                ("log_softmax", jax_softmax.log_softmax, jax.nn.log_softmax)]:
+            for w in (None, where):
+                got = np.asarray(jax.jit(lambda a, w=w: ours(a, axis=axis, where=w))(x), np.float64)
+                want = np.asarray(ref(x.astype(jnp.float32 if dtype != jnp.float64 else dtype),
+                                      axis=axis, where=w), np.float64)
+                fin = np.isfinite(want)
+                err = np.max(np.abs(got[fin] - want[fin]) / (1 + np.abs(want[fin])), initial=0)
+                good = err <= tol[dtype] and np.array_equal(np.isfinite(got), fin)
+                ok &= bool(good)
+                if not good:
+                    print(f"  MISMATCH {name} {shape} axis={axis} {np.dtype(dtype).name} "
+                          f"where={w is not None}: max rel err {err:.2e}")
+    print("self-check:", "PASS" if ok else "FAIL")
+    return ok
+
+
+def timing_table() -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_softmax
+
+    gpu = jax.default_backend() == "gpu"
+    mib = 256 if gpu else 8
+    rows = []
+    cols_list = [128, 1024, 4096, 32768]
+    for cols in _progress(cols_list, len(cols_list), "timing"):
+        n = mib * 2**20 // 4
+        x = jnp.asarray(np.random.default_rng(1).standard_normal((n // cols, cols)), jnp.float32)
+        t_ours = _time_jitted(jax.jit(jax_softmax.softmax), x)
+        t_xla = _time_jitted(jax.jit(jax.nn.softmax), x)
+        gbs = 2 * x.nbytes / t_ours / 1e9
+        rows.append((cols, x.shape[0], t_ours * 1e6, t_xla * 1e6, t_xla / t_ours, gbs))
+    print(f"\nfloat32 softmax, {mib} MiB input, one jitted call each (includes ~20 us dispatch)")
+    print(f"{'cols':>7} {'rows':>8} {'ours us':>10} {'jax.nn us':>10} {'speedup':>8} {'GB/s':>8}")
+    for r in rows:
+        print(f"{r[0]:>7} {r[1]:>8} {r[2]:>10.1f} {r[3]:>10.1f} {r[4]:>8.2f} {r[5]:>8.1f}")
+    print("(precise per-kernel figures: python -m jax_softmax bench)")
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "bench":
+        from jax_softmax._bench_cli import main as bench_main
+
+        return bench_main(argv[1:])
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    ok = self_check()
+    timing_table()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,70 @@
+"""jnp formulas of what the kernels compute.
+
+They serve three purposes: the lowering on platforms with no kernel (e.g. ROCm, TPU), the JVP
+rules that make higher-order differentiation work, and nothing else: tests compare against an
+independent float64 NumPy reference, not against these.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def acc_dtype(dtype) -> np.dtype:
+    """float64 stays float64; everything else accumulates in float32."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def valid_positions(shape, mask, has_mask: bool, causal: bool):
+    """Boolean array broadcastable to `shape` (or None when every position is valid)."""
+    valid = None
+    if has_mask:
+        valid = mask
+    if causal:
+        sq, sk = shape[-2], shape[-1]
+        tri = jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None]
+        valid = tri if valid is None else jnp.logical_and(valid, tri)
+    return valid
+
+
+def forward(x, bias, mask, *, log, scale, has_bias, has_mask, causal):
+    acc = acc_dtype(x.dtype)
+    z = x.astype(acc)
+    if scale != 1.0:
+        z = z * jnp.asarray(scale, acc)
+    if has_bias:
+        z = z + bias.astype(acc)
+    valid = valid_positions(x.shape, mask, has_mask, causal)
+    if valid is None:
+        shifted = z - jnp.max(z, axis=-1, keepdims=True)
+        e = jnp.exp(shifted)
+        s = jnp.sum(e, axis=-1, keepdims=True)
+        y = shifted - jnp.log(s) if log else e / s
+    else:
+        valid = jnp.broadcast_to(valid, x.shape)
+        zv = jnp.where(valid, z, -jnp.inf)
+        shifted = zv - jnp.max(zv, axis=-1, keepdims=True)
+        e = jnp.where(valid, jnp.exp(shifted), 0)
+        s = jnp.sum(e, axis=-1, keepdims=True)
+        y = jnp.where(valid, shifted - jnp.log(s), -jnp.inf) if log else jnp.where(valid, e / s, 0)
+    return y.astype(x.dtype)
+
+
+def backward(y, dy, mask, *, log, scale, has_mask, causal):
+    acc = acc_dtype(y.dtype)
+    yv, g = y.astype(acc), dy.astype(acc)
+    valid = valid_positions(y.shape, mask, has_mask, causal)
+    if valid is not None:
+        valid = jnp.broadcast_to(valid, y.shape)
+    keep = (lambda a: a) if valid is None else (lambda a: jnp.where(valid, a, 0))
+    if log:
+        s = jnp.sum(keep(g), axis=-1, keepdims=True)
+        dx = g - jnp.exp(yv) * s
+    else:
+        d = jnp.sum(keep(yv * g), axis=-1, keepdims=True)
+        dx = yv * (g - d)
+    dx = keep(dx)
+    if scale != 1.0:
+        dx = dx * jnp.asarray(scale, acc)
+    return dx.astype(y.dtype)

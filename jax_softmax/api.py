@@ -1,0 +1,243 @@
+"""Public functions: softmax, log_softmax, attention_softmax.
+
+Each validates its arguments in Python (so bad input fails before anything is lowered), brings
+the reduced axes to the end as one axis, and calls ``_fused``: a ``jax.custom_vjp`` function
+whose forward binds ``softmax_fwd_p`` and whose backward binds ``softmax_bwd_p`` on the saved
+output and the cotangent (never re-running the forward).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_softmax.primitives import dummy_operands, softmax_bwd_p, softmax_fwd_p
+
+SUPPORTED_DTYPES = tuple(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
+
+
+# --- the differentiable core ------------------------------------------------------------------
+def _forward(x, bias, mask, log, scale, has_bias, has_mask, causal):
+    return softmax_fwd_p.bind(
+        x, bias, mask, log=log, scale=scale, has_bias=has_bias, has_mask=has_mask, causal=causal
+    )
+
+
+_fused = jax.custom_vjp(_forward, nondiff_argnums=(3, 4, 5, 6, 7))
+
+
+def _fused_fwd(x, bias, mask, log, scale, has_bias, has_mask, causal):
+    # The primitive, not _fused: under jax.hessian (forward over reverse) the outer JVP must see
+    # primitives with JVP rules, never a custom_vjp function.
+    y = _forward(x, bias, mask, log, scale, has_bias, has_mask, causal)
+    return y, (y, bias, mask)
+
+
+def _bias_cotangent(dx, bias, scale, y, dy, mask, log, has_mask, causal):
+    """d(loss)/d(bias): the z-cotangent summed over the axes where bias is broadcast.
+
+    dx already holds scale * dz; dividing it back avoids a second kernel. With scale == 0 the
+    division is impossible and dz comes from its own backward call (XLA drops it when the bias
+    gradient is unused)."""
+    if scale != 0.0:
+        dz = dx.astype(jnp.float32 if dx.dtype != jnp.float64 else dx.dtype)
+        dz = dz * (1.0 / scale) if scale != 1.0 else dz
+    else:
+        dz = softmax_bwd_p.bind(y, dy, mask, log=log, scale=1.0, has_mask=has_mask, causal=causal)
+    axes = tuple(a for a, (b, n) in enumerate(zip(bias.shape, dx.shape)) if b == 1 and n != 1)
+    if axes:
+        dz = jnp.sum(dz, axis=axes, keepdims=True, dtype=jnp.promote_types(dz.dtype, jnp.float32))
+    return dz.astype(bias.dtype)
+
+
+def _fused_bwd(log, scale, has_bias, has_mask, causal, res, dy):
+    y, bias, mask = res
+    dx = softmax_bwd_p.bind(y, dy, mask, log=log, scale=scale, has_mask=has_mask, causal=causal)
+    if has_bias:
+        dbias = _bias_cotangent(dx, bias, scale, y, dy, mask, log, has_mask, causal)
+    else:
+        dbias = jnp.zeros_like(bias)
+    return dx, dbias, None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+# --- argument checking ------------------------------------------------------------------------
+def _check_dtype(fname: str, what: str, x) -> None:
+    if np.dtype(x.dtype) not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{fname}: {what} must have a floating dtype (float16, bfloat16, float32 or float64), "
+            f"got {x.dtype}"
+        )
+
+
+def _normalize_axes(fname: str, axis, ndim: int) -> tuple[int, ...]:
+    axes = axis if isinstance(axis, (tuple, list)) else (axis,)
+    out = []
+    for a in axes:
+        try:
+            a = operator.index(a)
+        except TypeError:
+            raise TypeError(f"{fname}: axis must be an int or a tuple of ints, got {axis!r}") from None
+        if not -ndim <= a < ndim:
+            raise ValueError(f"{fname}: axis {a} is out of range for an array of rank {ndim}")
+        out.append(a % ndim)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{fname}: axis {axis!r} repeats an axis (array of rank {ndim})")
+    if not out:
+        raise ValueError(f"{fname}: axis must name at least one axis, got {axis!r}")
+    return tuple(sorted(out))
+
+
+def _check_broadcast(fname: str, what: str, operand, shape) -> None:
+    try:
+        ok = np.broadcast_shapes(operand.shape, shape) == tuple(shape)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{fname}: {what} of shape {tuple(operand.shape)} does not broadcast to the input "
+            f"shape {tuple(shape)}"
+        )
+
+
+def _as_bool_mask(fname: str, what: str, m, shape):
+    m = jnp.asarray(m)
+    if m.dtype != np.bool_:
+        raise TypeError(f"{fname}: {what} must be a boolean array, got dtype {m.dtype}")
+    _check_broadcast(fname, what, m, shape)
+    return m.reshape((1,) * (len(shape) - m.ndim) + m.shape)
+
+
+# --- softmax / log_softmax ---------------------------------------------------------------------
+def _softmax_along(x, axis, where, *, log: bool, fname: str):
+    x = jnp.asarray(x)
+    _check_dtype(fname, "x", x)
+    axes = _normalize_axes(fname, axis, x.ndim)
+    mask = None if where is None else _as_bool_mask(fname, "where", where, x.shape)
+    if x.size == 0:
+        return jnp.zeros(x.shape, x.dtype)
+
+    # Bring the reduced axes to the end (a transpose when they are not already there) and merge
+    # them into one, so the kernels always see rows of contiguous elements.
+    kept = tuple(a for a in range(x.ndim) if a not in axes)
+    perm = kept + axes
+    moved = perm != tuple(range(x.ndim))
+    row_shape = tuple(x.shape[a] for a in kept)
+    cols = math.prod(x.shape[a] for a in axes)
+    xt = jnp.transpose(x, perm) if moved else x
+    xt = xt.reshape(row_shape + (cols,))
+
+    bias, dummy_mask = dummy_operands(xt.ndim, x.dtype)
+    if mask is None:
+        mask_t = dummy_mask
+    else:
+        mask_t = jnp.transpose(mask, perm) if moved else mask
+        if len(axes) > 1:  # merged axes: materialise the mask along them only
+            full = tuple(mask_t.shape[: len(kept)]) + tuple(x.shape[a] for a in axes)
+            mask_t = jnp.broadcast_to(mask_t, full)
+        mask_t = mask_t.reshape(mask_t.shape[: len(kept)] + (-1,))
+
+    y = _fused(xt, bias, mask_t, log, 1.0, False, mask is not None, False)
+    y = y.reshape(tuple(x.shape[a] for a in perm))
+    return jnp.transpose(y, np.argsort(perm)) if moved else y
+
+
+def softmax(x, axis: int | Sequence[int] = -1, where=None):
+    """Softmax of ``x`` along ``axis``: a drop-in for :func:`jax.nn.softmax`.
+
+    Args:
+      x: array of float16, bfloat16, float32 or float64. 16-bit inputs accumulate in float32.
+      axis: int or tuple of ints (negative allowed) to normalise over.
+      where: optional boolean array broadcastable to ``x``; excluded positions output 0 and a
+        row with every position excluded outputs zeros (its gradient is zero too).
+
+    Returns an array with ``x``'s shape and dtype. Differentiable (reverse mode, any order);
+    forward-mode ``jax.jvp`` is not supported (custom_vjp).
+    """
+    return _softmax_along(x, axis, where, log=False, fname="softmax")
+
+
+def log_softmax(x, axis: int | Sequence[int] = -1, where=None):
+    """Log-softmax of ``x`` along ``axis``: a drop-in for :func:`jax.nn.log_softmax`.
+
+    Excluded positions (``where`` false) output ``-inf``; a fully excluded row is ``-inf``
+    everywhere, never NaN. Otherwise as :func:`softmax`.
+    """
+    return _softmax_along(x, axis, where, log=True, fname="log_softmax")
+
+
+# --- attention_softmax --------------------------------------------------------------------------
+def _static_scale(scale):
+    """Python/NumPy scalars become a kernel attribute; anything traced returns None."""
+    if isinstance(scale, jax.core.Tracer):
+        return None
+    arr = np.asarray(scale)
+    if arr.ndim != 0 or not np.issubdtype(arr.dtype, np.number) or np.iscomplexobj(arr):
+        raise TypeError(f"attention_softmax: scale must be a real scalar, got {scale!r}")
+    return float(arr)
+
+
+def attention_softmax(scores, *, scale=1.0, bias=None, mask=None, is_causal: bool = False):
+    """Softmax over the last axis of ``scale * scores + bias`` with padding and causal masking.
+
+    Args:
+      scores: (..., Sq, Sk) attention logits (any leading axes), float16/bfloat16/float32/float64.
+      scale: real scalar multiplying ``scores`` inside the kernel (e.g. ``1/sqrt(depth)``). A
+        traced scale is applied with a separate multiply before the kernel.
+      bias: optional float array broadcastable to ``scores`` (e.g. (1, H, Sq, Sk)); cast to
+        ``scores.dtype``. Its size-1 axes are read with stride 0, never materialised.
+      mask: optional boolean array broadcastable to ``scores`` (e.g. (B, 1, 1, Sk)); False
+        excludes a position. Read with stride 0 along its size-1 axes.
+      is_causal: exclude keys after the query: query ``i`` sees keys ``j <= i``, counting both
+        from the start (top-left aligned, as ``jax.nn.dot_product_attention``); when Sq < Sk the
+        last ``Sk - Sq`` keys are seen by no query row past ``i``, when Sq > Sk rows ``i >= Sk``
+        see every key.
+
+    A row with every position excluded gives zeros. Differentiable in ``scores`` and ``bias``
+    (the bias gradient is summed over its broadcast axes); ``mask``, ``scale`` and
+    ``is_causal`` are not differentiated. The backward is one fused kernel.
+    """
+    fname = "attention_softmax"
+    scores = jnp.asarray(scores)
+    _check_dtype(fname, "scores", scores)
+    if scores.ndim < 1 or (is_causal and scores.ndim < 2):
+        raise ValueError(
+            f"{fname}: scores must have shape (..., Sq, Sk) (rank >= 2 with is_causal), got "
+            f"shape {scores.shape}"
+        )
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"{fname}: is_causal must be a Python bool, got {is_causal!r}")
+    static_scale = _static_scale(scale)
+    shape = scores.shape
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise TypeError(f"{fname}: bias must have a floating dtype, got {bias.dtype}")
+        _check_broadcast(fname, "bias", bias, shape)
+        bias = bias.reshape((1,) * (len(shape) - bias.ndim) + bias.shape).astype(scores.dtype)
+    if mask is not None:
+        mask = _as_bool_mask(fname, "mask", mask, shape)
+    if scores.size == 0:
+        return jnp.zeros(shape, scores.dtype)
+    if static_scale is None:
+        scores = (scores * scale).astype(scores.dtype)
+        static_scale = 1.0
+    dummy_bias, dummy_mask = dummy_operands(scores.ndim, scores.dtype)
+    return _fused(
+        scores,
+        dummy_bias if bias is None else bias,
+        dummy_mask if mask is None else mask,
+        False,
+        static_scale,
+        bias is not None,
+        mask is not None,
+        bool(is_causal),
+    )

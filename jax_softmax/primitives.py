@@ -1,0 +1,165 @@
+"""The two JAX primitives behind every public function.
+
+``softmax_fwd_p(x, bias, mask)`` computes softmax or log-softmax of ``scale * x + bias`` over the
+last axis at the valid positions (``mask`` true and, if causal, key <= query);
+``softmax_bwd_p(y, dy, mask)`` computes the matching input cotangent from the saved output.
+
+Both always take three operands so that one FFI target serves every variant: absent bias or
+mask operands are tiny dummies of shape (1,)*rank, and ``has_bias``/``has_mask`` say which are
+real. bias and mask have x's rank with size-1 axes where they broadcast; the kernels read those
+axes with stride 0. The static parameters travel to the kernels as FFI attributes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from jax_softmax import _ffi, _reference
+
+softmax_fwd_p = Primitive("jax_softmax_fwd")
+softmax_bwd_p = Primitive("jax_softmax_bwd")
+
+
+# --- evaluation -------------------------------------------------------------------------------
+def _fwd_impl(*args, **params):
+    return jax.jit(functools.partial(softmax_fwd_p.bind, **params))(*args)
+
+
+def _bwd_impl(*args, **params):
+    return jax.jit(functools.partial(softmax_bwd_p.bind, **params))(*args)
+
+
+softmax_fwd_p.def_impl(_fwd_impl)
+softmax_bwd_p.def_impl(_bwd_impl)
+
+
+def _abstract(x, *_, **__):
+    return jax.core.ShapedArray(x.shape, x.dtype)
+
+
+softmax_fwd_p.def_abstract_eval(_abstract)
+softmax_bwd_p.def_abstract_eval(_abstract)
+
+
+# --- lowering ---------------------------------------------------------------------------------
+def _register_lowerings(prim, target, reference):
+    # Platforms without a kernel (ROCm, TPU, or a build without CUDA) lower the jnp formula.
+    mlir.register_lowering(prim, mlir.lower_fun(reference, multiple_results=False))
+    for platform in ("cpu", "cuda"):
+        if _ffi.has_platform(platform):
+            mlir.register_lowering(prim, jax.ffi.ffi_lowering(target), platform=platform)
+
+
+_register_lowerings(softmax_fwd_p, _ffi.FWD_TARGET, _reference.forward)
+_register_lowerings(softmax_bwd_p, _ffi.BWD_TARGET, _reference.backward)
+
+
+# --- batching: one launch over all batch elements ------------------------------------------------
+def _move_batch_to_front(args, dims, size, full_first: bool):
+    """Batch axis first. The first operand (the full-size one) is broadcast if unbatched;
+    broadcast operands (bias, mask, ...) get a size-1 leading axis, read with stride 0."""
+    out = []
+    for i, (a, d) in enumerate(zip(args, dims)):
+        if d is None:  # unbatched operand
+            if i == 0 and full_first:
+                a = jnp.broadcast_to(a[None], (size, *a.shape))
+            else:
+                a = a[None]
+        else:
+            a = jnp.moveaxis(a, d, 0)
+        out.append(a)
+    return out
+
+
+def _batch_size(args, dims):
+    return next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+
+
+def _fwd_batch(args, dims, **params):
+    x, bias, mask = _move_batch_to_front(args, dims, _batch_size(args, dims), True)
+    return softmax_fwd_p.bind(x, bias, mask, **params), 0
+
+
+def _bwd_batch(args, dims, **params):
+    y, dy, mask = args
+    ydim, dydim, mdim = dims
+    size = _batch_size(args, dims)
+    # y and dy are both full-size: bring both to the front, broadcasting whichever is unbatched.
+    y = _move_batch_to_front([y], [ydim], size, True)[0]
+    dy = _move_batch_to_front([dy], [dydim], size, True)[0]
+    mask = _move_batch_to_front([mask], [mdim], size, False)[0]
+    return softmax_bwd_p.bind(y, dy, mask, **params), 0
+
+
+batching.primitive_batchers[softmax_fwd_p] = _fwd_batch
+batching.primitive_batchers[softmax_bwd_p] = _bwd_batch
+
+
+# --- JVP rules: make second-order reverse mode (grad of grad, hessian) work -----------------------
+# First-order gradients never come here: the public functions are custom_vjp functions whose
+# backward binds softmax_bwd_p directly. These rules are written in jnp so that JAX can transpose
+# the tangent computation.
+def _instantiate(t, like):
+    return jnp.zeros(like.shape, like.dtype) if type(t) is ad.Zero else t
+
+
+def _valid(shape, mask, has_mask, causal):
+    v = _reference.valid_positions(shape, mask, has_mask, causal)
+    return None if v is None else jnp.broadcast_to(v, shape)
+
+
+def _fwd_jvp(primals, tangents, *, log, scale, has_bias, has_mask, causal):
+    x, bias, mask = primals
+    tx, tbias, _ = tangents
+    params = dict(log=log, scale=scale, has_bias=has_bias, has_mask=has_mask, causal=causal)
+    y = softmax_fwd_p.bind(x, bias, mask, **params)
+    acc = _reference.acc_dtype(x.dtype)
+    tz = _instantiate(tx, x).astype(acc) * jnp.asarray(scale, acc)
+    if has_bias and type(tbias) is not ad.Zero:
+        tz = tz + tbias.astype(acc)
+    valid = _valid(x.shape, mask, has_mask, causal)
+    keep = (lambda a: a) if valid is None else (lambda a: jnp.where(valid, a, 0))
+    yv = y.astype(acc)
+    if log:
+        ty = tz - jnp.sum(keep(jnp.exp(yv) * tz), axis=-1, keepdims=True)
+    else:
+        ty = yv * (tz - jnp.sum(keep(yv * tz), axis=-1, keepdims=True))
+    return y, keep(ty).astype(x.dtype)
+
+
+def _bwd_jvp(primals, tangents, *, log, scale, has_mask, causal):
+    y, dy, mask = primals
+    ty, tdy, _ = tangents
+    dx = softmax_bwd_p.bind(y, dy, mask, log=log, scale=scale, has_mask=has_mask, causal=causal)
+    acc = _reference.acc_dtype(y.dtype)
+    yv, g = y.astype(acc), dy.astype(acc)
+    ty, tg = _instantiate(ty, y).astype(acc), _instantiate(tdy, dy).astype(acc)
+    valid = _valid(y.shape, mask, has_mask, causal)
+    keep = (lambda a: a) if valid is None else (lambda a: jnp.where(valid, a, 0))
+    rowsum = functools.partial(jnp.sum, axis=-1, keepdims=True)
+    if log:
+        p = keep(jnp.exp(yv))
+        s, ts = rowsum(keep(g)), rowsum(keep(tg))
+        tdx = tg - p * ty * s - p * ts
+    else:
+        d = rowsum(keep(yv * g))
+        td = rowsum(keep(ty * g + yv * tg))
+        tdx = ty * (g - d) + yv * (tg - td)
+    tdx = keep(tdx) * jnp.asarray(scale, acc)
+    return dx, tdx.astype(y.dtype)
+
+
+ad.primitive_jvps[softmax_fwd_p] = _fwd_jvp
+ad.primitive_jvps[softmax_bwd_p] = _bwd_jvp
+
+
+def dummy_operands(rank: int, dtype):
+    """The stand-ins for an absent bias and mask: one element, broadcast over everything."""
+    shape = (1,) * rank
+    return np.zeros(shape, dtype), np.ones(shape, np.bool_)
