@@ -38,7 +38,7 @@ inline const char* DtypeName(ffi::DataType t) {
     case ffi::DataType::F32: return "float32";
     case ffi::DataType::F64: return "float64";
     case ffi::DataType::PRED: return "bool";
-    default: return "an unsupported dtype";
+    default: return "(not a floating type)";
   }
 }
 
@@ -175,6 +175,10 @@ inline ffi::Error FillRowParams(const ffi::AnyBuffer& in, const ffi::AnyBuffer* 
   p.in = in.untyped_data();
   p.grad_in = grad_in ? grad_in->untyped_data() : nullptr;
   p.out = out.untyped_data();
+  if (x.back() > int64_t{0x7fffffff} - 1024) {
+    return InvalidArgument("rows of " + std::to_string(x.back()) +
+                           " elements are longer than supported (2^31 - 1025)");
+  }
   p.cols = x.back();
   p.rows = p.cols == 0 ? 0 : NumElements(x) / p.cols;
   p.causal_sq = causal ? x[x.size() - 2] : 0;

@@ -53,10 +53,12 @@ __device__ __forceinline__ double exp_acc(double x) { return exp(x); }
 __device__ __forceinline__ float log_acc(float x) { return logf(x); }
 __device__ __forceinline__ double log_acc(double x) { return log(x); }
 
-// max that propagates NaN like XLA's (fmaxf would drop it).
+// Row max. fmax drops NaN, which is fine here: a NaN still reaches the row sum through
+// exp(NaN - max) = NaN, and from there every output, as jax.nn.softmax's NaN rows do. One
+// FMNMX instead of a NaN-propagating compare-and-select per element.
 template <typename A>
-__device__ __forceinline__ A max_nan(A a, A b) {
-  return (a > b || a != a) ? a : b;
+__device__ __forceinline__ A row_max(A a, A b) {
+  return fmax(a, b);
 }
 
 // --- vector memory access ---------------------------------------------------------------------
@@ -85,7 +87,7 @@ __device__ __forceinline__ void store_vec(T* dst, const T (&src)[N]) {
 // --- reduction states -----------------------------------------------------------------------------
 // Running (max, sum of exp(z - max)) of part of a row. Merging rescales each sum to the common
 // max; a part with max == the common max (including both -inf) keeps its sum as is, so an all
-// -inf or fully masked part contributes 0 and a NaN max poisons the result.
+// -inf or fully masked part contributes 0, and a NaN sum stays NaN.
 template <typename A>
 struct MaxSum {
   A m;
@@ -95,7 +97,7 @@ struct MaxSum {
 
 template <typename A>
 __device__ __forceinline__ MaxSum<A> combine(MaxSum<A> a, MaxSum<A> b) {
-  const A m = max_nan(a.m, b.m);
+  const A m = row_max(a.m, b.m);
   const A fa = a.m == m ? A(1) : exp_acc(a.m - m);
   const A fb = b.m == m ? A(1) : exp_acc(b.m - m);
   return {m, a.s * fa + b.s * fb};

@@ -14,13 +14,17 @@
 
 namespace jax_softmax {
 
-// Threads per block: a block tier uses kGroup threads; lane-group tiers pack 128 / kGroup rows
-// into a 4-warp block.
-constexpr int BlockThreads(int group) { return group >= 128 ? group : 128; }
+// Threads per block: a block tier (kGroup > 32) uses kGroup threads, one row per block; lane-group
+// tiers (kGroup <= 32) pack 128 / kGroup rows into a 4-warp block. (A block reduction spans the
+// whole block, so a block tier must never hold two rows.)
+constexpr int BlockThreads(int group) { return group > 32 ? group : 128; }
 
 // --- loading one pack -----------------------------------------------------------------------------
-// Per-row state for reading x (or y and dy) plus the optional bias and mask of a row.
-template <typename T, int kVec, bool kBwd>
+// Per-row state for reading x (or y and dy) plus the optional bias and mask of a row. kPlain: no
+// bias, mask or causal limit, so validity is decided per vector (c < cols), never per element,
+// and the per-element mask/bias code is not compiled in: the forward's per-element work is what
+// limits it once loads are 16 bytes wide (bfloat16 moves twice the elements per byte).
+template <typename T, int kVec, bool kBwd, bool kPlain>
 struct RowLoader {
   using A = acc_t<T>;
   const T* in;
@@ -28,7 +32,7 @@ struct RowLoader {
   const T* bias;
   const uint8_t* mask;
   int64_t bias_cs, mask_cs;  // column strides, 0 or 1
-  int64_t limit;             // last column to read (causal / row end); -1: nothing
+  int limit;                 // last column to read (causal / row end); -1: nothing
   A scale;
 
   __device__ __forceinline__ RowLoader(const RowParams& p, int64_t row, bool row_ok) {
@@ -46,13 +50,14 @@ struct RowLoader {
       mask = static_cast<const uint8_t*>(p.mask.data) + p.mask.row_offset(row);
       mask_cs = p.mask.col_stride;
     }
-    limit = row_ok ? p.causal_limit(row) : -1;
+    // Column indices are 32-bit: the handler rejects rows of 2^31 or more elements.
+    limit = row_ok ? static_cast<int>(p.causal_limit(row)) : -1;
     scale = static_cast<A>(p.scale);
   }
 
   // Loads the pack at column c (a multiple of kVec). Forward: v = scale * x + bias. Backward:
   // v = y, g = dy. ok[e] says whether column c + e takes part in the row.
-  __device__ __forceinline__ void load(int64_t c, A (&v)[kVec], A (&g)[kVec], bool (&ok)[kVec]) const {
+  __device__ __forceinline__ void load(int c, A (&v)[kVec], A (&g)[kVec], bool (&ok)[kVec]) const {
     if (c > limit) {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) ok[e] = false, v[e] = A(0), g[e] = A(0);
@@ -63,7 +68,8 @@ struct RowLoader {
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
       v[e] = to_acc(xs[e]);
-      ok[e] = c + e <= limit;
+      // A vector never straddles the row end (kVec > 1 only when cols % kVec == 0).
+      ok[e] = kPlain ? true : c + e <= limit;
     }
     if constexpr (kBwd) {
       T gs[kVec];
@@ -73,7 +79,7 @@ struct RowLoader {
     } else {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) v[e] *= scale;
-      if (bias) {
+      if (!kPlain && bias) {
         T bs[kVec];
         if (bias_cs) {
           load_vec<kVec>(bias + c, bs);
@@ -85,7 +91,7 @@ struct RowLoader {
         for (int e = 0; e < kVec; ++e) v[e] += to_acc(bs[e]);
       }
     }
-    if (mask) {
+    if (!kPlain && mask) {
       uint8_t ms[kVec];
       if (mask_cs) {
         load_vec<kVec>(mask + c, ms);
@@ -116,7 +122,7 @@ __device__ __forceinline__ MaxSum<A> thread_maxsum(A (&v)[N], const bool (&ok)[N
   A m = neg_inf<A>();
 #pragma unroll
   for (int i = 0; i < N; ++i)
-    if (ok[i]) m = max_nan(m, v[i]);
+    if (ok[i]) m = row_max(m, v[i]);
   const A shift = m == neg_inf<A>() ? A(0) : m;
   A s = A(0);
 #pragma unroll
@@ -176,7 +182,7 @@ __device__ __forceinline__ S row_allreduce(S v, S* block_slots, S* cluster_slot)
   }
 }
 
-template <typename T, int kGroup, int kElems, int kVec, int kCluster, bool kBwd>
+template <typename T, int kGroup, int kElems, int kVec, int kCluster, bool kBwd, bool kPlain>
 __global__ void __launch_bounds__(BlockThreads(kGroup))
     softmax_rows_kernel(const RowParams p) {
   using A = acc_t<T>;
@@ -193,7 +199,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup))
 
   const int lane = threadIdx.x % kGroup;
   const int group = threadIdx.x / kGroup;
-  const int64_t first_col = int64_t(kCluster > 1 ? cluster_rank() : 0) * kChunk + lane * kVec;
+  const int first_col = static_cast<int>((kCluster > 1 ? cluster_rank() : 0) * kChunk) + lane * kVec;
   const int64_t num_ctas = gridDim.x / kCluster;
   const bool log = p.log;
   const A scale = static_cast<A>(p.scale);
@@ -206,13 +212,13 @@ __global__ void __launch_bounds__(BlockThreads(kGroup))
        row0 += num_ctas * kRowsPerBlock, parity ^= 1) {
     const int64_t row = row0 + group;
     const bool row_ok = row < p.rows;
-    const RowLoader<T, kVec, kBwd> loader(p, row, row_ok);
+    const RowLoader<T, kVec, kBwd, kPlain> loader(p, row, row_ok);
 
     A v[kPacks][kVec];
     A g[kPacks][kVec];
     bool ok[kPacks][kVec];
 #pragma unroll
-    for (int k = 0; k < kPacks; ++k) loader.load(first_col + int64_t(k) * kGroup * kVec, v[k], g[k], ok[k]);
+    for (int k = 0; k < kPacks; ++k) loader.load(first_col + k * kGroup * kVec, v[k], g[k], ok[k]);
 
     A out[kPacks][kVec];
     if constexpr (!kBwd) {
@@ -245,7 +251,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup))
       T* dst = out_base + row * p.cols;
 #pragma unroll
       for (int k = 0; k < kPacks; ++k) {
-        const int64_t c = first_col + int64_t(k) * kGroup * kVec;
+        const int c = first_col + k * kGroup * kVec;
         if (c < p.cols) {  // columns past the causal limit are written too (0 or -inf)
           T ys[kVec];
 #pragma unroll
@@ -263,25 +269,25 @@ __global__ void __launch_bounds__(BlockThreads(kGroup))
 // For rows longer than the register tiers hold (or GPUs without clusters). Pass 1 reduces the row
 // (online max/sum, or the backward's dot product) tile by tile; pass 2 reads it again and writes.
 // A row's second read usually hits L2, which holds the rows of all resident blocks.
-template <typename T, int kBlock, int kVec, int kUnroll, bool kBwd>
+template <typename T, int kBlock, int kVec, int kUnroll, bool kBwd, bool kPlain>
 __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowParams p) {
   using A = acc_t<T>;
   using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;
-  constexpr int64_t kTile = int64_t(kBlock) * kVec * kUnroll;
+  constexpr int kTile = kBlock * kVec * kUnroll;
   __shared__ S block_slots[2][32];
   const bool log = p.log;
   const A scale = static_cast<A>(p.scale);
   int parity = 0;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x, parity ^= 1) {
-    const RowLoader<T, kVec, kBwd> loader(p, row, true);
-    const int64_t end = loader.limit + 1;  // columns past it are not read
+    const RowLoader<T, kVec, kBwd, kPlain> loader(p, row, true);
+    const int end = loader.limit + 1;  // columns past it are not read
     S mine = S::identity();
-    for (int64_t t0 = 0; t0 < end; t0 += kTile) {
+    for (int t0 = 0; t0 < end; t0 += kTile) {
       A v[kUnroll][kVec], g[kUnroll][kVec];
       bool ok[kUnroll][kVec];
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k)
-        loader.load(t0 + (int64_t(k) * kBlock + threadIdx.x) * kVec, v[k], g[k], ok[k]);
+        loader.load(t0 + (k * kBlock + int(threadIdx.x)) * kVec, v[k], g[k], ok[k]);
       if constexpr (!kBwd) {
         // log=true keeps v: the sums are all this pass needs.
         mine = combine(mine, thread_maxsum(reinterpret_cast<A(&)[kUnroll * kVec]>(v),
@@ -304,15 +310,15 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
       st.log_sum = log ? log_acc(total.s) : A(0);
       st.factor = log ? A(0) : A(1) / total.s;
     }
-    for (int64_t t0 = 0; t0 < p.cols; t0 += kTile) {
+    for (int t0 = 0; t0 < p.cols; t0 += kTile) {
       A v[kUnroll][kVec], g[kUnroll][kVec];
       bool ok[kUnroll][kVec];
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k)
-        loader.load(t0 + (int64_t(k) * kBlock + threadIdx.x) * kVec, v[k], g[k], ok[k]);
+        loader.load(t0 + (k * kBlock + int(threadIdx.x)) * kVec, v[k], g[k], ok[k]);
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
-        const int64_t c = t0 + (int64_t(k) * kBlock + threadIdx.x) * kVec;
+        const int c = t0 + (k * kBlock + int(threadIdx.x)) * kVec;
         if (c >= p.cols) continue;
         T ys[kVec];
 #pragma unroll

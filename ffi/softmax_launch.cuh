@@ -133,11 +133,11 @@ struct LaunchCtx {
   DeviceInfo dev;
 };
 
-template <typename T, int kGroup, int kElems, int kVec, bool kBwd>
+template <typename T, int kGroup, int kElems, int kVec, bool kBwd, bool kPlain>
 ffi::Error LaunchRows(const LaunchCtx& c) {
   constexpr int kBlock = BlockThreads(kGroup);
   constexpr int kRowsPerBlock = kBlock / kGroup;
-  constexpr auto kernel = softmax_rows_kernel<T, kGroup, kElems, kVec, 1, kBwd>;
+  constexpr auto kernel = softmax_rows_kernel<T, kGroup, kElems, kVec, 1, kBwd, kPlain>;
   auto per_sm = BlocksPerSm<kernel, kBlock>(c.device);
   if (per_sm.has_error()) return per_sm.error();
   const int64_t needed = (c.p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
@@ -147,10 +147,25 @@ ffi::Error LaunchRows(const LaunchCtx& c) {
   return CheckLaunch("softmax row kernel");
 }
 
-template <typename T, int kElems, int kVec, int kCluster, bool kBwd>
-ffi::Error LaunchCluster(const LaunchCtx& c, int active) {
+template <typename T, int kVec, bool kBwd, bool kPlain>
+ffi::Error LaunchTwoPass(const LaunchCtx& c) {
+  constexpr int kBlock = 512;
+  constexpr int kUnroll = (kVec == 1 ? 8 : 4);
+  constexpr auto kernel = softmax_rows_twopass_kernel<T, kBlock, kVec, kUnroll, kBwd, kPlain>;
+  auto per_sm = BlocksPerSm<kernel, kBlock>(c.device);
+  if (per_sm.has_error()) return per_sm.error();
+  const int64_t wave = int64_t(*per_sm) * c.dev.sm_count;
+  const int grid = static_cast<int>(c.p.rows < wave ? c.p.rows : wave);
+  kernel<<<grid, kBlock, 0, c.stream>>>(c.p);
+  return CheckLaunch("softmax two-pass kernel");
+}
+
+template <typename T, int kElems, int kVec, int kCluster, bool kBwd, bool kPlain>
+ffi::Error LaunchCluster(const LaunchCtx& c) {
   constexpr int kBlock = 1024;
-  constexpr auto kernel = softmax_rows_kernel<T, kBlock, kElems, kVec, kCluster, kBwd>;
+  constexpr auto kernel = softmax_rows_kernel<T, kBlock, kElems, kVec, kCluster, kBwd, kPlain>;
+  const int active = ActiveClusters<kernel, kBlock, kCluster>(c.device);
+  if (active == 0) return LaunchTwoPass<T, kVec, kBwd, kPlain>(c);
   const int64_t clusters = c.p.rows < active ? c.p.rows : active;
   cudaLaunchConfig_t config = {};
   cudaLaunchAttribute attr[1];
@@ -169,61 +184,47 @@ ffi::Error LaunchCluster(const LaunchCtx& c, int active) {
   return CheckLaunch("softmax cluster kernel");
 }
 
-template <typename T, int kVec, bool kBwd>
-ffi::Error LaunchTwoPass(const LaunchCtx& c) {
-  constexpr int kBlock = 512;
-  constexpr int kUnroll = (kVec == 1 ? 8 : 4);
-  constexpr auto kernel = softmax_rows_twopass_kernel<T, kBlock, kVec, kUnroll, kBwd>;
-  auto per_sm = BlocksPerSm<kernel, kBlock>(c.device);
-  if (per_sm.has_error()) return per_sm.error();
-  const int64_t wave = int64_t(*per_sm) * c.dev.sm_count;
-  const int grid = static_cast<int>(c.p.rows < wave ? c.p.rows : wave);
-  kernel<<<grid, kBlock, 0, c.stream>>>(c.p);
-  return CheckLaunch("softmax two-pass kernel");
-}
-
 // Picks the tier for one vector width. kE: elements per thread in registers.
-template <typename T, int kVec, bool kBwd>
+template <typename T, int kVec, bool kBwd, bool kPlain>
 ffi::Error LaunchWithVec(const LaunchCtx& c) {
   constexpr int kE = (kBwd ? 16 : 32) / (kVec == 1 ? 2 : 1) / (sizeof(acc_t<T>) / 4);
   const int64_t n = c.p.cols;
+#define JS_ROWS(G, E) return LaunchRows<T, G, E, kVec, kBwd, kPlain>(c)
   // Lane groups: one vector per lane.
-  if (n <= 1 * kVec) return LaunchRows<T, 1, kVec, kVec, kBwd>(c);
-  if (n <= 2 * kVec) return LaunchRows<T, 2, kVec, kVec, kBwd>(c);
-  if (n <= 4 * kVec) return LaunchRows<T, 4, kVec, kVec, kBwd>(c);
-  if (n <= 8 * kVec) return LaunchRows<T, 8, kVec, kVec, kBwd>(c);
-  if (n <= 16 * kVec) return LaunchRows<T, 16, kVec, kVec, kBwd>(c);
-  if (n <= 32 * kVec) return LaunchRows<T, 32, kVec, kVec, kBwd>(c);
+  if (n <= 1 * kVec) JS_ROWS(1, kVec);
+  if (n <= 2 * kVec) JS_ROWS(2, kVec);
+  if (n <= 4 * kVec) JS_ROWS(4, kVec);
+  if (n <= 8 * kVec) JS_ROWS(8, kVec);
+  if (n <= 16 * kVec) JS_ROWS(16, kVec);
+  if (n <= 32 * kVec) JS_ROWS(32, kVec);
   // One warp per row.
-  if constexpr (2 * kVec <= kE) if (n <= 32 * 2 * kVec) return LaunchRows<T, 32, 2 * kVec, kVec, kBwd>(c);
-  if constexpr (4 * kVec <= kE) if (n <= 32 * 4 * kVec) return LaunchRows<T, 32, 4 * kVec, kVec, kBwd>(c);
-  if constexpr (8 * kVec <= kE) if (n <= 32 * 8 * kVec) return LaunchRows<T, 32, 8 * kVec, kVec, kBwd>(c);
-  if constexpr (16 * kVec <= kE) if (n <= 32 * 16 * kVec) return LaunchRows<T, 32, 16 * kVec, kVec, kBwd>(c);
-  if constexpr (32 * kVec <= kE) if (n <= 32 * 32 * kVec) return LaunchRows<T, 32, 32 * kVec, kVec, kBwd>(c);
+  if constexpr (2 * kVec <= kE) if (n <= 32 * 2 * kVec) JS_ROWS(32, 2 * kVec);
+  if constexpr (4 * kVec <= kE) if (n <= 32 * 4 * kVec) JS_ROWS(32, 4 * kVec);
+  if constexpr (8 * kVec <= kE) if (n <= 32 * 8 * kVec) JS_ROWS(32, 8 * kVec);
+  if constexpr (16 * kVec <= kE) if (n <= 32 * 16 * kVec) JS_ROWS(32, 16 * kVec);
+  if constexpr (32 * kVec <= kE) if (n <= 32 * 32 * kVec) JS_ROWS(32, 32 * kVec);
   // One block per row.
-  if (n <= 64 * kE) return LaunchRows<T, 64, kE, kVec, kBwd>(c);
-  if (n <= 128 * kE) return LaunchRows<T, 128, kE, kVec, kBwd>(c);
-  if (n <= 256 * kE) return LaunchRows<T, 256, kE, kVec, kBwd>(c);
-  if (n <= 512 * kE) return LaunchRows<T, 512, kE, kVec, kBwd>(c);
-  if (n <= 1024 * kE) return LaunchRows<T, 1024, kE, kVec, kBwd>(c);
-  // A cluster of blocks per row (Hopper and newer).
+  if (n <= 64 * kE) JS_ROWS(64, kE);
+  if (n <= 128 * kE) JS_ROWS(128, kE);
+  if (n <= 256 * kE) JS_ROWS(256, kE);
+  if (n <= 512 * kE) JS_ROWS(512, kE);
+  if (n <= 1024 * kE) JS_ROWS(1024, kE);
+#undef JS_ROWS
+  // A cluster of 1024-thread blocks per row (Hopper and newer); the two-pass kernel past it, or
+  // where the GPU cannot schedule the cluster size.
   if (c.dev.cc_major >= 9) {
-    constexpr int kB = 1024;
-    if (n <= 2 * kB * kE) {
-      if (int a = ActiveClusters<softmax_rows_kernel<T, kB, kE, kVec, 2, kBwd>, kB, 2>(c.device))
-        return LaunchCluster<T, kE, kVec, 2, kBwd>(c, a);
-    } else if (n <= 4 * kB * kE) {
-      if (int a = ActiveClusters<softmax_rows_kernel<T, kB, kE, kVec, 4, kBwd>, kB, 4>(c.device))
-        return LaunchCluster<T, kE, kVec, 4, kBwd>(c, a);
-    } else if (n <= 8 * kB * kE) {
-      if (int a = ActiveClusters<softmax_rows_kernel<T, kB, kE, kVec, 8, kBwd>, kB, 8>(c.device))
-        return LaunchCluster<T, kE, kVec, 8, kBwd>(c, a);
-    } else if (n <= 16 * kB * kE) {
-      if (int a = ActiveClusters<softmax_rows_kernel<T, kB, kE, kVec, 16, kBwd>, kB, 16>(c.device))
-        return LaunchCluster<T, kE, kVec, 16, kBwd>(c, a);
-    }
+    if (n <= 2 * 1024 * kE) return LaunchCluster<T, kE, kVec, 2, kBwd, kPlain>(c);
+    if (n <= 4 * 1024 * kE) return LaunchCluster<T, kE, kVec, 4, kBwd, kPlain>(c);
+    if (n <= 8 * 1024 * kE) return LaunchCluster<T, kE, kVec, 8, kBwd, kPlain>(c);
+    if (n <= 16 * 1024 * kE) return LaunchCluster<T, kE, kVec, 16, kBwd, kPlain>(c);
   }
-  return LaunchTwoPass<T, kVec, kBwd>(c);
+  return LaunchTwoPass<T, kVec, kBwd, kPlain>(c);
+}
+
+template <typename T, bool kBwd, bool kPlain>
+ffi::Error LaunchPlainOrNot(const LaunchCtx& c, bool aligned) {
+  constexpr int kVec = 16 / sizeof(T);
+  return aligned ? LaunchWithVec<T, kVec, kBwd, kPlain>(c) : LaunchWithVec<T, 1, kBwd, kPlain>(c);
 }
 
 inline bool Aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
@@ -244,7 +245,10 @@ ffi::Error LaunchSoftmax(const RowParams& p, cudaStream_t stream) {
                        (!p.grad_in || Aligned16(p.grad_in)) &&
                        (!p.bias.data || Aligned16(p.bias.data)) &&
                        (!p.mask.data || Aligned16(p.mask.data));
-  return aligned ? LaunchWithVec<T, kVec, kBwd>(ctx) : LaunchWithVec<T, 1, kBwd>(ctx);
+  // Plain: no bias, mask or causal limit (the bias is a forward-only operand).
+  const bool plain = (kBwd || !p.bias.data) && !p.mask.data && p.causal_sq == 0;
+  return plain ? LaunchPlainOrNot<T, kBwd, true>(ctx, aligned)
+               : LaunchPlainOrNot<T, kBwd, false>(ctx, aligned);
 }
 
 #define JAX_SOFTMAX_INSTANTIATE(TAG)                                                   \

@@ -1,0 +1,710 @@
+// CPU kernels: softmax / log_softmax forward and backward over the rows of a (rows, cols) view,
+// with optional broadcast bias, boolean mask and causal mask (see row_params.h).
+//
+// Per row the forward pass reads the input once to get the max and the sum of exponentials
+// (online: a running max, rescaling the running sum when it grows) and once more to write the
+// output. Both sweeps go through a small L1-resident float/double buffer in chunks of kChunk
+// columns: 16-bit inputs are converted there first, so every inner loop is a plain elementwise
+// loop over Acc that GCC/Clang auto-vectorise. Rows that fit in one chunk keep the buffer from
+// the first sweep, so the input is read from memory once and exp() runs once per element.
+//
+// Nothing here uses -ffast-math tricks: NaN and inf follow jax.nn.softmax exactly (the exp()
+// below is branch-free but exact on its special values), because the reference semantics for
+// +inf, all -inf and fully masked rows are part of the contract.
+
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC only if-converts (and so vectorises) the selects in Exp() and the 16-bit conversions when
+// it may assume float ops do not trap; otherwise its jump threading splits them into branches
+// it then cannot merge back. This changes no values, NaN and inf included, unlike -ffast-math:
+// it only gives up exact floating-point exception flags, which nothing here reads. Clang
+// vectorises these loops as they are.
+#pragma GCC optimize("no-trapping-math")
+#endif
+
+#include "softmax_cpu.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+
+#include "common.h"
+#include "row_params.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__GNUC__) || defined(__clang__)
+// Everything the row kernels call is force-inlined so that it is compiled with the ISA of the
+// entry point it ends up in (see the AVX2 variants at the bottom).
+#define JS_INLINE inline __attribute__((always_inline))
+#else
+#define JS_INLINE inline
+#endif
+
+// The wheel is built for baseline x86-64 (SSE2), where the kernels would run at a quarter of the
+// vector width XLA's JIT uses on the same machine. An AVX2+FMA copy is selected at run time.
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define JS_X86_DISPATCH 1
+#define JS_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#endif
+
+namespace jax_softmax {
+namespace {
+
+// Independent accumulators of a float sum: two AVX2 registers of floats. Fixing the summation
+// order in the source is what lets the compiler vectorise it without reassociating adds.
+constexpr int kLanes = 16;
+// Columns per sweep of the row buffer (a multiple of kLanes). 2048 floats/doubles keep the two
+// row buffers within L1/L2 and cover the usual attention lengths in one chunk.
+constexpr int64_t kChunk = 2048;
+// Below this many elements the pool's scheduling costs more than it saves.
+constexpr int64_t kParallelMinElements = 64 * 1024;
+// Smallest amount of work handed to one task.
+constexpr int64_t kMinBlockElements = 16 * 1024;
+
+JS_INLINE int64_t RoundUpLanes(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
+// ------------------------------------------------------------------------------------------
+// Bit casts and 16-bit float conversions. All branch-free (selects only) so that they vectorise
+// inside the conversion loops; all round to nearest even and keep NaN, inf and subnormals.
+// Comparisons are done on int32 because AVX2 has no unsigned vector compare.
+
+JS_INLINE uint32_t BitsOf(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+JS_INLINE uint64_t BitsOf(double d) {
+  uint64_t u;
+  std::memcpy(&u, &d, sizeof u);
+  return u;
+}
+JS_INLINE float FloatFromBits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+JS_INLINE double DoubleFromBits(uint64_t u) {
+  double d;
+  std::memcpy(&d, &u, sizeof d);
+  return d;
+}
+
+JS_INLINE float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const int32_t em = h & 0x7fff;  // exponent and mantissa
+  // Normal numbers: widen the mantissa (10 -> 23 bits) and rebias the exponent (15 -> 127).
+  int32_t bits = (em << 13) + ((127 - 15) << 23);
+  // inf/NaN: exponent 31 must become 255, not 143; the payload (quiet bit included) is kept.
+  bits = em >= 0x7c00 ? bits + ((128 - 16) << 23) : bits;
+  // Zero and subnormals: the value is mantissa * 2^-24, which float holds exactly.
+  const float sub = static_cast<float>(em) * 0x1p-24f;
+  bits = em < 0x0400 ? static_cast<int32_t>(BitsOf(sub)) : bits;
+  return FloatFromBits(static_cast<uint32_t>(bits) | sign);
+}
+
+JS_INLINE uint16_t FloatToHalf(float f) {
+  const uint32_t u_signed = BitsOf(f);
+  const uint32_t sign = (u_signed >> 16) & 0x8000u;
+  const int32_t u = static_cast<int32_t>(u_signed & 0x7fffffffu);
+  // Normal range: rebias, then round to nearest even on the 13 dropped bits. A carry out of the
+  // mantissa bumps the exponent, which is also how 65520 and up become inf.
+  const int32_t normal = (u - ((127 - 15) << 23) + 0xfff + ((u >> 13) & 1)) >> 13;
+  // Below 2^-14 the result is subnormal: adding 0.5f lines the half's subnormal grid up with the
+  // float's last mantissa bit, so the FPU's own round-to-nearest-even does the rounding.
+  const int32_t sub =
+      static_cast<int32_t>(BitsOf(FloatFromBits(static_cast<uint32_t>(u)) + 0.5f)) -
+      static_cast<int32_t>(BitsOf(0.5f));
+  int32_t h = u < (113 << 23) ? sub : normal;
+  h = u >= (143 << 23) ? 0x7c00 : h;  // >= 65536: inf
+  h = u > 0x7f800000 ? 0x7e00 : h;    // NaN: quiet NaN
+  return static_cast<uint16_t>(static_cast<uint32_t>(h) | sign);
+}
+
+JS_INLINE float BFloat16ToFloat(uint16_t b) { return FloatFromBits(static_cast<uint32_t>(b) << 16); }
+
+JS_INLINE uint16_t FloatToBFloat16(float f) {
+  const uint32_t u = BitsOf(f);
+  // Round to nearest even on the low 16 bits; overflow carries into inf as it should.
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  // NaN must not round (it could carry into inf): truncate and set the quiet bit instead.
+  const uint32_t nan = (u >> 16) | 0x40u;
+  return static_cast<uint16_t>(static_cast<int32_t>(u & 0x7fffffffu) > 0x7f800000 ? nan
+                                                                                    : rounded);
+}
+
+// Storage type, accumulator type and conversions of each dtype DispatchFloat can hand us.
+template <typename Tag>
+struct Dtype;
+template <>
+struct Dtype<float> {
+  using Storage = float;
+  using Acc = float;
+  static JS_INLINE Acc Load(Storage v) { return v; }
+  static JS_INLINE Storage Store(Acc v) { return v; }
+};
+template <>
+struct Dtype<double> {
+  using Storage = double;
+  using Acc = double;
+  static JS_INLINE Acc Load(Storage v) { return v; }
+  static JS_INLINE Storage Store(Acc v) { return v; }
+};
+template <>
+struct Dtype<Float16Tag> {
+  using Storage = uint16_t;
+  using Acc = float;
+  static JS_INLINE Acc Load(Storage v) { return HalfToFloat(v); }
+  static JS_INLINE Storage Store(Acc v) { return FloatToHalf(v); }
+};
+template <>
+struct Dtype<BFloat16Tag> {
+  using Storage = uint16_t;
+  using Acc = float;
+  static JS_INLINE Acc Load(Storage v) { return BFloat16ToFloat(v); }
+  static JS_INLINE Storage Store(Acc v) { return FloatToBFloat16(v); }
+};
+
+// ------------------------------------------------------------------------------------------
+// exp() that vectorises: std::exp is an opaque libm call without -ffast-math. Cody-Waite range
+// reduction x = n ln2 + r, |r| <= ln2/2, a polynomial for e^r, and 2^n built from bits. 2^n is
+// applied as two factors so that results down to the smallest subnormal come out right.
+//
+// The range is handled by clamping x to [kLo, kHi], bounds just past where exp() rounds to 0
+// and overflows to inf, so exp(-inf) = 0 and exp(+inf) = inf fall out of the arithmetic; NaN
+// fails both comparisons and stays NaN through the polynomial. Selecting 0/inf on the result
+// instead lets GCC sink the polynomial into a branch, and under -ftrapping-math (the default)
+// it then refuses to if-convert it back and the loop is not vectorised.
+
+JS_INLINE float Exp(float x) {
+  constexpr float kHi = 89.0f;     // exp(89) > FLT_MAX: the result overflows to inf
+  constexpr float kLo = -104.0f;   // exp(-104) < 2^-150: the result rounds to 0
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  float xc = x > kHi ? kHi : x;
+  xc = xc < kLo ? kLo : xc;
+  const float t = xc * 1.44269504088896341f + kRound;
+  const float n = t - kRound;  // in [-150, 128]
+  const int32_t ni = static_cast<int32_t>(BitsOf(t) - BitsOf(kRound));  // n as an integer
+  float r = xc - n * 0.693359375f;  // ln2 split in a short high part and a correction
+  r = r - n * -2.12194440e-4f;
+  // Minimax polynomial for e^r (Cephes expf), ~1 ulp.
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float e = p * r * r + r + 1.0f;
+  // Halves in [-75, 64]: each factor is a normal float, the product rounds once.
+  const int32_t n1 = ni >> 1;
+  const int32_t n2 = ni - n1;
+  e = e * FloatFromBits(static_cast<uint32_t>(n1 + 127) << 23);
+  e = e * FloatFromBits(static_cast<uint32_t>(n2 + 127) << 23);
+  return e;
+}
+
+JS_INLINE double Exp(double x) {
+  constexpr double kHi = 710.0;   // exp(710) > DBL_MAX
+  constexpr double kLo = -746.0;  // exp(-746) < 2^-1075
+  constexpr double kRound = 6755399441055744.0;  // 1.5 * 2^52
+  double xc = x > kHi ? kHi : x;
+  xc = xc < kLo ? kLo : xc;
+  const double n = (xc * 1.4426950408889634074 + kRound) - kRound;  // in [-1076, 1024]
+  double r = xc - n * 6.93145751953125e-1;
+  r = r - n * 1.42860682030941723212e-6;
+  // Taylor series to degree 13: the truncation error on |r| <= ln2/2 is below 2^-57.
+  double p = 1.0 / 6227020800.0;
+  p = p * r + 1.0 / 479001600.0;
+  p = p * r + 1.0 / 39916800.0;
+  p = p * r + 1.0 / 3628800.0;
+  p = p * r + 1.0 / 362880.0;
+  p = p * r + 1.0 / 40320.0;
+  p = p * r + 1.0 / 5040.0;
+  p = p * r + 1.0 / 720.0;
+  p = p * r + 1.0 / 120.0;
+  p = p * r + 1.0 / 24.0;
+  p = p * r + 1.0 / 6.0;
+  p = p * r + 0.5;
+  double e = p * r * r + r + 1.0;
+  // Split n in halves in double arithmetic (AVX2 has no 64-bit arithmetic shift); each half goes
+  // back through kRound so that its integer sits in the low mantissa bits.
+  const double n1 = (n * 0.5 + kRound) - kRound;
+  const double n2 = n - n1;
+  const uint64_t round_bits = BitsOf(kRound);
+  e = e * DoubleFromBits((BitsOf(n1 + kRound) - round_bits + 1023) << 52);
+  e = e * DoubleFromBits((BitsOf(n2 + kRound) - round_bits + 1023) << 52);
+  return e;
+}
+
+// ------------------------------------------------------------------------------------------
+// Elementwise building blocks over the row buffer. `n` is a multiple of kLanes.
+
+// Max over z, NaN-propagating: NaN if any z is NaN. Done on integers because a float max
+// reduction only vectorises with -ffinite-math-only: the float bits are mapped to integers of the
+// same order (negative floats get their magnitude bits flipped) and the maximum mapped back. A
+// second max over the magnitude bits finds NaNs of either sign (they exceed inf's bits). Both
+// must stay plain max reductions for the vectoriser to recognise them.
+template <typename A>
+struct OrderedInt;
+template <>
+struct OrderedInt<float> {
+  using type = int32_t;
+  static constexpr int32_t kInfBits = 0x7f800000;
+};
+template <>
+struct OrderedInt<double> {
+  using type = int64_t;
+  static constexpr int64_t kInfBits = 0x7ff0000000000000;
+};
+
+template <typename A>
+JS_INLINE A MaxOf(const A* z, int64_t n) {
+  using I = typename OrderedInt<A>::type;
+  constexpr int kSignShift = 8 * sizeof(I) - 1;
+  constexpr I kMagnitude = std::numeric_limits<I>::max();  // all bits but the sign
+  I max_key = std::numeric_limits<I>::min();
+  I max_magnitude = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const I b = static_cast<I>(BitsOf(z[i]));
+    const I key = b ^ ((b >> kSignShift) & kMagnitude);
+    max_key = key > max_key ? key : max_key;
+    const I magnitude = b & kMagnitude;
+    max_magnitude = magnitude > max_magnitude ? magnitude : max_magnitude;
+  }
+  if (max_magnitude > OrderedInt<A>::kInfBits) return std::numeric_limits<A>::quiet_NaN();
+  const I b = max_key ^ ((max_key >> kSignShift) & kMagnitude);
+  A m;
+  std::memcpy(&m, &b, sizeof m);
+  return m;
+}
+
+template <typename A>
+JS_INLINE A LaneSum(A (&acc)[kLanes]) {
+  for (int w = kLanes / 2; w > 0; w /= 2) {
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  }
+  return acc[0];
+}
+
+// Sum with kLanes independent accumulators: the order the vectoriser needs, fixed in the source
+// since it may not reassociate float adds itself.
+template <typename A>
+JS_INLINE A Sum(const A* v, int64_t n) {
+  A acc[kLanes] = {};
+  for (int64_t i = 0; i < n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += v[i + l];
+  }
+  return LaneSum(acc);
+}
+
+// e = exp(z - m); returns sum(e). Two loops: the flat exp() loop is the form every vectoriser
+// handles; fusing the sum into it measured no faster.
+template <typename A>
+JS_INLINE A ExpSum(const A* z, A m, int64_t n, A* e) {
+  for (int64_t i = 0; i < n; ++i) e[i] = Exp(z[i] - m);
+  return Sum(e, n);
+}
+
+template <typename Tag>
+JS_INLINE void LoadRow(const typename Dtype<Tag>::Storage* src, int64_t n,
+                       typename Dtype<Tag>::Acc* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = Dtype<Tag>::Load(src[i]);
+}
+
+// Where a row's optional operands live. bias/mask are nullptr when absent; a mask that is one
+// value per row has already been resolved by the caller (a false one skips the row).
+template <typename S>
+struct RowInputs {
+  const S* bias = nullptr;
+  bool bias_per_col = false;  // else one bias value for the whole row
+  const uint8_t* mask = nullptr;
+};
+
+// z[0, n) = scale * x + bias, -inf where masked; z[n, RoundUpLanes(n)) = -inf, which is neutral
+// for both the max and the exp-sum.
+template <typename Tag>
+JS_INLINE void LoadLogits(const typename Dtype<Tag>::Storage* x,
+                          const RowInputs<typename Dtype<Tag>::Storage>& in, int64_t c0,
+                          int64_t n, typename Dtype<Tag>::Acc scale, typename Dtype<Tag>::Acc* z) {
+  using D = Dtype<Tag>;
+  using A = typename D::Acc;
+  constexpr A kNegInf = -std::numeric_limits<A>::infinity();
+  x += c0;
+  if (in.bias && in.bias_per_col) {
+    const auto* b = in.bias + c0;
+    for (int64_t i = 0; i < n; ++i) z[i] = scale * D::Load(x[i]) + D::Load(b[i]);
+  } else if (in.bias) {
+    const A b = D::Load(in.bias[0]);
+    for (int64_t i = 0; i < n; ++i) z[i] = scale * D::Load(x[i]) + b;
+  } else {
+    for (int64_t i = 0; i < n; ++i) z[i] = scale * D::Load(x[i]);
+  }
+  if (in.mask) {
+    const uint8_t* m = in.mask + c0;
+    for (int64_t i = 0; i < n; ++i) z[i] = m[i] ? z[i] : kNegInf;
+  }
+  for (int64_t i = n; i < RoundUpLanes(n); ++i) z[i] = kNegInf;
+}
+
+// Resolves bias/mask pointers for `row`. Returns false when a per-row mask excludes it all.
+template <typename S>
+JS_INLINE bool ResolveRow(const RowParams& p, int64_t row, RowInputs<S>& in) {
+  if (p.bias.data) {
+    in.bias = static_cast<const S*>(p.bias.data) + p.bias.row_offset(row);
+    in.bias_per_col = p.bias.col_stride != 0;
+  }
+  if (p.mask.data) {
+    const uint8_t* m = static_cast<const uint8_t*>(p.mask.data) + p.mask.row_offset(row);
+    if (p.mask.col_stride == 0) {
+      if (!*m) return false;
+      // true for every column: same as no mask
+    } else {
+      in.mask = m;
+    }
+  }
+  return true;
+}
+
+// ------------------------------------------------------------------------------------------
+// Forward
+
+template <typename Tag>
+JS_INLINE void ForwardRows(const RowParams& p, int64_t r0, int64_t r1) {
+  using D = Dtype<Tag>;
+  using S = typename D::Storage;
+  using A = typename D::Acc;
+  constexpr A kInf = std::numeric_limits<A>::infinity();
+  alignas(64) A z[kChunk];  // logits of the current chunk
+  alignas(64) A e[kChunk];  // exp(z - max) of the current chunk
+
+  const A scale = static_cast<A>(p.scale);
+  const S fill = D::Store(p.log ? -kInf : A(0));  // value at excluded positions
+  const S nan = D::Store(std::numeric_limits<A>::quiet_NaN());
+  const int64_t cols = p.cols;
+
+  for (int64_t row = r0; row < r1; ++row) {
+    const S* x = static_cast<const S*>(p.in) + row * cols;
+    S* y = static_cast<S*>(p.out) + row * cols;
+    RowInputs<S> in;
+    if (!ResolveRow(p, row, in)) {
+      for (int64_t j = 0; j < cols; ++j) y[j] = fill;
+      continue;
+    }
+    // Columns past the causal limit are excluded outright; only [0, n) is computed.
+    const int64_t n = p.causal_limit(row) + 1;
+    for (int64_t j = n; j < cols; ++j) y[j] = fill;
+    const bool one_chunk = n <= kChunk;
+
+    // Sweep 1: online max and sum of exp. A NaN or +inf among the valid logits decides the row
+    // at once: jax.nn.softmax gives NaN at every valid position then (NaN max, or inf - inf).
+    A m = -kInf;
+    A s = 0;
+    bool all_nan = false;
+    for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+      const int64_t len = std::min(kChunk, n - c0);
+      const int64_t padded = RoundUpLanes(len);
+      LoadLogits<Tag>(x, in, c0, len, scale, z);
+      const A cm = MaxOf(z, padded);
+      if (!(cm < kInf)) {
+        all_nan = true;
+        break;
+      }
+      if (cm == -kInf) continue;  // nothing valid and finite here: exp(-inf - -inf) is NaN
+      if (cm <= m) {
+        s += ExpSum(z, m, padded, e);
+      } else {
+        // New running max: rescale what was summed so far (s = 0 while m is still -inf).
+        s = s * std::exp(m - cm) + ExpSum(z, cm, padded, e);
+        m = cm;
+      }
+    }
+
+    // m = -inf: every valid logit is -inf, or none is valid. jax.nn.softmax gives NaN at valid
+    // positions (-inf - -inf) and the fill value elsewhere, as for a NaN or +inf logit.
+    if (all_nan || m == -kInf) {
+      for (int64_t j = 0; j < n; ++j) y[j] = (!in.mask || in.mask[j]) ? nan : fill;
+      continue;
+    }
+
+    // Sweep 2: write. Masked logits are -inf, so they come out as exp(-inf) = 0 and -inf
+    // without a select (m is finite here).
+    if (p.log) {
+      const A log_s = std::log(s);
+      for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+        const int64_t len = std::min(kChunk, n - c0);
+        if (!one_chunk) LoadLogits<Tag>(x, in, c0, len, scale, z);
+        S* out = y + c0;
+        for (int64_t i = 0; i < len; ++i) out[i] = D::Store((z[i] - m) - log_s);
+      }
+    } else {
+      const A inv_s = A(1) / s;
+      for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+        const int64_t len = std::min(kChunk, n - c0);
+        if (!one_chunk) {
+          LoadLogits<Tag>(x, in, c0, len, scale, z);
+          for (int64_t i = 0; i < len; ++i) e[i] = Exp(z[i] - m);
+        }
+        S* out = y + c0;
+        for (int64_t i = 0; i < len; ++i) out[i] = D::Store(e[i] * inv_s);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Backward. softmax: dx = scale * y * (dy - sum(y * dy)); log_softmax: dx = scale * (dy -
+// exp(y) * sum(dy)); sums over valid positions, dx = 0 elsewhere.
+
+template <typename Tag>
+JS_INLINE void BackwardRows(const RowParams& p, int64_t r0, int64_t r1) {
+  using D = Dtype<Tag>;
+  using S = typename D::Storage;
+  using A = typename D::Acc;
+  alignas(64) A yb[kChunk];  // y of the current chunk
+  alignas(64) A gb[kChunk];  // dy of the current chunk
+  alignas(64) A tb[kChunk];  // summands
+
+  const A scale = static_cast<A>(p.scale);
+  const S zero = D::Store(A(0));
+  const int64_t cols = p.cols;
+
+  for (int64_t row = r0; row < r1; ++row) {
+    const S* y = static_cast<const S*>(p.in) + row * cols;
+    const S* dy = static_cast<const S*>(p.grad_in) + row * cols;
+    S* dx = static_cast<S*>(p.out) + row * cols;
+    RowInputs<S> in;
+    if (!ResolveRow(p, row, in)) {
+      for (int64_t j = 0; j < cols; ++j) dx[j] = zero;
+      continue;
+    }
+    const int64_t n = p.causal_limit(row) + 1;
+    for (int64_t j = n; j < cols; ++j) dx[j] = zero;
+    const bool one_chunk = n <= kChunk;
+    const uint8_t* mask = in.mask;
+
+    // Sweep 1: the row sum (of y * dy, or of dy for log_softmax) over valid positions. Selects,
+    // not products with the mask, so that inf/NaN cotangents at masked positions stay out.
+    A total = 0;
+    for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+      const int64_t len = std::min(kChunk, n - c0);
+      const int64_t padded = RoundUpLanes(len);
+      LoadRow<Tag>(dy + c0, len, gb);
+      if (p.log) {
+        for (int64_t i = 0; i < len; ++i) tb[i] = gb[i];
+      } else {
+        LoadRow<Tag>(y + c0, len, yb);
+        for (int64_t i = 0; i < len; ++i) tb[i] = yb[i] * gb[i];
+      }
+      if (mask) {
+        const uint8_t* mc = mask + c0;
+        for (int64_t i = 0; i < len; ++i) tb[i] = mc[i] ? tb[i] : A(0);
+      }
+      for (int64_t i = len; i < padded; ++i) tb[i] = A(0);
+      total += Sum(tb, padded);
+    }
+
+    // Sweep 2: write dx.
+    for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+      const int64_t len = std::min(kChunk, n - c0);
+      if (!one_chunk) LoadRow<Tag>(dy + c0, len, gb);
+      if (p.log) {
+        LoadRow<Tag>(y + c0, len, yb);  // sweep 1 did not need y
+        for (int64_t i = 0; i < len; ++i) tb[i] = scale * (gb[i] - Exp(yb[i]) * total);
+      } else {
+        if (!one_chunk) LoadRow<Tag>(y + c0, len, yb);
+        for (int64_t i = 0; i < len; ++i) tb[i] = scale * (yb[i] * (gb[i] - total));
+      }
+      if (mask) {
+        const uint8_t* mc = mask + c0;
+        for (int64_t i = 0; i < len; ++i) tb[i] = mc[i] ? tb[i] : A(0);
+      }
+      S* out = dx + c0;
+      for (int64_t i = 0; i < len; ++i) out[i] = D::Store(tb[i]);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// ISA variants and dispatch. Row functions process rows [r0, r1).
+
+using RowsFn = void (*)(const RowParams&, int64_t, int64_t);
+
+template <typename Tag>
+void ForwardRowsBase(const RowParams& p, int64_t r0, int64_t r1) {
+  ForwardRows<Tag>(p, r0, r1);
+}
+template <typename Tag>
+void BackwardRowsBase(const RowParams& p, int64_t r0, int64_t r1) {
+  BackwardRows<Tag>(p, r0, r1);
+}
+
+#ifdef JS_X86_DISPATCH
+template <typename Tag>
+JS_TARGET_AVX2 void ForwardRowsAvx2(const RowParams& p, int64_t r0, int64_t r1) {
+  ForwardRows<Tag>(p, r0, r1);
+}
+template <typename Tag>
+JS_TARGET_AVX2 void BackwardRowsAvx2(const RowParams& p, int64_t r0, int64_t r1) {
+  BackwardRows<Tag>(p, r0, r1);
+}
+
+bool HasAvx2Fma() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return has;
+}
+#endif
+
+template <typename Tag>
+RowsFn PickForward() {
+#ifdef JS_X86_DISPATCH
+  if (HasAvx2Fma()) return &ForwardRowsAvx2<Tag>;
+#endif
+  return &ForwardRowsBase<Tag>;
+}
+template <typename Tag>
+RowsFn PickBackward() {
+#ifdef JS_X86_DISPATCH
+  if (HasAvx2Fma()) return &BackwardRowsAvx2<Tag>;
+#endif
+  return &BackwardRowsBase<Tag>;
+}
+
+// ------------------------------------------------------------------------------------------
+// Threading. Rows are cut into contiguous blocks that the calling thread and up to
+// num_threads() pool tasks claim from a shared counter. The caller works too and then waits
+// only for blocks already claimed, so a call made from a pool thread cannot deadlock on tasks
+// stuck behind it in a queue; tasks that start late find no block left and return. The state
+// is shared-owned for exactly that reason: a late task may run after the handler returned.
+
+struct RowBlocks {
+  RowParams params;
+  RowsFn fn = nullptr;
+  int64_t rows_per_block = 0;
+  int64_t num_blocks = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+
+  void Work() {
+    int64_t finished = 0;
+    for (int64_t b; (b = next.fetch_add(1)) < num_blocks; ++finished) {
+      const int64_t r0 = b * rows_per_block;
+      fn(params, r0, std::min(params.rows, r0 + rows_per_block));
+    }
+    if (finished > 0 && done.fetch_add(finished) + finished == num_blocks) {
+      // Notify under the lock: the waiter either sees the count or is already waiting.
+      std::lock_guard<std::mutex> lock(mu);
+      cv.notify_all();
+    }
+  }
+};
+
+void RunRows(ffi::ThreadPool& pool, const RowParams& p, RowsFn fn) {
+  const int64_t total = p.rows * p.cols;
+  const int64_t threads = total > kParallelMinElements ? pool.num_threads() : 0;
+  // Several blocks per worker so that uneven rows (causal) still balance.
+  const int64_t blocks = std::min({p.rows, 4 * (threads + 1), total / kMinBlockElements});
+  if (threads <= 0 || blocks < 2) {
+    fn(p, 0, p.rows);  // small input, or no usable pool: the calling thread does it all
+    return;
+  }
+  // Handlers must not throw: if an allocation fails, the rows not handed out yet are simply
+  // done on this thread.
+  std::shared_ptr<RowBlocks> state;
+  try {
+    state = std::make_shared<RowBlocks>();
+  } catch (...) {
+    fn(p, 0, p.rows);
+    return;
+  }
+  state->params = p;
+  state->fn = fn;
+  state->rows_per_block = (p.rows + blocks - 1) / blocks;
+  state->num_blocks = (p.rows + state->rows_per_block - 1) / state->rows_per_block;
+  const int64_t tasks = std::min(threads, state->num_blocks - 1);
+  for (int64_t t = 0; t < tasks; ++t) {
+    try {
+      pool.Schedule([state] { state->Work(); });
+    } catch (...) {
+      break;
+    }
+  }
+  state->Work();
+  std::unique_lock<std::mutex> lock(state->mu);
+  state->cv.wait(lock, [&] { return state->done.load() == state->num_blocks; });
+}
+
+// ------------------------------------------------------------------------------------------
+// Handlers
+
+ffi::Error SoftmaxFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer bias,
+                          ffi::AnyBuffer mask, ffi::Result<ffi::AnyBuffer> y, bool log,
+                          double scale, bool has_bias, bool has_mask, bool causal) {
+  RowParams p;
+  // Absent operands are tiny dummies: they are neither validated nor read.
+  if (auto err = FillRowParams(x, nullptr, has_bias ? &bias : nullptr,
+                               has_mask ? &mask : nullptr, *y, causal, p);
+      err.failure()) {
+    return err;
+  }
+  p.scale = scale;
+  p.log = log;
+  return DispatchFloat(x.element_type(), [&](auto tag) -> ffi::Error {
+    using Tag = typename decltype(tag)::type;
+    if (p.rows > 0) RunRows(pool, p, PickForward<Tag>());
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error SoftmaxBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer dy,
+                          ffi::AnyBuffer mask, ffi::Result<ffi::AnyBuffer> dx, bool log,
+                          double scale, bool has_mask, bool causal) {
+  RowParams p;
+  if (auto err = FillRowParams(y, &dy, nullptr, has_mask ? &mask : nullptr, *dx, causal, p);
+      err.failure()) {
+    return err;
+  }
+  p.scale = scale;
+  p.log = log;
+  return DispatchFloat(y.element_type(), [&](auto tag) -> ffi::Error {
+    using Tag = typename decltype(tag)::type;
+    if (p.rows > 0) RunRows(pool, p, PickBackward<Tag>());
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+}  // namespace jax_softmax
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSoftmaxFwdCpu, jax_softmax::SoftmaxFwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .Arg<xla::ffi::AnyBuffer>()  // bias
+                                  .Arg<xla::ffi::AnyBuffer>()  // mask
+                                  .Ret<xla::ffi::AnyBuffer>()  // y
+                                  .Attr<bool>("log")
+                                  .Attr<double>("scale")
+                                  .Attr<bool>("has_bias")
+                                  .Attr<bool>("has_mask")
+                                  .Attr<bool>("causal"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSoftmaxBwdCpu, jax_softmax::SoftmaxBwdImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // y
+                                  .Arg<xla::ffi::AnyBuffer>()  // dy
+                                  .Arg<xla::ffi::AnyBuffer>()  // mask
+                                  .Ret<xla::ffi::AnyBuffer>()  // dx
+                                  .Attr<bool>("log")
+                                  .Attr<double>("scale")
+                                  .Attr<bool>("has_mask")
+                                  .Attr<bool>("causal"));

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The one device call: build, GPU tests, compute-sanitizer, benchmark; a short table last.
+# Full logs and results go under $OUT (the device tool brings them back).
+#
+#   bash scripts/gpu_check.sh [all|build|test|sanitize|bench]...   (default: all)
+#
+# Env: JAX_SOFTMAX_CUDA_ARCHS (default 90a-real: the device is an H100/H200), BENCH_ARGS
+# (extra arguments for `python -m jax_softmax bench`).
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-/tmp/jax_softmax_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+steps=${*:-all}
+want() { [[ " $steps " == *" all "* || " $steps " == *" $1 "* ]]; }
+status=0
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/device.txt"
+
+if want build; then
+  t0=$(date +%s)
+  # -v keeps ptxas' resource report in the log when JAX_SOFTMAX_PTXAS_VERBOSE is set.
+  if ! (cd "$REPO" && JAX_SOFTMAX_CUDA=ON JAX_SOFTMAX_CUDA_ARCHS="${JAX_SOFTMAX_CUDA_ARCHS:-90a-real}" \
+        CMAKE_BUILD_PARALLEL_LEVEL=16 "$PY" -m pip install --no-build-isolation --no-deps -v \
+        -C cmake.define.JAX_SOFTMAX_PTXAS_VERBOSE=ON . >"$OUT/build.log" 2>&1); then
+    tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+  fi
+  echo "build: $(( $(date +%s) - t0 )) s"
+fi
+
+# Run from outside the checkout so Python imports the installed package, not the source tree.
+cd /tmp
+if want test; then
+  "$PY" -m pytest "$REPO/tests" -q -x -p no:cacheprovider --junitxml="$OUT/pytest.xml" \
+    2>&1 | tee "$OUT/pytest.log" | tail -25
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if want sanitize; then
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 9 "$PY" "$REPO/scripts/sanitize_cases.py" \
+      >"$OUT/sanitizer_$tool.log" 2>&1
+    rc=$?
+    echo "compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
+    [ $rc -eq 0 ] || status=1
+  done
+fi
+
+if want bench; then
+  "$PY" -m jax_softmax bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -70
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+# The device tool returns at most 8 files: bundle the logs, keep results (JSON/CSV/PNG) as they are.
+(cd "$OUT" && ls *.log *.xml >/dev/null 2>&1 && tar czf logs.tgz *.log *.xml && rm -f *.log *.xml)
+exit $status

@@ -1,0 +1,48 @@
+"""One small call per CUDA kernel tier (forward, backward, masked, causal), for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck  python3 scripts/sanitize_cases.py
+    compute-sanitizer --tool racecheck python3 scripts/sanitize_cases.py
+
+Row lengths are picked from the tier table in ffi/softmax_launch.cuh (float32, 16-byte vectors:
+lane groups <= 128, warp <= 1024 (backward 512), block <= 32768 (16384), cluster beyond, two-pass
+past the cluster tier) plus odd lengths for the scalar path. Few rows keep the sanitizer fast.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_softmax
+
+CASES = [  # (rows, cols, dtype)
+    (5, 3, jnp.float32),  # lane group, scalar path
+    (9, 100, jnp.float32),  # lane group of 32, vectors
+    (4, 1000, jnp.float32),  # warp per row
+    (3, 1001, jnp.bfloat16),  # warp per row, scalar
+    (2, 8192, jnp.float32),  # block per row
+    (2, 20000, jnp.bfloat16),  # block (backward: cluster)
+    (2, 50257, jnp.float32),  # cluster, scalar path
+    (2, 131072, jnp.float32),  # cluster of 4
+    (1, 600000, jnp.float32),  # two-pass streaming kernel
+    (3, 700, jnp.float64),
+]
+
+
+def main():
+    rng = np.random.default_rng(0)
+    assert "cuda" in jax_softmax.available_platforms(), "CUDA extension not built"
+    for rows, cols, dtype in CASES:
+        x = jnp.asarray(rng.standard_normal((rows, cols)), dtype)
+        where = jnp.asarray(rng.random((1, cols)) > 0.3)
+        for fn in (jax_softmax.softmax, jax_softmax.log_softmax):
+            for w in (None, where):
+                y, vjp = jax.vjp(lambda a: fn(a, where=w), x)
+                vjp(jnp.ones_like(y))[0].block_until_ready()
+        s = jnp.asarray(rng.standard_normal((2, 3, min(cols, 257), cols)), dtype)
+        y, vjp = jax.vjp(lambda a: jax_softmax.attention_softmax(a, scale=0.5, is_causal=True), s)
+        vjp(jnp.ones_like(y))[0].block_until_ready()
+        print(f"ok {rows}x{cols} {np.dtype(dtype).name}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
