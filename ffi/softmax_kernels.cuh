@@ -20,25 +20,38 @@ namespace jax_softmax {
 constexpr int BlockThreads(int group) { return group > 32 ? group : 128; }
 
 // --- loading one pack -----------------------------------------------------------------------------
-// Per-row state for reading x (or y and dy) plus the optional bias and mask of a row. kPlain: no
-// bias, mask or causal limit, so validity is decided per vector (c < cols), never per element,
-// and the per-element mask/bias code is not compiled in: the forward's per-element work is what
-// limits it once loads are 16 bytes wide (bfloat16 moves twice the elements per byte).
-template <typename T, int kVec, bool kBwd, bool kPlain>
+// How a kernel reads a row:
+//   kGeneral:  any bias / mask / causal limit; validity per element.
+//   kPlain:    no bias, mask or causal limit, cols % kVec == 0: validity per vector, and the
+//              per-element mask/bias code is not compiled in (the forward's per-element work is
+//              what limits it once loads are 16 bytes wide; bfloat16 moves twice the elements per
+//              byte of float32).
+//   kWindowed: plain, but cols % kVec != 0 (odd rows such as a 50257-entry vocabulary): each row is
+//              read through the 16-byte-aligned window that starts `shift` elements before it;
+//              only its first and last vectors are partial and go element by element.
+enum class Access { kGeneral, kPlain, kWindowed };
+
+// Per-row state for reading x (or y and dy) plus the optional bias and mask of a row. Positions
+// passed to load() are window offsets: column = w - shift (shift is 0 unless kWindowed).
+template <typename T, int kVec, bool kBwd, Access kAccess>
 struct RowLoader {
   using A = acc_t<T>;
-  const T* in;
-  const T* grad;
+  static constexpr bool kPlain = kAccess != Access::kGeneral;
+  const T* in;    // window start: the row's first element minus shift
+  const T* grad;  // likewise for dy
   const T* bias;
   const uint8_t* mask;
   int64_t bias_cs, mask_cs;  // column strides, 0 or 1
   int limit;                 // last column to read (causal / row end); -1: nothing
+  int cols;
+  int shift;
   A scale;
 
   __device__ __forceinline__ RowLoader(const RowParams& p, int64_t row, bool row_ok) {
     const int64_t base = row * p.cols;
-    in = static_cast<const T*>(p.in) + base;
-    grad = kBwd ? static_cast<const T*>(p.grad_in) + base : nullptr;
+    shift = kAccess == Access::kWindowed ? static_cast<int>(base & (kVec - 1)) : 0;
+    in = static_cast<const T*>(p.in) + (base - shift);
+    grad = kBwd ? static_cast<const T*>(p.grad_in) + (base - shift) : nullptr;
     bias = nullptr;
     mask = nullptr;
     bias_cs = mask_cs = 0;
@@ -50,33 +63,41 @@ struct RowLoader {
       mask = static_cast<const uint8_t*>(p.mask.data) + p.mask.row_offset(row);
       mask_cs = p.mask.col_stride;
     }
-    // Column indices are 32-bit: the handler rejects rows of 2^31 or more elements.
+    // Column indices are 32-bit: the handler rejects rows of 2^31 - 1025 or more elements.
+    cols = static_cast<int>(p.cols);
     limit = row_ok ? static_cast<int>(p.causal_limit(row)) : -1;
     scale = static_cast<A>(p.scale);
   }
 
-  // Loads the pack at column c (a multiple of kVec). Forward: v = scale * x + bias. Backward:
-  // v = y, g = dy. ok[e] says whether column c + e takes part in the row.
-  __device__ __forceinline__ void load(int c, A (&v)[kVec], A (&g)[kVec], bool (&ok)[kVec]) const {
-    if (c > limit) {
+  // Loads the vector at window offset w (a multiple of kVec). Forward: v = scale * x + bias.
+  // Backward: v = y, g = dy. ok[e] says whether column w - shift + e takes part in the row.
+  __device__ __forceinline__ void load(int w, A (&v)[kVec], A (&g)[kVec], bool (&ok)[kVec]) const {
+    const int c = w - shift;
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) ok[e] = false, v[e] = A(0), g[e] = A(0);
-      return;
-    }
-    T xs[kVec];
-    load_vec<kVec>(in + c, xs);
+    for (int e = 0; e < kVec; ++e) ok[e] = false, v[e] = A(0), g[e] = A(0);
+    if (c > limit) return;
+    T xs[kVec], gs[kVec];
+    if (kAccess == Access::kWindowed && (c < 0 || c + kVec > cols)) {
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) {
-      v[e] = to_acc(xs[e]);
-      // A vector never straddles the row end (kVec > 1 only when cols % kVec == 0).
-      ok[e] = kPlain ? true : c + e <= limit;
-    }
-    if constexpr (kBwd) {
-      T gs[kVec];
-      load_vec<kVec>(grad + c, gs);
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) g[e] = to_acc(gs[e]);
+      for (int e = 0; e < kVec; ++e) {
+        ok[e] = c + e >= 0 && c + e < cols;
+        if (ok[e]) {
+          v[e] = to_acc(in[w + e]);
+          if constexpr (kBwd) g[e] = to_acc(grad[w + e]);
+        }
+      }
     } else {
+      load_vec<kVec>(in + w, xs);
+      if constexpr (kBwd) load_vec<kVec>(grad + w, gs);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        v[e] = to_acc(xs[e]);
+        if constexpr (kBwd) g[e] = to_acc(gs[e]);
+        // A vector never straddles the row end unless windowed (handled above).
+        ok[e] = kPlain ? true : c + e <= limit;
+      }
+    }
+    if constexpr (!kBwd) {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) v[e] *= scale;
       if (!kPlain && bias) {
@@ -102,6 +123,27 @@ struct RowLoader {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) ok[e] = ok[e] && ms[e] != 0;
     }
+  }
+
+  // Stores the vector at window offset w of the output row `dst` (window start, like `in`).
+  // Every column of the row is written, including those past the causal limit.
+  __device__ __forceinline__ void store(T* dst, int w, const A (&o)[kVec]) const {
+    const int c = w - shift;
+    if (c >= cols) return;
+    T ys[kVec];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) ys[e] = from_acc<T>(o[e]);
+    if (kAccess == Access::kWindowed && (c < 0 || c + kVec > cols)) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e)
+        if (c + e >= 0 && c + e < cols) dst[w + e] = ys[e];
+    } else {
+      store_vec<kVec>(dst + w, ys);
+    }
+  }
+
+  __device__ __forceinline__ T* out_row(const RowParams& p, int64_t row) const {
+    return static_cast<T*>(p.out) + (row * p.cols - shift);
   }
 };
 
@@ -182,17 +224,23 @@ __device__ __forceinline__ S row_allreduce(S v, S* block_slots, S* cluster_slot)
   }
 }
 
-template <typename T, int kGroup, int kElems, int kVec, int kCluster, bool kBwd, bool kPlain>
+// kRows: rows a lane group handles per iteration (lane-group tiers only). Their lanes hold one or
+// two vectors of a row, so several rows are loaded before the first shuffle to keep enough bytes
+// in flight; their reductions are independent shuffle chains.
+template <typename T, int kGroup, int kElems, int kVec, int kCluster, bool kBwd, Access kAccess,
+          int kRows = 1>
 __global__ void __launch_bounds__(BlockThreads(kGroup))
     softmax_rows_kernel(const RowParams p) {
   using A = acc_t<T>;
   using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;
+  using Loader = RowLoader<T, kVec, kBwd, kAccess>;
   constexpr int kBlock = BlockThreads(kGroup);
-  constexpr int kRowsPerBlock = kBlock / kGroup;
+  constexpr int kRowsPerBlock = kBlock / kGroup * kRows;
   constexpr int kPacks = kElems / kVec;
   constexpr int64_t kChunk = int64_t(kGroup) * kElems;
-  static_assert(kElems % kVec == 0 && kGroup * kRowsPerBlock == kBlock, "tier shape");
+  static_assert(kElems % kVec == 0 && kBlock % kGroup == 0, "tier shape");
   static_assert(kCluster == 1 || kGroup == kBlock, "a cluster splits whole-block rows");
+  static_assert(kRows == 1 || kGroup <= 32, "only lane groups take several rows");
 
   __shared__ S block_slots[2][32];
   __shared__ S cluster_slots[2];
@@ -203,61 +251,60 @@ __global__ void __launch_bounds__(BlockThreads(kGroup))
   const int64_t num_ctas = gridDim.x / kCluster;
   const bool log = p.log;
   const A scale = static_cast<A>(p.scale);
-  T* out_base = static_cast<T*>(p.out);
 
   int parity = 0;
   // The loop bound is uniform over the block (and cluster): lane groups past the last row still
-  // take part in the shuffles, with nothing loaded or stored.
+  // take part in the shuffles, with nothing loaded or stored. Row r of a group's batch is
+  // row0 + r * (groups per block) + group, so each load instruction of a warp covers
+  // neighbouring rows.
   for (int64_t row0 = int64_t(blockIdx.x / kCluster) * kRowsPerBlock; row0 < p.rows;
        row0 += num_ctas * kRowsPerBlock, parity ^= 1) {
-    const int64_t row = row0 + group;
-    const bool row_ok = row < p.rows;
-    const RowLoader<T, kVec, kBwd, kPlain> loader(p, row, row_ok);
-
-    A v[kPacks][kVec];
-    A g[kPacks][kVec];
-    bool ok[kPacks][kVec];
+    A v[kRows][kPacks][kVec];
+    A g[kRows][kPacks][kVec];
+    bool ok[kRows][kPacks][kVec];
 #pragma unroll
-    for (int k = 0; k < kPacks; ++k) loader.load(first_col + k * kGroup * kVec, v[k], g[k], ok[k]);
-
-    A out[kPacks][kVec];
-    if constexpr (!kBwd) {
-      MaxSum<A> mine = thread_maxsum(reinterpret_cast<A(&)[kElems]>(v),
-                                     reinterpret_cast<const bool(&)[kElems]>(ok), log);
-      const MaxSum<A> total =
-          row_allreduce<S, kGroup, kCluster>(mine, block_slots[parity], &cluster_slots[parity]);
-      const FwdStats<A> st = fwd_stats(mine.m, total, log);
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t row = row0 + r * (kBlock / kGroup) + group;
+      const Loader loader(p, row, row < p.rows);
 #pragma unroll
       for (int k = 0; k < kPacks; ++k)
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) out[k][e] = fwd_output(v[k][e], ok[k][e], st, log);
-    } else {
-      Sum<A> mine{A(0)};
-#pragma unroll
-      for (int k = 0; k < kPacks; ++k)
-#pragma unroll
-        for (int e = 0; e < kVec; ++e)
-          if (ok[k][e]) mine.s += bwd_term(v[k][e], g[k][e], log);
-      const A dot = row_allreduce<S, kGroup, kCluster>(mine, block_slots[parity],
-                                                       &cluster_slots[parity]).s;
-#pragma unroll
-      for (int k = 0; k < kPacks; ++k)
-#pragma unroll
-        for (int e = 0; e < kVec; ++e)
-          out[k][e] = bwd_output(v[k][e], g[k][e], ok[k][e], dot, scale, log);
+        loader.load(first_col + k * kGroup * kVec, v[r][k], g[r][k], ok[r][k]);
     }
 
-    if (row_ok) {
-      T* dst = out_base + row * p.cols;
 #pragma unroll
-      for (int k = 0; k < kPacks; ++k) {
-        const int c = first_col + k * kGroup * kVec;
-        if (c < p.cols) {  // columns past the causal limit are written too (0 or -inf)
-          T ys[kVec];
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t row = row0 + r * (kBlock / kGroup) + group;
+      A out[kPacks][kVec];
+      if constexpr (!kBwd) {
+        MaxSum<A> mine = thread_maxsum(reinterpret_cast<A(&)[kElems]>(v[r]),
+                                       reinterpret_cast<const bool(&)[kElems]>(ok[r]), log);
+        const MaxSum<A> total =
+            row_allreduce<S, kGroup, kCluster>(mine, block_slots[parity], &cluster_slots[parity]);
+        const FwdStats<A> st = fwd_stats(mine.m, total, log);
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) ys[e] = from_acc<T>(out[k][e]);
-          store_vec<kVec>(dst + c, ys);
-        }
+        for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) out[k][e] = fwd_output(v[r][k][e], ok[r][k][e], st, log);
+      } else {
+        Sum<A> mine{A(0)};
+#pragma unroll
+        for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+          for (int e = 0; e < kVec; ++e)
+            if (ok[r][k][e]) mine.s += bwd_term(v[r][k][e], g[r][k][e], log);
+        const A dot = row_allreduce<S, kGroup, kCluster>(mine, block_slots[parity],
+                                                         &cluster_slots[parity]).s;
+#pragma unroll
+        for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+          for (int e = 0; e < kVec; ++e)
+            out[k][e] = bwd_output(v[r][k][e], g[r][k][e], ok[r][k][e], dot, scale, log);
+      }
+      if (row < p.rows) {
+        const Loader loader(p, row, true);
+        T* dst = loader.out_row(p, row);
+#pragma unroll
+        for (int k = 0; k < kPacks; ++k) loader.store(dst, first_col + k * kGroup * kVec, out[k]);
       }
     }
   }
@@ -269,7 +316,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup))
 // For rows longer than the register tiers hold (or GPUs without clusters). Pass 1 reduces the row
 // (online max/sum, or the backward's dot product) tile by tile; pass 2 reads it again and writes.
 // A row's second read usually hits L2, which holds the rows of all resident blocks.
-template <typename T, int kBlock, int kVec, int kUnroll, bool kBwd, bool kPlain>
+template <typename T, int kBlock, int kVec, int kUnroll, bool kBwd, Access kAccess>
 __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowParams p) {
   using A = acc_t<T>;
   using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;
@@ -279,8 +326,8 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
   const A scale = static_cast<A>(p.scale);
   int parity = 0;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x, parity ^= 1) {
-    const RowLoader<T, kVec, kBwd, kPlain> loader(p, row, true);
-    const int end = loader.limit + 1;  // columns past it are not read
+    const RowLoader<T, kVec, kBwd, kAccess> loader(p, row, true);
+    const int end = loader.limit + 1 + loader.shift;  // window offsets past it are not read
     S mine = S::identity();
     for (int t0 = 0; t0 < end; t0 += kTile) {
       A v[kUnroll][kVec], g[kUnroll][kVec];
@@ -302,7 +349,7 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
       }
     }
     const S total = block_allreduce<kBlock>(mine, block_slots[parity]);
-    T* dst = static_cast<T*>(p.out) + row * p.cols;
+    T* dst = loader.out_row(p, row);
     FwdStats<A> st{};
     if constexpr (!kBwd) {
       // Every element is recomputed from z, so the stored-exp rescale does not apply.
@@ -310,7 +357,7 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
       st.log_sum = log ? log_acc(total.s) : A(0);
       st.factor = log ? A(0) : A(1) / total.s;
     }
-    for (int t0 = 0; t0 < p.cols; t0 += kTile) {
+    for (int t0 = 0; t0 < loader.cols + loader.shift; t0 += kTile) {
       A v[kUnroll][kVec], g[kUnroll][kVec];
       bool ok[kUnroll][kVec];
 #pragma unroll
@@ -318,21 +365,17 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
         loader.load(t0 + (k * kBlock + int(threadIdx.x)) * kVec, v[k], g[k], ok[k]);
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
-        const int c = t0 + (k * kBlock + int(threadIdx.x)) * kVec;
-        if (c >= p.cols) continue;
-        T ys[kVec];
+        A o[kVec];
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
-          A o;
           if constexpr (!kBwd) {
-            o = log ? fwd_output(v[k][e], ok[k][e], st, true)
-                    : (ok[k][e] ? exp_acc(v[k][e] - st.max) * st.factor : A(0));
+            o[e] = log ? fwd_output(v[k][e], ok[k][e], st, true)
+                       : (ok[k][e] ? exp_acc(v[k][e] - st.max) * st.factor : A(0));
           } else {
-            o = bwd_output(v[k][e], g[k][e], ok[k][e], total.s, scale, log);
+            o[e] = bwd_output(v[k][e], g[k][e], ok[k][e], total.s, scale, log);
           }
-          ys[e] = from_acc<T>(o);
         }
-        store_vec<kVec>(dst + c, ys);
+        loader.store(dst, t0 + (k * kBlock + int(threadIdx.x)) * kVec, o);
       }
     }
   }

@@ -7,14 +7,19 @@
 // whose values take two registers; V = the 16-byte vector width,
 // or 1 when cols % V != 0 or a pointer is not 16-byte aligned):
 //   cols <= 32 * V          lane group of G = 1..32 lanes per row, one vector each; 128 / G rows
-//                           per 4-warp block (several rows per warp for tiny rows)
+//                           per 4-warp block (several rows per warp for tiny rows), and four
+//                           rows per group in flight at once (one 16-byte load per lane and row
+//                           left too few bytes in flight: bf16 N <= 256 ran at 60-66%)
 //   cols <= 32 * E          one warp per row, E' <= E elements per lane (E' the smallest power
 //                           of two that fits)
-//   cols <= 1024 * E        one block of G = 64..1024 threads per row, E elements per thread
-//   cols <= 1024 * E * C    sm_90+: a cluster of C = 2, 4, 8 (16 where the GPU can schedule it)
-//                           blocks of 1024 threads per row, reduced through distributed shared
-//                           memory: still one read of x
-//   longer rows, or pre-sm_90 beyond the block tier: the two-pass streaming kernel.
+//   cols <= 512 * E         one block of G = 64..512 threads per row, E elements per thread
+//   cols <= 512 * E * C     sm_90+: a cluster of C = 2, 4, 8, 16 blocks of 512 threads per row
+//                           (then 16 x 1024 threads), reduced through distributed shared
+//                           memory: still one read of x. Before sm_90: one 1024-thread block.
+//   longer rows, or a cluster size the GPU cannot schedule: the two-pass streaming kernel.
+// Access modes (softmax_kernels.cuh): plain rows (no bias/mask/causal) of cols % V != 0 are read
+// through 16-byte-aligned windows (kWindowed) instead of element by element; rows with a mask
+// or bias and cols % V != 0, or misaligned pointers, use V = 1.
 // Grids are one wave: blocks (clusters) = resident blocks per SM (clusters per GPU) from the
 // occupancy calculator, read once per device and kernel, then rows are looped over.
 #pragma once
@@ -133,11 +138,11 @@ struct LaunchCtx {
   DeviceInfo dev;
 };
 
-template <typename T, int kGroup, int kElems, int kVec, bool kBwd, bool kPlain>
+template <typename T, int kGroup, int kElems, int kVec, bool kBwd, Access kAccess, int kRows = 1>
 ffi::Error LaunchRows(const LaunchCtx& c) {
   constexpr int kBlock = BlockThreads(kGroup);
-  constexpr int kRowsPerBlock = kBlock / kGroup;
-  constexpr auto kernel = softmax_rows_kernel<T, kGroup, kElems, kVec, 1, kBwd, kPlain>;
+  constexpr int kRowsPerBlock = kBlock / kGroup * kRows;
+  constexpr auto kernel = softmax_rows_kernel<T, kGroup, kElems, kVec, 1, kBwd, kAccess, kRows>;
   auto per_sm = BlocksPerSm<kernel, kBlock>(c.device);
   if (per_sm.has_error()) return per_sm.error();
   const int64_t needed = (c.p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
@@ -147,11 +152,11 @@ ffi::Error LaunchRows(const LaunchCtx& c) {
   return CheckLaunch("softmax row kernel");
 }
 
-template <typename T, int kVec, bool kBwd, bool kPlain>
+template <typename T, int kVec, bool kBwd, Access kAccess>
 ffi::Error LaunchTwoPass(const LaunchCtx& c) {
   constexpr int kBlock = 512;
   constexpr int kUnroll = (kVec == 1 ? 8 : 4);
-  constexpr auto kernel = softmax_rows_twopass_kernel<T, kBlock, kVec, kUnroll, kBwd, kPlain>;
+  constexpr auto kernel = softmax_rows_twopass_kernel<T, kBlock, kVec, kUnroll, kBwd, kAccess>;
   auto per_sm = BlocksPerSm<kernel, kBlock>(c.device);
   if (per_sm.has_error()) return per_sm.error();
   const int64_t wave = int64_t(*per_sm) * c.dev.sm_count;
@@ -160,12 +165,13 @@ ffi::Error LaunchTwoPass(const LaunchCtx& c) {
   return CheckLaunch("softmax two-pass kernel");
 }
 
-template <typename T, int kElems, int kVec, int kCluster, bool kBwd, bool kPlain>
+// A row split over a cluster of kCluster blocks of kBlock threads; falls back to the two-pass
+// kernel where the GPU cannot schedule the cluster.
+template <typename T, int kBlock, int kElems, int kVec, int kCluster, bool kBwd, Access kAccess>
 ffi::Error LaunchCluster(const LaunchCtx& c) {
-  constexpr int kBlock = 1024;
-  constexpr auto kernel = softmax_rows_kernel<T, kBlock, kElems, kVec, kCluster, kBwd, kPlain>;
+  constexpr auto kernel = softmax_rows_kernel<T, kBlock, kElems, kVec, kCluster, kBwd, kAccess>;
   const int active = ActiveClusters<kernel, kBlock, kCluster>(c.device);
-  if (active == 0) return LaunchTwoPass<T, kVec, kBwd, kPlain>(c);
+  if (active == 0) return LaunchTwoPass<T, kVec, kBwd, kAccess>(c);
   const int64_t clusters = c.p.rows < active ? c.p.rows : active;
   cudaLaunchConfig_t config = {};
   cudaLaunchAttribute attr[1];
@@ -184,47 +190,47 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
   return CheckLaunch("softmax cluster kernel");
 }
 
-// Picks the tier for one vector width. kE: elements per thread in registers.
-template <typename T, int kVec, bool kBwd, bool kPlain>
-ffi::Error LaunchWithVec(const LaunchCtx& c) {
+// Picks the tier (see the table at the top) for one vector width and access mode.
+template <typename T, int kVec, bool kBwd, Access kAccess>
+ffi::Error LaunchTier(const LaunchCtx& c) {
+  // Elements per thread held in registers.
   constexpr int kE = (kBwd ? 16 : 32) / (kVec == 1 ? 2 : 1) / (sizeof(acc_t<T>) / 4);
-  const int64_t n = c.p.cols;
-#define JS_ROWS(G, E) return LaunchRows<T, G, E, kVec, kBwd, kPlain>(c)
-  // Lane groups: one vector per lane.
-  if (n <= 1 * kVec) JS_ROWS(1, kVec);
-  if (n <= 2 * kVec) JS_ROWS(2, kVec);
-  if (n <= 4 * kVec) JS_ROWS(4, kVec);
-  if (n <= 8 * kVec) JS_ROWS(8, kVec);
-  if (n <= 16 * kVec) JS_ROWS(16, kVec);
-  if (n <= 32 * kVec) JS_ROWS(32, kVec);
-  // One warp per row.
-  if constexpr (2 * kVec <= kE) if (n <= 32 * 2 * kVec) JS_ROWS(32, 2 * kVec);
+  // A windowed row spans up to kVec - 1 more positions than it has columns.
+  const int64_t n = c.p.cols + (kAccess == Access::kWindowed ? kVec - 1 : 0);
+#define JS_ROWS(G, E) return LaunchRows<T, G, E, kVec, kBwd, kAccess>(c)
+  // Lane groups: one vector per lane, several rows per group and iteration (kRowsShort).
+  constexpr int kRowsShort = kBwd ? 2 : 4;  // backward: two values per element, 90 registers at 4
+  if (n <= 1 * kVec) return LaunchRows<T, 1, kVec, kVec, kBwd, kAccess, kRowsShort>(c);
+  if (n <= 2 * kVec) return LaunchRows<T, 2, kVec, kVec, kBwd, kAccess, kRowsShort>(c);
+  if (n <= 4 * kVec) return LaunchRows<T, 4, kVec, kVec, kBwd, kAccess, kRowsShort>(c);
+  if (n <= 8 * kVec) return LaunchRows<T, 8, kVec, kVec, kBwd, kAccess, kRowsShort>(c);
+  if (n <= 16 * kVec) return LaunchRows<T, 16, kVec, kVec, kBwd, kAccess, kRowsShort>(c);
+  if (n <= 32 * kVec) return LaunchRows<T, 32, kVec, kVec, kBwd, kAccess, kRowsShort>(c);
+  // One warp per row (two rows per iteration while a lane holds two vectors).
+  if constexpr (2 * kVec <= kE) if (n <= 32 * 2 * kVec) return LaunchRows<T, 32, 2 * kVec, kVec, kBwd, kAccess, 2>(c);
   if constexpr (4 * kVec <= kE) if (n <= 32 * 4 * kVec) JS_ROWS(32, 4 * kVec);
   if constexpr (8 * kVec <= kE) if (n <= 32 * 8 * kVec) JS_ROWS(32, 8 * kVec);
   if constexpr (16 * kVec <= kE) if (n <= 32 * 16 * kVec) JS_ROWS(32, 16 * kVec);
   if constexpr (32 * kVec <= kE) if (n <= 32 * 32 * kVec) JS_ROWS(32, 32 * kVec);
-  // One block per row.
+  // One block per row, up to 512 threads: two such blocks fit an SM, so one block's barrier
+  // wait overlaps the other's loads.
   if (n <= 64 * kE) JS_ROWS(64, kE);
   if (n <= 128 * kE) JS_ROWS(128, kE);
   if (n <= 256 * kE) JS_ROWS(256, kE);
   if (n <= 512 * kE) JS_ROWS(512, kE);
-  if (n <= 1024 * kE) JS_ROWS(1024, kE);
-#undef JS_ROWS
-  // A cluster of 1024-thread blocks per row (Hopper and newer); the two-pass kernel past it, or
-  // where the GPU cannot schedule the cluster size.
   if (c.dev.cc_major >= 9) {
-    if (n <= 2 * 1024 * kE) return LaunchCluster<T, kE, kVec, 2, kBwd, kPlain>(c);
-    if (n <= 4 * 1024 * kE) return LaunchCluster<T, kE, kVec, 4, kBwd, kPlain>(c);
-    if (n <= 8 * 1024 * kE) return LaunchCluster<T, kE, kVec, 8, kBwd, kPlain>(c);
-    if (n <= 16 * 1024 * kE) return LaunchCluster<T, kE, kVec, 16, kBwd, kPlain>(c);
+    // Hopper and newer: a cluster of 512-thread blocks per row, reduced through distributed
+    // shared memory; 16 blocks of 1024 threads (non-portable size) as the last resort.
+    if (n <= 2 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 2, kBwd, kAccess>(c);
+    if (n <= 4 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 4, kBwd, kAccess>(c);
+    if (n <= 8 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 8, kBwd, kAccess>(c);
+    if (n <= 16 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 16, kBwd, kAccess>(c);
+    if (n <= 16 * 1024 * kE) return LaunchCluster<T, 1024, kE, kVec, 16, kBwd, kAccess>(c);
+  } else if (n <= 1024 * kE) {
+    JS_ROWS(1024, kE);
   }
-  return LaunchTwoPass<T, kVec, kBwd, kPlain>(c);
-}
-
-template <typename T, bool kBwd, bool kPlain>
-ffi::Error LaunchPlainOrNot(const LaunchCtx& c, bool aligned) {
-  constexpr int kVec = 16 / sizeof(T);
-  return aligned ? LaunchWithVec<T, kVec, kBwd, kPlain>(c) : LaunchWithVec<T, 1, kBwd, kPlain>(c);
+#undef JS_ROWS
+  return LaunchTwoPass<T, kVec, kBwd, kAccess>(c);
 }
 
 inline bool Aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
@@ -232,6 +238,7 @@ inline bool Aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr
 template <typename Tag, bool kBwd>
 ffi::Error LaunchSoftmax(const RowParams& p, cudaStream_t stream) {
   using T = typename CudaStorage<Tag>::type;
+  constexpr int kVec = 16 / sizeof(T);
   if (p.rows == 0 || p.cols == 0) return ffi::Error::Success();
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess)
@@ -239,16 +246,20 @@ ffi::Error LaunchSoftmax(const RowParams& p, cudaStream_t stream) {
   auto dev = GetDeviceInfo(device);
   if (dev.has_error()) return dev.error();
   const LaunchCtx ctx{p, stream, device, *dev};
-  constexpr int kVec = 16 / sizeof(T);
-  // Pointers are aligned by XLA (checked anyway: the choice depends on addresses, never on data).
-  const bool aligned = p.cols % kVec == 0 && Aligned16(p.in) && Aligned16(p.out) &&
-                       (!p.grad_in || Aligned16(p.grad_in)) &&
-                       (!p.bias.data || Aligned16(p.bias.data)) &&
-                       (!p.mask.data || Aligned16(p.mask.data));
+  // XLA aligns buffers; the check costs nothing and depends on addresses, never on data.
+  const bool ptrs_aligned = Aligned16(p.in) && Aligned16(p.out) &&
+                            (!p.grad_in || Aligned16(p.grad_in)) &&
+                            (!p.bias.data || Aligned16(p.bias.data)) &&
+                            (!p.mask.data || Aligned16(p.mask.data));
+  const bool whole_vectors = p.cols % kVec == 0;
   // Plain: no bias, mask or causal limit (the bias is a forward-only operand).
   const bool plain = (kBwd || !p.bias.data) && !p.mask.data && p.causal_sq == 0;
-  return plain ? LaunchPlainOrNot<T, kBwd, true>(ctx, aligned)
-               : LaunchPlainOrNot<T, kBwd, false>(ctx, aligned);
+  if (ptrs_aligned && plain) {
+    return whole_vectors ? LaunchTier<T, kVec, kBwd, Access::kPlain>(ctx)
+                         : LaunchTier<T, kVec, kBwd, Access::kWindowed>(ctx);
+  }
+  if (ptrs_aligned && whole_vectors) return LaunchTier<T, kVec, kBwd, Access::kGeneral>(ctx);
+  return LaunchTier<T, 1, kBwd, Access::kGeneral>(ctx);
 }
 
 #define JAX_SOFTMAX_INSTANTIATE(TAG)                                                   \
