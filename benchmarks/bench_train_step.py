@@ -1,0 +1,89 @@
+"""One training step of examples/train_lm.py (a Flax NNX causal transformer LM, bfloat16) with
+and without the jax_softmax attention plug-in, for sequence lengths 512 ... 4096.
+
+    python benchmarks/bench_train_step.py [--out DIR] [--seq-lens 512 1024 2048 4096] [--steps 30]
+
+Tokens per step are held constant (batch = tokens // seq_len) so every point moves a similar
+amount of non-attention work; the attention scores grow with the sequence length. Each point is
+the steady-state steps/s of `train()` (first, compiling step excluded; one device sync at the
+end, so dispatch overlaps the previous step). Writes train_step_<device>.{json,png} and prints a
+table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per step (batch * seq_len)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--dtype", default="bfloat16")
+    args = p.parse_args(argv)
+
+    import jax
+
+    from train_lm import train  # examples/train_lm.py
+
+    device = jax.devices()[0].device_kind
+    rows = []
+    for s in args.seq_lens:
+        batch = max(1, args.tokens // s)
+        point = {"seq_len": s, "batch": batch}
+        for plugin in (False, True):
+            r = train(steps=args.steps, seq_len=s, batch=batch, d_model=args.d_model,
+                      layers=args.layers, heads=args.heads, vocab=512, use_plugin=plugin,
+                      dtype=args.dtype, log_every=10**9, verbose=False)
+            key = "jax_softmax" if plugin else "flax_default"
+            point[key + "_steps_per_s"] = r["steps_per_sec"]
+            point[key + "_final_loss"] = r["losses"][-1]
+        point["speedup"] = point["jax_softmax_steps_per_s"] / point["flax_default_steps_per_s"]
+        rows.append(point)
+        print(f"S={s:5d} batch={batch:3d}  flax {point['flax_default_steps_per_s']:7.2f} steps/s  "
+              f"jax_softmax {point['jax_softmax_steps_per_s']:7.2f} steps/s  x{point['speedup']:.2f}",
+              flush=True)
+
+    os.makedirs(args.out, exist_ok=True)
+    slug = "".join(c if c.isalnum() else "_" for c in device.lower()).strip("_")
+    meta = {"device": device, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
+            "settings": vars(args)}
+    with open(os.path.join(args.out, f"train_step_{slug}.json"), "w") as f:
+        json.dump({"meta": meta, "points": rows}, f, indent=1)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], [r["flax_default_steps_per_s"] for r in rows], 0.4, label="Flax default")
+        ax.bar([x + 0.2 for x in xs], [r["jax_softmax_steps_per_s"] for r in rows], 0.4, label="jax_softmax plug-in")
+        ax.set_xticks(list(xs), [f"S={r['seq_len']}\nB={r['batch']}" for r in rows])
+        ax.set_ylabel("training steps / s")
+        ax.set_title(f"train_lm step ({args.dtype}, {args.layers} layers, d={args.d_model}) on {device}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, f"train_step_{slug}.png"), dpi=110)
+    except ImportError:
+        pass
+    print(f"{'S':>6} {'flax steps/s':>13} {'ours steps/s':>13} {'speedup':>8}")
+    for r in rows:
+        print(f"{r['seq_len']:>6} {r['flax_default_steps_per_s']:>13.2f} {r['jax_softmax_steps_per_s']:>13.2f} {r['speedup']:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

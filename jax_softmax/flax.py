@@ -1,0 +1,336 @@
+"""Drop-in Flax attention functions backed by :func:`jax_softmax.attention_softmax`.
+
+This module needs Flax (``pip install jax-softmax[flax]``); importing :mod:`jax_softmax` itself
+never imports Flax.
+
+:func:`dot_product_attention` and :func:`dot_product_attention_weights` take the same arguments
+as Flax's own ``flax.linen.dot_product_attention`` / ``dot_product_attention_weights`` and also
+the extra keywords of the NNX versions (``promote_dtype``, ``is_causal``), so one function can be
+given as ``attention_fn`` to both Linen and NNX attention layers. Scaling by
+``1/sqrt(depth)``, ``bias``, ``mask`` and the causal mask are fused into one softmax kernel
+instead of being applied as separate elementwise passes over the ``[..., heads, q, kv]`` logits.
+
+Linen::
+
+    import flax.linen as nn
+    from jax_softmax.flax import dot_product_attention
+
+    attn = nn.MultiHeadDotProductAttention(num_heads=8, attention_fn=dot_product_attention)
+    y = attn(x, mask=nn.make_causal_mask(tokens))      # float 0/1 masks are accepted
+    # or, cheaper (no [q, kv] mask array at all):
+    attn = nn.MultiHeadDotProductAttention(
+        num_heads=8, attention_fn=functools.partial(dot_product_attention, is_causal=True))
+
+NNX::
+
+    from flax import nnx
+    from jax_softmax.flax import dot_product_attention
+
+    attn = nnx.MultiHeadAttention(num_heads=8, in_features=512, decode=False,
+                                  attention_fn=dot_product_attention, rngs=nnx.Rngs(0))
+    y = attn(x, is_causal=True)
+
+No ``functools.partial`` is needed to adapt the signature: Linen's
+``MultiHeadDotProductAttention`` passes exactly the keywords that appear in ``attention_fn``'s
+signature, and NNX's ``MultiHeadAttention`` always passes ``mask``, ``dropout_rng``,
+``dropout_rate``, ``broadcast_dropout``, ``deterministic``, ``dtype``, ``precision``, ``module``
+and ``is_causal``, all of which are accepted here. (Linen's layer has no ``is_causal`` argument,
+hence the ``partial`` above to get causal masking without a mask array.)
+
+Behaviour matches Flax's: the same dtype promotion, bias addition, dropout (same
+``jax.random.bernoulli`` call, so the same ``dropout_rng`` drops the same weights),
+``broadcast_dropout``, ``force_fp32_for_softmax``, ``precision``/``einsum_dot_general``/custom
+einsums, grouped-query attention (fewer key/value heads than query heads, as in NNX) and sowing
+of the attention weights into ``'intermediates'`` (Linen) or ``nnx.Intermediate`` (NNX) when
+``module`` is given. Differences:
+
+* A row whose keys are all masked out gets all-zero weights (so the output row is zero);
+  Flax's gives uniform weights over the masked keys.
+* ``bias`` is cast to the logits' dtype before it is added (Flax adds in the promoted dtype).
+* The ``1/sqrt(depth)`` scale is applied to the logits inside the kernel (in float32 for 16-bit
+  inputs) rather than to the query before the ``q @ k`` einsum, so results differ by rounding.
+  The logits are computed in the compute dtype, as in Linen's function; NNX's default, when it
+  takes its ``jax.nn.dot_product_attention`` path (no dropout, no sowing), computes 16-bit
+  logits in float32, so for bfloat16 ours is closer to Linen's results than to NNX's.
+  When a custom ``einsum``/``einsum_dot_general`` is supplied (e.g. quantised einsums), the
+  query is scaled first exactly as Flax does, since the einsum may depend on its input range.
+* A mask of any dtype is accepted: nonzero keeps (as with Flax's float 0/1 masks from
+  ``make_attention_mask``/``make_causal_mask``). It is converted to ``bool`` at its own
+  (usually small, e.g. ``[batch, 1, q, kv]``) shape and never broadcast to the logits' shape.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import random
+
+from flax import linen as _linen
+from flax import nnx as _nnx
+
+from jax_softmax.api import attention_softmax
+
+__all__ = ["dot_product_attention", "dot_product_attention_weights"]
+
+Array = jax.Array
+
+
+def _validate_qkv_shapes(query, key, value=None):
+    arrays = (query, key) if value is None else (query, key, value)
+    names = "q, k" if value is None else "q, k, v"
+    if not all(a.ndim == query.ndim for a in arrays):
+        raise ValueError(f"{names} must have same rank, but got {', '.join(str(a.ndim) for a in arrays)}.")
+    if not all(a.shape[:-3] == query.shape[:-3] for a in arrays):
+        raise ValueError(
+            f"{names} batch dims must match, but got shapes {', '.join(str(a.shape) for a in arrays)}."
+        )
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"q, k depths must match, but got {query.shape[-1]} and {key.shape[-1]}.")
+    if query.shape[-2] % key.shape[-2] != 0:
+        raise ValueError(
+            f"Query heads ({query.shape[-2]}) must be a multiple of key heads ({key.shape[-2]})."
+        )
+    if value is not None:
+        if key.shape[-3] != value.shape[-3]:
+            raise ValueError(f"k, v lengths must match, but got {key.shape[-3]} and {value.shape[-3]}.")
+        if key.shape[-2] != value.shape[-2]:
+            raise ValueError(f"k, v num_heads must match, but got {key.shape[-2]} and {value.shape[-2]}.")
+
+
+def _default_einsum(precision, einsum_dot_general):
+    return functools.partial(
+        jnp.einsum,
+        precision=precision,
+        _dot_general=einsum_dot_general if einsum_dot_general else jax.lax.dot_general,
+    )
+
+
+def _with_leading_dims(x, ndim):
+    """Adds leading unit dims (a free reshape) so that ``x`` has rank ``ndim``."""
+    if x is None or x.ndim >= ndim:
+        return x
+    return jnp.reshape(x, (1,) * (ndim - x.ndim) + x.shape)
+
+
+def _as_bool_mask(mask):
+    mask = jnp.asarray(mask)
+    return mask if mask.dtype == jnp.bool_ else mask != 0
+
+
+def _sow(module, attn_weights):
+    if isinstance(module, _linen.Module):
+        module.sow("intermediates", "attention_weights", attn_weights)
+    else:
+        module.sow(_nnx.Intermediate, "attention_weights", attn_weights)
+
+
+def _promote_dtype(args, /, *, dtype=None, inexact=True):
+    """Flax's (NNX-style) dtype promotion: casts ``args`` (a tuple of arrays, None kept) to
+    ``dtype``, or to their promoted, inexact dtype when ``dtype`` is None."""
+    if dtype is None:
+        dtype = jnp.result_type(*[jnp.asarray(x) for x in args if x is not None])
+        if inexact and not jnp.issubdtype(dtype, jnp.inexact):
+            dtype = jnp.promote_types(jnp.float32, dtype)
+    if inexact and not jnp.issubdtype(dtype, jnp.inexact):
+        raise ValueError(f"Dtype must be inexact: {dtype}")
+    return tuple(None if x is None else jnp.asarray(x, dtype) for x in args)
+
+
+def _promote(promote_fn, arrays, dtype):
+    return tuple((promote_fn or _promote_dtype)(arrays, dtype=dtype))
+
+
+def dot_product_attention_weights(
+    query: Array,
+    key: Array,
+    bias: Array | None = None,
+    mask: Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any | None = None,
+    precision: Any = None,
+    module: Any | None = None,
+    force_fp32_for_softmax: bool = False,
+    einsum_dot_general: Callable[..., Array] | None = None,
+    einsum: Callable[..., Array] | None = None,
+    *,
+    promote_dtype: Callable[..., Any] = _promote_dtype,
+    is_causal: bool = False,
+):
+    """Computes dot-product attention weights given query and key, like Flax's function.
+
+    Args:
+      query: ``[batch..., q_length, num_heads, qk_depth_per_head]``.
+      key: ``[batch..., kv_length, num_kv_heads, qk_depth_per_head]``; ``num_heads`` must be a
+        multiple of ``num_kv_heads`` (grouped-query attention).
+      bias: added to the scaled logits; broadcastable to ``[batch..., num_heads, q_length,
+        kv_length]``. Cast to the logits' dtype.
+      mask: broadcastable to ``[batch..., num_heads, q_length, kv_length]``, any dtype; logits
+        where it is ``False``/zero are excluded. A row with nothing left gets zero weights.
+      broadcast_dropout: use a dropout mask broadcast along batch and head dims.
+      dropout_rng: PRNG key for dropout.
+      dropout_rate: dropout rate.
+      deterministic: if true, no dropout is applied.
+      dtype: dtype of the computation (default: promoted from ``query`` and ``key``).
+      precision: ``jax.lax.Precision`` of the einsum.
+      module: a Linen or NNX module into which the weights (before dropout) are sown as
+        ``attention_weights``, or None.
+      force_fp32_for_softmax: compute the softmax on float32 logits and return float32
+        weights when ``dtype`` is not float32, as Flax does (a 16-bit softmax accumulates in
+        float32 anyway; this only changes the weights' dtype and the logits' rounding).
+      einsum_dot_general: the ``dot_general`` used by ``jnp.einsum``.
+      einsum: custom einsum for ``q @ k``; mutually exclusive with ``precision`` and
+        ``einsum_dot_general``.
+      promote_dtype: NNX-style dtype promotion ``fn((query, key), dtype=dtype)``.
+      is_causal: exclude keys ``j > i`` for query ``i`` (top-left aligned) without building a
+        mask array.
+
+    Returns:
+      Weights of shape ``[batch..., num_heads, q_length, kv_length]``.
+    """
+    if (precision or einsum_dot_general) and einsum:
+        raise ValueError(
+            "precision/einsum_dot_general and einsum are mutually exclusive. Please specify only one of them."
+        )
+    custom_einsum = bool(einsum or einsum_dot_general)
+    if not einsum:
+        einsum = _default_einsum(precision, einsum_dot_general)
+
+    query, key = _promote(promote_dtype, (query, key), dtype)
+    dtype = query.dtype
+    _validate_qkv_shapes(query, key)
+
+    depth = query.shape[-1]
+    if custom_einsum:
+        # A custom (e.g. quantised) einsum sees the same scaled query as in Flax.
+        query = query / jnp.sqrt(depth).astype(dtype)
+        scale = 1.0
+    else:
+        scale = 1.0 / math.sqrt(depth)
+
+    q_heads, k_heads = query.shape[-2], key.shape[-2]
+    if q_heads != k_heads:  # grouped-query attention, as in flax.nnx
+        n_rep = q_heads // k_heads
+        query = query.reshape(query.shape[:-2] + (k_heads, n_rep, depth))
+        logits = einsum("...qhgd,...kh1d->...hgqk", query, jnp.expand_dims(key, axis=-2))
+        logits = logits.reshape(logits.shape[:-4] + (q_heads,) + logits.shape[-2:])
+    else:
+        logits = einsum("...qhd,...khd->...hqk", query, key)
+
+    if force_fp32_for_softmax and dtype != jnp.float32:
+        logits = logits.astype(jnp.float32)
+
+    if mask is not None:
+        mask = _with_leading_dims(_as_bool_mask(mask), logits.ndim)
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            bias = bias.astype(logits.dtype)
+        bias = _with_leading_dims(bias, logits.ndim)
+    attn_weights = attention_softmax(logits, scale=scale, bias=bias, mask=mask, is_causal=is_causal)
+
+    if module is not None:
+        _sow(module, attn_weights)
+
+    # Attention dropout, written exactly as in Flax so that the same rng gives the same result.
+    if not deterministic and dropout_rate > 0.0:
+        keep_prob = 1.0 - dropout_rate
+        if broadcast_dropout:
+            # dropout is broadcast across the batch + head dimensions
+            dropout_shape = tuple([1] * (key.ndim - 2)) + attn_weights.shape[-2:]
+            keep = random.bernoulli(dropout_rng, keep_prob, dropout_shape)
+        else:
+            keep = random.bernoulli(dropout_rng, keep_prob, attn_weights.shape)
+        multiplier = keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype)
+        attn_weights = attn_weights * multiplier
+
+    return attn_weights
+
+
+def dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: Array | None = None,
+    mask: Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any | None = None,
+    precision: Any = None,
+    module: Any | None = None,
+    force_fp32_for_softmax: bool = False,
+    einsum_dot_general: Callable[..., Array] | None = None,
+    qk_attn_weights_einsum: Callable[..., Array] | None = None,
+    attn_weights_value_einsum: Callable[..., Array] | None = None,
+    *,
+    promote_dtype: Callable[..., Any] = _promote_dtype,
+    is_causal: bool = False,
+):
+    """Computes dot-product attention given query, key and value, like Flax's function.
+
+    Usable as ``attention_fn`` of ``flax.linen.MultiHeadDotProductAttention`` and of
+    ``flax.nnx.MultiHeadAttention``. Arguments are those of
+    :func:`dot_product_attention_weights`, plus:
+
+    Args:
+      value: ``[batch..., kv_length, num_kv_heads, v_depth_per_head]``.
+      qk_attn_weights_einsum: custom einsum for ``q @ k``; must be given together with
+        ``attn_weights_value_einsum``; mutually exclusive with ``precision`` and
+        ``einsum_dot_general``.
+      attn_weights_value_einsum: custom einsum for ``weights @ v``.
+
+    Returns:
+      Output of shape ``[batch..., q_length, num_heads, v_depth_per_head]``.
+    """
+    if bool(qk_attn_weights_einsum) != bool(attn_weights_value_einsum):
+        raise ValueError("qk_attn_weights_einsum and attn_weights_value_einsum must be specified together.")
+    if (precision or einsum_dot_general) and (qk_attn_weights_einsum or attn_weights_value_einsum):
+        raise ValueError(
+            "precision/einsum_dot_general and qk_attn_weights_einsum/attn_weights_value_einsum are"
+            " mutually exclusive. Please specify only one of them."
+        )
+
+    query, key, value = _promote(promote_dtype, (query, key, value), dtype)
+    dtype = query.dtype
+    _validate_qkv_shapes(query, key, value)
+
+    attn_weights = dot_product_attention_weights(
+        query,
+        key,
+        bias,
+        mask,
+        broadcast_dropout,
+        dropout_rng,
+        dropout_rate,
+        deterministic,
+        dtype,
+        precision,
+        module,
+        force_fp32_for_softmax,
+        einsum_dot_general=einsum_dot_general,
+        einsum=qk_attn_weights_einsum,
+        promote_dtype=promote_dtype,
+        is_causal=is_causal,
+    )
+    if not attn_weights_value_einsum:
+        attn_weights_value_einsum = _default_einsum(precision, einsum_dot_general)
+
+    q_heads, v_heads = attn_weights.shape[-3], value.shape[-2]
+    if q_heads != v_heads:  # grouped-query attention, as in flax.nnx
+        n_rep = q_heads // v_heads
+        attn_weights = attn_weights.reshape(
+            attn_weights.shape[:-3] + (v_heads, n_rep) + attn_weights.shape[-2:]
+        )
+        value = jnp.expand_dims(value, axis=-2)
+        out = attn_weights_value_einsum("...hgqk,...kh1d->...qhgd", attn_weights, value)
+        return out.reshape(out.shape[:-3] + (q_heads, out.shape[-1]))
+    return attn_weights_value_einsum("...hqk,...khd->...qhd", attn_weights, value)
