@@ -43,9 +43,10 @@ def _bias_cotangent(dx, bias, scale, y, dy, mask, log, has_mask, causal):
     """d(loss)/d(bias): the z-cotangent summed over the axes where bias is broadcast.
 
     dx already holds scale * dz; dividing it back avoids a second kernel. With scale == 0 the
-    division is impossible and dz comes from its own backward call (XLA drops it when the bias
-    gradient is unused)."""
-    if scale != 0.0:
+    division is impossible, and in float16 a small scale pushes scale * dz below float16's
+    normal range; then dz comes from its own backward call (XLA drops it when the bias gradient
+    is unused)."""
+    if scale != 0.0 and (scale == 1.0 or dx.dtype != jnp.float16):
         dz = dx.astype(jnp.float32 if dx.dtype != jnp.float64 else dx.dtype)
         dz = dz * (1.0 / scale) if scale != 1.0 else dz
     else:
@@ -79,6 +80,8 @@ def _check_dtype(fname: str, what: str, x) -> None:
 
 
 def _normalize_axes(fname: str, axis, ndim: int) -> tuple[int, ...]:
+    if axis is None:  # every axis, as jax.nn.softmax(axis=None)
+        axis = tuple(range(ndim))
     axes = axis if isinstance(axis, (tuple, list)) else (axis,)
     out = []
     for a in axes:
@@ -150,12 +153,12 @@ def _softmax_along(x, axis, where, *, log: bool, fname: str):
     return jnp.transpose(y, np.argsort(perm)) if moved else y
 
 
-def softmax(x, axis: int | Sequence[int] = -1, where=None):
+def softmax(x, axis: int | Sequence[int] | None = -1, where=None):
     """Softmax of ``x`` along ``axis``: a drop-in for :func:`jax.nn.softmax`.
 
     Args:
       x: array of float16, bfloat16, float32 or float64. 16-bit inputs accumulate in float32.
-      axis: int or tuple of ints (negative allowed) to normalise over.
+      axis: int or tuple of ints (negative allowed) to normalise over; None means every axis.
       where: optional boolean array broadcastable to ``x``; excluded positions output 0 and a
         row with every position excluded outputs zeros (its gradient is zero too).
 
@@ -165,7 +168,7 @@ def softmax(x, axis: int | Sequence[int] = -1, where=None):
     return _softmax_along(x, axis, where, log=False, fname="softmax")
 
 
-def log_softmax(x, axis: int | Sequence[int] = -1, where=None):
+def log_softmax(x, axis: int | Sequence[int] | None = -1, where=None):
     """Log-softmax of ``x`` along ``axis``: a drop-in for :func:`jax.nn.log_softmax`.
 
     Excluded positions (``where`` false) output ``-inf``; a fully excluded row is ``-inf``

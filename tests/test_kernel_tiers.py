@@ -1,0 +1,206 @@
+"""Row lengths at every tier boundary of the CUDA launcher (ffi/softmax_launch.cuh), and one
+either side, for every dtype, forward and backward, softmax and log_softmax, with and without a
+`where` mask.
+
+The GPU launcher picks a kernel by row length N ("cols"), with V = 16 / sizeof(T) the vector
+width and E the elements per thread (32 forward, 16 backward; halved for V = 1 and again for
+float64):
+  N <= 32 V: lane groups of 1..32 lanes; N <= 32 E: one warp; N <= 512 E: one block of 64..512
+  threads; N <= 16 * 1024 E: a cluster of 2..16 blocks (sm_90+); beyond: the two-pass kernel.
+Plain rows (no mask) with N % V != 0 are read through aligned 16-byte windows, masked ones with
+V = 1. Every boundary is a power of two between 1 and 2^19, so N = 2^k - 1, 2^k, 2^k + 1 for
+k = 0..19 hits each tier's last and first sizes on the vector path (2^k) and the windowed or
+scalar path (2^k +- 1, odd); 3 * 2^k and 2^k +- V fill a tier only partly. Several rows per test,
+so that odd rows start at unaligned addresses. On CPU the same sizes run with 3 rows (the CPU
+kernel has no tiers, but the sizes still cover its vector tails); on a GPU more rows (an odd
+count) are used so that the grids loop over rows and the last group of rows is partial.
+
+Unwritten outputs: JAX allocates the output buffers, so a test cannot pre-fill them with NaN.
+Each case first allocates and frees NaN-filled buffers of the output's size (conftest.poison), so
+the allocator likely hands that memory to the outputs; an element a kernel forgets to write then
+reads as NaN or stale data and fails the exact NaN-position check and the value comparison.
+(On GPU the BFC allocator reuses freed blocks; on CPU only small buffers are reliably reused.)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import (
+    DTYPE_IDS,
+    FLOAT_DTYPES,
+    GRAD_TOL,
+    assert_close,
+    np_attention,
+    np_softmax_vjp,
+    np_softmax_vjp_scale,
+    poison,
+    put,
+    rounded,
+)
+
+import jax_softmax as js
+
+VEC = {jnp.float16: 8, jnp.bfloat16: 8, jnp.float32: 4, jnp.float64: 2}
+MAX_K = 19  # 2^19 = 16 blocks x 1024 threads x 32 elements: the largest cluster tier
+
+
+def sizes_for(backend, dtype, k):
+    """N at boundary 2^k: the boundary itself and one either side; below 2^15 also a partly
+    filled 3 * 2^k; on GPU also a vector step either side (the CPU kernel's tails are covered
+    by the odd sizes)."""
+    n = 2**k
+    sizes = {n - 1, n, n + 1}
+    if backend != "cpu" or k < 15:
+        sizes.add(3 * n)
+    if backend != "cpu":
+        sizes |= {n - VEC[dtype], n + VEC[dtype]}
+    return sorted(s for s in sizes if s >= 1)
+
+
+def rows_for(backend, n):
+    if backend == "cpu":
+        return 3
+    return int(np.clip(2**18 // n, 3, 1031))  # odd counts: a partial last block of rows
+
+
+def make_mask(rng, rows, n):
+    mask = rng.random((rows, n)) < 0.7  # row 0 (and any beyond 2): random
+    mask[1] = False  # fully excluded
+    mask[2] = False
+    mask[2, -1] = True  # only the last element: the tail of the row must be read
+    return mask
+
+
+def _fwd_bwd(x, mask, g):
+    """(softmax, log_softmax) forward and backward, unmasked and masked: eight outputs."""
+    outs = []
+    for where in (None, mask):
+        for f in (js.softmax, js.log_softmax):
+            y, pull = jax.vjp(lambda x: f(x, where=where), x)
+            outs += [y, pull(g)[0]]
+    return outs
+
+
+_fwd_bwd_many = jax.jit(lambda cases: [_fwd_bwd(*c) for c in cases])
+
+
+def check_sizes(device, rng, dtype, sizes, rows_of):
+    # All sizes in one jitted call: one compilation per test rather than one per size.
+    cases = []
+    for n in sizes:
+        rows = rows_of(n)
+        x = rounded(rng.standard_normal((rows, n)) * 3.0, dtype)
+        g = rounded(rng.standard_normal((rows, n)), dtype)
+        cases.append((x, make_mask(rng, rows, n), g))
+    placed = [put(device, *c) for c in cases]
+    for x, _, _ in cases:
+        poison(device, x.shape, dtype, count=8)
+    results = _fwd_bwd_many(placed)
+    for (x, mask, g), outs in zip(cases, results):
+        outs = iter(np.asarray(o) for o in outs)
+        rows, n = x.shape
+        for where in (None, mask):
+            refs = reference(x, g, where, dtype)
+            for log in (False, True):
+                y, dx = next(outs), next(outs)
+                ry, rdx, mag = refs[log]
+                what = f"N={n} rows={rows} {'log_softmax' if log else 'softmax'}"
+                what += " masked" if where is not None else ""
+                assert y.dtype == np.dtype(dtype) and y.shape == (rows, n), what
+                assert_close(y, ry, dtype, what="fwd " + what)
+                assert_close(dx, rdx, dtype, tol=GRAD_TOL, mag=mag, what="bwd " + what)
+
+
+def reference(x, g, where, dtype):
+    """{log: (y, dx, error scale of dx)} in float64: conftest's np_softmax, np_softmax_vjp and
+    np_softmax_vjp_scale computed together (the large rows make the references the slow part)."""
+    x = x.astype(np.float64)
+    g = g.astype(np.float64)
+    with np.errstate(all="ignore"):
+        if where is None:
+            m = x.max(-1, keepdims=True)
+            z = x - m
+            e = np.exp(z)
+        else:
+            m = np.where(where, x, -np.inf).max(-1, keepdims=True)
+            m = np.where(np.isfinite(m), m, 0.0)
+            z = np.where(where, x - m, -np.inf)
+            e = np.exp(z)
+            g = np.where(where, g, 0.0)
+        s = e.sum(-1, keepdims=True)
+        p = e / np.where(s == 0, 1.0, s)
+        logp = z - np.log(np.where(s == 0, 1.0, s))  # -inf where excluded (z = -inf)
+        ag = np.abs(g)
+        pe = p + float(jnp.finfo(dtype).tiny)  # see conftest.np_softmax_vjp_scale
+        dsm = p * (g - (p * g).sum(-1, keepdims=True))
+        dlog = g - p * g.sum(-1, keepdims=True)
+        mag_sm = pe * (ag + (p * ag).sum(-1, keepdims=True))
+        mag_log = ag + pe * (1 + np.abs(np.where(p > 0, logp, 0.0))) * ag.sum(-1, keepdims=True)
+    return {False: (p, dsm, mag_sm), True: (logp, dlog, mag_log)}
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("k", range(MAX_K + 1), ids=lambda k: f"2^{k}")
+def test_tier_boundaries(backend, device, rng, dtype, k):
+    check_sizes(device, rng, dtype, sizes_for(backend, dtype, k), lambda n: rows_for(backend, n))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
+def test_two_pass_sizes(backend, device, rng, dtype):
+    # Beyond the largest cluster: the two-pass streaming kernel (vector and scalar paths).
+    sizes = [2**MAX_K + VEC[dtype], 2**MAX_K + 3] + ([2**20] if backend != "cpu" else [])
+    check_sizes(device, rng, dtype, sizes, lambda n: 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("n", [2**12, 2**15 + 2, 2**17, 2**19, 2**21 + 1, 2**22], ids=str)
+def test_many_long_rows(backend, device, rng, dtype, n):
+    # More rows than clusters/blocks resident at once: the one-wave grids loop over rows.
+    check_sizes(device, rng, dtype, [n], lambda n: max(3, min(301, 2**23 // n)))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("s", [1, 33, 256, 1000])
+def test_causal_attention_sizes(backend, device, rng, dtype, s):
+    check_attention(device, rng, dtype, s)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("s", [2048, 4097])
+def test_causal_attention_large(backend, device, rng, dtype, s):
+    check_attention(device, rng, dtype, s)
+
+
+def check_attention(device, rng, dtype, s):
+    b, h = 1, 2
+    scores = rounded(rng.standard_normal((b, h, s, s)) * 2.0, dtype)
+    bias = rounded(rng.standard_normal((1, h, 1, s)), dtype)
+    mask = rng.random((b, 1, 1, s)) < 0.9
+    mask[..., 0] = s == 1 or bool(rng.random() < 0.5)
+    g = rounded(rng.standard_normal(scores.shape), dtype)
+    sd, bd, md, gd = put(device, scores, bias, mask, g)
+    poison(device, scores.shape, dtype, count=3)
+
+    def fn(s_, b_, m_, g_):
+        y, pull = jax.vjp(
+            lambda s_, b_: js.attention_softmax(s_, scale=0.125, bias=b_, mask=m_, is_causal=True),
+            s_,
+            b_,
+        )
+        return (y, *pull(g_))
+
+    y, ds, db = (np.asarray(o) for o in jax.jit(fn)(sd, bd, md, gd))
+    expect = np_attention(scores, 0.125, bias, mask, True)
+    assert_close(y, expect, dtype, what=f"attention S={s}")
+    valid = np.broadcast_to(mask, scores.shape) & (np.arange(s)[None, :] <= np.arange(s)[:, None])
+    z = scores.astype(np.float64) * 0.125 + bias.astype(np.float64)
+    dz = np_softmax_vjp(z, g, -1, valid)
+    mag = np_softmax_vjp_scale(z, g, -1, valid, dtype=dtype)
+    assert_close(ds, 0.125 * dz, dtype, tol=GRAD_TOL, mag=0.125 * mag, what=f"d scores S={s}")
+    red = dict(axis=(0, 2), keepdims=True)  # bias (1, H, 1, S): summed over batch and queries
+    assert_close(db, dz.sum(**red), dtype, tol=GRAD_TOL, mag=mag.sum(**red), what=f"d bias S={s}")
