@@ -27,12 +27,18 @@ if want build; then
     tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
   fi
   echo "build: $(( $(date +%s) - t0 )) s"
+  # Are the hot loops' accesses 16 bytes wide? (LDG.E.128 / STG.E.128 in the SASS)
+  so=$("$PY" -c "import jax_softmax, glob, os; print(glob.glob(os.path.join(os.path.dirname(jax_softmax.__file__), '_jax_softmax_cuda*.so'))[0])" 2>/dev/null)
+  if [ -n "$so" ] && command -v cuobjdump >/dev/null; then
+    echo "SASS global accesses in $(basename "$so"):"
+    cuobjdump -sass "$so" | grep -oE "(LDG|STG)\.E[A-Z0-9._]*" | sort | uniq -c | sort -rn | head -8
+  fi
 fi
 
 # Run from outside the checkout so Python imports the installed package, not the source tree.
 cd /tmp
 if want test; then
-  "$PY" -m pytest "$REPO/tests" -q -x -p no:cacheprovider --junitxml="$OUT/pytest.xml" \
+  "$PY" -m pytest "$REPO/tests" -q --maxfail=25 -p no:cacheprovider -rf --junitxml="$OUT/pytest.xml" \
     2>&1 | tee "$OUT/pytest.log" | tail -25
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
