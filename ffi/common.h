@@ -188,6 +188,38 @@ inline ffi::Error FillRowParams(const ffi::AnyBuffer& in, const ffi::AnyBuffer* 
   return ffi::Error::Success();
 }
 
+// The operands and attributes of the two FFI targets, shared by the CPU and CUDA handlers so
+// that their contract cannot drift apart. Ctx is the platform's context (thread pool, stream).
+// Absent bias/mask operands are one-element dummies; has_bias / has_mask say which are real.
+template <typename Ctx>
+auto ForwardBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<Ctx>()
+      .template Arg<ffi::AnyBuffer>()  // x
+      .template Arg<ffi::AnyBuffer>()  // bias
+      .template Arg<ffi::AnyBuffer>()  // mask
+      .template Ret<ffi::AnyBuffer>()  // y
+      .template Attr<bool>("log")
+      .template Attr<double>("scale")
+      .template Attr<bool>("has_bias")
+      .template Attr<bool>("has_mask")
+      .template Attr<bool>("causal");
+}
+
+template <typename Ctx>
+auto BackwardBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<Ctx>()
+      .template Arg<ffi::AnyBuffer>()  // y
+      .template Arg<ffi::AnyBuffer>()  // dy
+      .template Arg<ffi::AnyBuffer>()  // mask
+      .template Ret<ffi::AnyBuffer>()  // dx
+      .template Attr<bool>("log")
+      .template Attr<double>("scale")
+      .template Attr<bool>("has_mask")
+      .template Attr<bool>("causal");
+}
+
 // Calls fn(TypeTag<T>{}) with the storage type of `dtype`. 16-bit floats arrive as the tag
 // types below; each backend maps them to its own storage (CUDA: __half/__nv_bfloat16).
 struct Float16Tag {};

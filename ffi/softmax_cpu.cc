@@ -685,26 +685,7 @@ ffi::Error SoftmaxBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer
 }  // namespace jax_softmax
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSoftmaxFwdCpu, jax_softmax::SoftmaxFwdImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // x
-                                  .Arg<xla::ffi::AnyBuffer>()  // bias
-                                  .Arg<xla::ffi::AnyBuffer>()  // mask
-                                  .Ret<xla::ffi::AnyBuffer>()  // y
-                                  .Attr<bool>("log")
-                                  .Attr<double>("scale")
-                                  .Attr<bool>("has_bias")
-                                  .Attr<bool>("has_mask")
-                                  .Attr<bool>("causal"));
+                              jax_softmax::ForwardBinding<xla::ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSoftmaxBwdCpu, jax_softmax::SoftmaxBwdImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // y
-                                  .Arg<xla::ffi::AnyBuffer>()  // dy
-                                  .Arg<xla::ffi::AnyBuffer>()  // mask
-                                  .Ret<xla::ffi::AnyBuffer>()  // dx
-                                  .Attr<bool>("log")
-                                  .Attr<double>("scale")
-                                  .Attr<bool>("has_mask")
-                                  .Attr<bool>("causal"));
+                              jax_softmax::BackwardBinding<xla::ffi::ThreadPool>());

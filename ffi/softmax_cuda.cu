@@ -45,29 +45,12 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer dy
 }  // namespace
 }  // namespace jax_softmax
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSoftmaxFwdCuda, jax_softmax::ForwardCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // x
-                                  .Arg<xla::ffi::AnyBuffer>()  // bias
-                                  .Arg<xla::ffi::AnyBuffer>()  // mask
-                                  .Ret<xla::ffi::AnyBuffer>()  // y
-                                  .Attr<bool>("log")
-                                  .Attr<double>("scale")
-                                  .Attr<bool>("has_bias")
-                                  .Attr<bool>("has_mask")
-                                  .Attr<bool>("causal"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxSoftmaxFwdCuda, jax_softmax::ForwardCuda,
+    jax_softmax::ForwardBinding<xla::ffi::PlatformStream<cudaStream_t>>(),
+    {xla::ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSoftmaxBwdCuda, jax_softmax::BackwardCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // y
-                                  .Arg<xla::ffi::AnyBuffer>()  // dy
-                                  .Arg<xla::ffi::AnyBuffer>()  // mask
-                                  .Ret<xla::ffi::AnyBuffer>()  // dx
-                                  .Attr<bool>("log")
-                                  .Attr<double>("scale")
-                                  .Attr<bool>("has_mask")
-                                  .Attr<bool>("causal"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxSoftmaxBwdCuda, jax_softmax::BackwardCuda,
+    jax_softmax::BackwardBinding<xla::ffi::PlatformStream<cudaStream_t>>(),
+    {xla::ffi::Traits::kCmdBufferCompatible});

@@ -103,6 +103,24 @@ ffi::ErrorOr<int> BlocksPerSm(int device) {
   return n;
 }
 
+// Launch configuration of a cluster kernel: kCluster blocks along x per cluster.
+struct ClusterLaunch {
+  cudaLaunchAttribute attr[1];
+  cudaLaunchConfig_t config = {};
+  ClusterLaunch(int cluster, unsigned grid, int block, cudaStream_t stream) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = cluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    config.gridDim = dim3(grid);
+    config.blockDim = dim3(block);
+    config.stream = stream;
+    config.attrs = attr;
+    config.numAttrs = 1;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;  // config points into attr
+};
+
 // Active clusters of kCluster blocks for a cluster kernel; 0 when the GPU cannot schedule one.
 template <auto Kernel, int kBlock, int kCluster>
 int ActiveClusters(int device) {
@@ -112,18 +130,10 @@ int ActiveClusters(int device) {
     n = -1;
     if (kCluster > 8)
       cudaFuncSetAttribute(Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    cudaLaunchConfig_t config = {};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = kCluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    config.gridDim = dim3(kCluster);
-    config.blockDim = dim3(kBlock);
-    config.attrs = attr;
-    config.numAttrs = 1;
+    const ClusterLaunch launch(kCluster, kCluster, kBlock, nullptr);
     int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, Kernel, &config) == cudaSuccess && clusters > 0)
+    if (cudaOccupancyMaxActiveClusters(&clusters, Kernel, &launch.config) == cudaSuccess &&
+        clusters > 0)
       n = clusters;
     cudaGetLastError();  // a refused size is an answer, not an error to report later
     cached.store(n, std::memory_order_relaxed);
@@ -173,18 +183,8 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
   const int active = ActiveClusters<kernel, kBlock, kCluster>(c.device);
   if (active == 0) return LaunchTwoPass<T, kVec, kBwd, kAccess>(c);
   const int64_t clusters = c.p.rows < active ? c.p.rows : active;
-  cudaLaunchConfig_t config = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = kCluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
-  config.blockDim = dim3(kBlock);
-  config.stream = c.stream;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  const cudaError_t e = cudaLaunchKernelEx(&config, kernel, c.p);
+  const ClusterLaunch launch(kCluster, static_cast<unsigned>(clusters * kCluster), kBlock, c.stream);
+  const cudaError_t e = cudaLaunchKernelEx(&launch.config, kernel, c.p);
   if (e != cudaSuccess)
     return Internal(std::string("softmax cluster kernel launch failed: ") + cudaGetErrorString(e));
   return CheckLaunch("softmax cluster kernel");
