@@ -29,6 +29,18 @@ def _register(module_name: str, platform: str) -> bool:
 _registered["cpu"] = _register("_jax_softmax_cpu", "cpu")
 _registered["cuda"] = _register("_jax_softmax_cuda", "CUDA")
 
+if not any(_registered.values()):
+    import warnings
+
+    # Typically `python` started in a source checkout, which shadows the installed package.
+    warnings.warn(
+        "jax_softmax: no compiled kernels found next to "
+        f"{__file__!r}; every call falls back to a jnp formula. Import the installed package "
+        "(run from outside the source tree) or build it: pip install .",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
 
 def available_platforms() -> tuple[str, ...]:
     """Platforms ("cpu", "cuda") whose kernels were built into this installation."""
