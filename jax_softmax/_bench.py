@@ -84,6 +84,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import functools
 import gc
 import json
 import math
@@ -1317,40 +1318,50 @@ def run_softmax(argv=None) -> int:
                                "dtype": dtype, "mode": mode, "variant": None, "N": n, "S": None,
                                "shape": f"{rows}x{n}", "rows": rows, "size_mib": size_mib,
                                "bytes": softmax_bytes(mode, nbytes)}
-                        try:
-                            if prov in jax_fns:
-                                rec.update(_jax_softmax_point(jax_fns[prov], cfg["op"], dtype,
-                                                              mode, rows, n, cfg, seed))
-                                dc = meta["dispatch_check"].get(prov, {})
-                                if "residual_us_in_sweep" in dc:
-                                    rec["dispatch_residual_us"] = dc["residual_us_in_sweep"]
-                                    rec["dispatch_residual_pct"] = (
-                                        100.0 * dc["residual_us_in_sweep"] / rec["time_us"])
-                            else:
-                                rec.update(_torch_softmax_point(prov, cfg["op"], dtype, mode,
-                                                                rows, n, cfg, seed))
-                            rec["gbps"] = rec["bytes"] / (rec["time_us"] * 1e-6) / 1e9
-                            _judge(rec, dtype)
-                            if rec["check"] == "FAIL":
-                                bar.write(f"CHECK FAILED: {prov} {dtype} {mode} N={n}: rel_err="
-                                          f"{rec.get('rel_err')} "
-                                          f"rel_err_dx={rec.get('rel_err_dx')}")
-                        except Exception as e:  # record and go on
-                            rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-                            rec["check"] = "error"
-                            bar.write(f"ERROR {prov} {dtype} {mode} N={n}: {rec['error']}")
-                            if os.environ.get("JAX_SOFTMAX_BENCH_TRACEBACK"):
-                                bar.write(traceback.format_exc())
-                        free_memory()
-                        records.append(rec)
-                        finalize_records(records, meta["ceilings"].get("ceiling_gbps"), "jax_nn",
-                                         ("op", "dtype", "mode", "N", "size_mib"))
-                        meta["elapsed_s"] = time.time() - t_start
-                        write_outputs(base, meta, records)
-                        bar.update()
+                        if prov in jax_fns:
+                            measure = functools.partial(_jax_softmax_point, jax_fns[prov],
+                                                        cfg["op"], dtype, mode, rows, n, cfg, seed)
+                        else:
+                            measure = functools.partial(_torch_softmax_point, prov, cfg["op"],
+                                                        dtype, mode, rows, n, cfg, seed)
+                        _run_point(rec, measure, f"{prov} {dtype} {mode} N={n}", meta, bar,
+                                   records, base, "jax_nn",
+                                   ("op", "dtype", "mode", "N", "size_mib"), t_start)
     bar.close()
     return _finish(base, meta, records, "N", ("op", "size_mib", "dtype", "mode"),
                    ("dtype",), ("mode",), f"{cfg['op']}: GB/s vs row length N", args.no_plot)
+
+
+def _run_point(rec, measure, what, meta, bar, records, base, baseline, group_keys, t_start):
+    """Measures one point of a sweep into `rec` and records it; never raises.
+
+    `measure()` returns the timing fields. Adds the dispatch residual (JAX providers only: the
+    dispatch check holds nothing for the others), GB/s and the correctness verdict, or the error;
+    then appends the record, recomputes ceiling/baseline figures and rewrites JSON/CSV so an
+    interrupted sweep keeps what it measured."""
+    try:
+        rec.update(measure())
+        dc = meta["dispatch_check"].get(rec["provider_id"], {})
+        if "residual_us_in_sweep" in dc:
+            rec["dispatch_residual_us"] = dc["residual_us_in_sweep"]
+            rec["dispatch_residual_pct"] = 100.0 * dc["residual_us_in_sweep"] / rec["time_us"]
+        rec["gbps"] = rec["bytes"] / (rec["time_us"] * 1e-6) / 1e9
+        _judge(rec, rec["dtype"])
+        if rec["check"] == "FAIL":
+            bar.write(f"CHECK FAILED: {what}: rel_err={rec.get('rel_err')} "
+                      f"rel_err_dx={rec.get('rel_err_dx')}")
+    except Exception as e:  # record and go on
+        rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        rec["check"] = "error"
+        bar.write(f"ERROR {what}: {rec['error']}")
+        if os.environ.get("JAX_SOFTMAX_BENCH_TRACEBACK"):
+            bar.write(traceback.format_exc())
+    free_memory()
+    records.append(rec)
+    finalize_records(records, meta["ceilings"].get("ceiling_gbps"), baseline, group_keys)
+    meta["elapsed_s"] = time.time() - t_start
+    write_outputs(base, meta, records)
+    bar.update()
 
 
 def _finish(base, meta, records, xkey, group_keys, row_keys, col_keys, title, no_plot) -> int:
@@ -1444,7 +1455,6 @@ def run_attention(argv=None) -> int:
     label = {"jax_softmax": api_label or "jax_softmax"}
     meta["ceilings"] = measure_ceilings(cfg["copy_mib"], providers, cfg["chain"], cfg["reps"],
                                         cfg["warmup"], log, pipeline=cfg["pipeline"])
-    import functools
     meta["dispatch_check"] = dispatch_check(
         {k: functools.partial(f, scale=cfg["scale"]) for k, f in fns.items()},
         cfg["chain"], cfg["reps"], cfg["warmup"], log, pipeline=cfg["pipeline"],
@@ -1471,34 +1481,11 @@ def run_attention(argv=None) -> int:
                                    "provider": label.get(prov, prov), "provider_id": prov,
                                    "dtype": dtype, "mode": mode, "variant": variant, "N": s,
                                    "S": s, "shape": f"{b}x{h}x{s}x{s}", "size_mib": size_mib}
-                            try:
-                                rec.update(_attention_point(fn, dtype, mode, variant, b, h, s, cfg,
-                                                            seed))
-                                dc = meta["dispatch_check"].get(prov, {})
-                                if "residual_us_in_sweep" in dc:
-                                    rec["dispatch_residual_us"] = dc["residual_us_in_sweep"]
-                                    rec["dispatch_residual_pct"] = (
-                                        100.0 * dc["residual_us_in_sweep"] / rec["time_us"])
-                                rec["gbps"] = rec["bytes"] / (rec["time_us"] * 1e-6) / 1e9
-                                _judge(rec, dtype)
-                                if rec["check"] == "FAIL":
-                                    bar.write(f"CHECK FAILED: {prov} {dtype} {mode} {variant} "
-                                              f"S={s}: rel_err={rec.get('rel_err')} "
-                                              f"rel_err_dx={rec.get('rel_err_dx')}")
-                            except Exception as e:
-                                rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-                                rec["check"] = "error"
-                                bar.write(f"ERROR {prov} {dtype} {mode} {variant} S={s}: "
-                                          f"{rec['error']}")
-                                if os.environ.get("JAX_SOFTMAX_BENCH_TRACEBACK"):
-                                    bar.write(traceback.format_exc())
-                            free_memory()
-                            records.append(rec)
-                            finalize_records(records, meta["ceilings"].get("ceiling_gbps"), "xla",
-                                             ("dtype", "mode", "variant", "S", "size_mib"))
-                            meta["elapsed_s"] = time.time() - t_start
-                            write_outputs(base, meta, records)
-                            bar.update()
+                            measure = functools.partial(_attention_point, fn, dtype, mode,
+                                                        variant, b, h, s, cfg, seed)
+                            _run_point(rec, measure, f"{prov} {dtype} {mode} {variant} S={s}",
+                                       meta, bar, records, base, "xla",
+                                       ("dtype", "mode", "variant", "S", "size_mib"), t_start)
     bar.close()
     return _finish(base, meta, records, "S", ("size_mib", "dtype", "mode", "variant"),
                    ("variant",), ("dtype", "mode"), "attention_softmax: GB/s vs S", args.no_plot)

@@ -17,7 +17,7 @@ def acc_dtype(dtype) -> np.dtype:
 
 
 def valid_positions(shape, mask, has_mask: bool, causal: bool):
-    """Boolean array broadcastable to `shape` (or None when every position is valid)."""
+    """Boolean array of `shape` (or None when every position is valid)."""
     valid = None
     if has_mask:
         valid = mask
@@ -25,7 +25,14 @@ def valid_positions(shape, mask, has_mask: bool, causal: bool):
         sq, sk = shape[-2], shape[-1]
         tri = jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None]
         valid = tri if valid is None else jnp.logical_and(valid, tri)
-    return valid
+    return None if valid is None else jnp.broadcast_to(valid, shape)
+
+
+def zero_invalid(valid):
+    """a -> a with invalid positions set to 0 (the identity when every position is valid)."""
+    if valid is None:
+        return lambda a: a
+    return lambda a: jnp.where(valid, a, 0)
 
 
 def forward(x, bias, mask, *, log, scale, has_bias, has_mask, causal):
@@ -42,7 +49,6 @@ def forward(x, bias, mask, *, log, scale, has_bias, has_mask, causal):
         s = jnp.sum(e, axis=-1, keepdims=True)
         y = shifted - jnp.log(s) if log else e / s
     else:
-        valid = jnp.broadcast_to(valid, x.shape)
         zv = jnp.where(valid, z, -jnp.inf)
         shifted = zv - jnp.max(zv, axis=-1, keepdims=True)
         e = jnp.where(valid, jnp.exp(shifted), 0)
@@ -54,10 +60,7 @@ def forward(x, bias, mask, *, log, scale, has_bias, has_mask, causal):
 def backward(y, dy, mask, *, log, scale, has_mask, causal):
     acc = acc_dtype(y.dtype)
     yv, g = y.astype(acc), dy.astype(acc)
-    valid = valid_positions(y.shape, mask, has_mask, causal)
-    if valid is not None:
-        valid = jnp.broadcast_to(valid, y.shape)
-    keep = (lambda a: a) if valid is None else (lambda a: jnp.where(valid, a, 0))
+    keep = zero_invalid(valid_positions(y.shape, mask, has_mask, causal))
     if log:
         s = jnp.sum(keep(g), axis=-1, keepdims=True)
         dx = g - jnp.exp(yv) * s

@@ -29,6 +29,10 @@ def _forward(x, bias, mask, log, scale, has_bias, has_mask, causal):
     )
 
 
+def _backward(y, dy, mask, log, scale, has_mask, causal):
+    return softmax_bwd_p.bind(y, dy, mask, log=log, scale=scale, has_mask=has_mask, causal=causal)
+
+
 _fused = jax.custom_vjp(_forward, nondiff_argnums=(3, 4, 5, 6, 7))
 
 
@@ -50,7 +54,7 @@ def _bias_cotangent(dx, bias, scale, y, dy, mask, log, has_mask, causal):
         dz = dx.astype(jnp.float32 if dx.dtype != jnp.float64 else dx.dtype)
         dz = dz * (1.0 / scale) if scale != 1.0 else dz
     else:
-        dz = softmax_bwd_p.bind(y, dy, mask, log=log, scale=1.0, has_mask=has_mask, causal=causal)
+        dz = _backward(y, dy, mask, log, 1.0, has_mask, causal)
     axes = tuple(a for a, (b, n) in enumerate(zip(bias.shape, dx.shape)) if b == 1 and n != 1)
     if axes:
         dz = jnp.sum(dz, axis=axes, keepdims=True, dtype=jnp.promote_types(dz.dtype, jnp.float32))
@@ -59,7 +63,7 @@ def _bias_cotangent(dx, bias, scale, y, dy, mask, log, has_mask, causal):
 
 def _fused_bwd(log, scale, has_bias, has_mask, causal, res, dy):
     y, bias, mask = res
-    dx = softmax_bwd_p.bind(y, dy, mask, log=log, scale=scale, has_mask=has_mask, causal=causal)
+    dx = _backward(y, dy, mask, log, scale, has_mask, causal)
     if has_bias:
         dbias = _bias_cotangent(dx, bias, scale, y, dy, mask, log, has_mask, causal)
     else:
@@ -111,12 +115,17 @@ def _check_broadcast(fname: str, what: str, operand, shape) -> None:
         )
 
 
+def _pad_rank(a, shape):
+    """Leading size-1 axes up to len(shape): the kernels read operands of x's rank."""
+    return a.reshape((1,) * (len(shape) - a.ndim) + a.shape)
+
+
 def _as_bool_mask(fname: str, what: str, m, shape):
     m = jnp.asarray(m)
     if m.dtype != np.bool_:
         raise TypeError(f"{fname}: {what} must be a boolean array, got dtype {m.dtype}")
     _check_broadcast(fname, what, m, shape)
-    return m.reshape((1,) * (len(shape) - m.ndim) + m.shape)
+    return _pad_rank(m, shape)
 
 
 # --- softmax / log_softmax ---------------------------------------------------------------------
@@ -225,7 +234,7 @@ def attention_softmax(scores, *, scale=1.0, bias=None, mask=None, is_causal: boo
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             raise TypeError(f"{fname}: bias must have a floating dtype, got {bias.dtype}")
         _check_broadcast(fname, "bias", bias, shape)
-        bias = bias.reshape((1,) * (len(shape) - bias.ndim) + bias.shape).astype(scores.dtype)
+        bias = _pad_rank(bias, shape).astype(scores.dtype)
     if mask is not None:
         mask = _as_bool_mask(fname, "mask", mask, shape)
     if scores.size == 0:

@@ -109,11 +109,6 @@ def _instantiate(t, like):
     return jnp.zeros(like.shape, like.dtype) if type(t) is ad.Zero else t
 
 
-def _valid(shape, mask, has_mask, causal):
-    v = _reference.valid_positions(shape, mask, has_mask, causal)
-    return None if v is None else jnp.broadcast_to(v, shape)
-
-
 def _fwd_jvp(primals, tangents, *, log, scale, has_bias, has_mask, causal):
     x, bias, mask = primals
     tx, tbias, _ = tangents
@@ -123,8 +118,7 @@ def _fwd_jvp(primals, tangents, *, log, scale, has_bias, has_mask, causal):
     tz = _instantiate(tx, x).astype(acc) * jnp.asarray(scale, acc)
     if has_bias and type(tbias) is not ad.Zero:
         tz = tz + tbias.astype(acc)
-    valid = _valid(x.shape, mask, has_mask, causal)
-    keep = (lambda a: a) if valid is None else (lambda a: jnp.where(valid, a, 0))
+    keep = _reference.zero_invalid(_reference.valid_positions(x.shape, mask, has_mask, causal))
     yv = y.astype(acc)
     if log:
         ty = tz - jnp.sum(keep(jnp.exp(yv) * tz), axis=-1, keepdims=True)
@@ -140,8 +134,7 @@ def _bwd_jvp(primals, tangents, *, log, scale, has_mask, causal):
     acc = _reference.acc_dtype(y.dtype)
     yv, g = y.astype(acc), dy.astype(acc)
     ty, tg = _instantiate(ty, y).astype(acc), _instantiate(tdy, dy).astype(acc)
-    valid = _valid(y.shape, mask, has_mask, causal)
-    keep = (lambda a: a) if valid is None else (lambda a: jnp.where(valid, a, 0))
+    keep = _reference.zero_invalid(_reference.valid_positions(y.shape, mask, has_mask, causal))
     rowsum = functools.partial(jnp.sum, axis=-1, keepdims=True)
     if log:
         p = keep(jnp.exp(yv))
