@@ -32,6 +32,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 
 #include "common.h"
 #include "row_params.h"
@@ -73,25 +74,18 @@ JS_INLINE int64_t RoundUpLanes(int64_t n) { return (n + kLanes - 1) / kLanes * k
 // inside the conversion loops; all round to nearest even and keep NaN, inf and subnormals.
 // Comparisons are done on int32 because AVX2 has no unsigned vector compare.
 
-JS_INLINE uint32_t BitsOf(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
+// Same-size bit reinterpretation through memcpy (std::bit_cast is C++20).
+template <typename To, typename From>
+JS_INLINE To BitCast(From from) {
+  static_assert(sizeof(To) == sizeof(From), "bit cast between different sizes");
+  To to;
+  std::memcpy(&to, &from, sizeof to);
+  return to;
 }
-JS_INLINE uint64_t BitsOf(double d) {
-  uint64_t u;
-  std::memcpy(&u, &d, sizeof u);
-  return u;
-}
-JS_INLINE float FloatFromBits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-JS_INLINE double DoubleFromBits(uint64_t u) {
-  double d;
-  std::memcpy(&d, &u, sizeof d);
-  return d;
+// The bits of a float (uint32_t) or double (uint64_t).
+template <typename F>
+JS_INLINE auto BitsOf(F f) {
+  return BitCast<std::conditional_t<sizeof(F) == 4, uint32_t, uint64_t>>(f);
 }
 
 JS_INLINE float HalfToFloat(uint16_t h) {
@@ -104,7 +98,7 @@ JS_INLINE float HalfToFloat(uint16_t h) {
   // Zero and subnormals: the value is mantissa * 2^-24, which float holds exactly.
   const float sub = static_cast<float>(em) * 0x1p-24f;
   bits = em < 0x0400 ? static_cast<int32_t>(BitsOf(sub)) : bits;
-  return FloatFromBits(static_cast<uint32_t>(bits) | sign);
+  return BitCast<float>(static_cast<uint32_t>(bits) | sign);
 }
 
 JS_INLINE uint16_t FloatToHalf(float f) {
@@ -117,7 +111,7 @@ JS_INLINE uint16_t FloatToHalf(float f) {
   // Below 2^-14 the result is subnormal: adding 0.5f lines the half's subnormal grid up with the
   // float's last mantissa bit, so the FPU's own round-to-nearest-even does the rounding.
   const int32_t sub =
-      static_cast<int32_t>(BitsOf(FloatFromBits(static_cast<uint32_t>(u)) + 0.5f)) -
+      static_cast<int32_t>(BitsOf(BitCast<float>(static_cast<uint32_t>(u)) + 0.5f)) -
       static_cast<int32_t>(BitsOf(0.5f));
   int32_t h = u < (113 << 23) ? sub : normal;
   h = u >= (143 << 23) ? 0x7c00 : h;  // >= 65536: inf
@@ -125,7 +119,7 @@ JS_INLINE uint16_t FloatToHalf(float f) {
   return static_cast<uint16_t>(static_cast<uint32_t>(h) | sign);
 }
 
-JS_INLINE float BFloat16ToFloat(uint16_t b) { return FloatFromBits(static_cast<uint32_t>(b) << 16); }
+JS_INLINE float BFloat16ToFloat(uint16_t b) { return BitCast<float>(static_cast<uint32_t>(b) << 16); }
 
 JS_INLINE uint16_t FloatToBFloat16(float f) {
   const uint32_t u = BitsOf(f);
@@ -202,8 +196,8 @@ JS_INLINE float Exp(float x) {
   // Halves in [-75, 64]: each factor is a normal float, the product rounds once.
   const int32_t n1 = ni >> 1;
   const int32_t n2 = ni - n1;
-  e = e * FloatFromBits(static_cast<uint32_t>(n1 + 127) << 23);
-  e = e * FloatFromBits(static_cast<uint32_t>(n2 + 127) << 23);
+  e = e * BitCast<float>(static_cast<uint32_t>(n1 + 127) << 23);
+  e = e * BitCast<float>(static_cast<uint32_t>(n2 + 127) << 23);
   return e;
 }
 
@@ -235,8 +229,8 @@ JS_INLINE double Exp(double x) {
   const double n1 = (n * 0.5 + kRound) - kRound;
   const double n2 = n - n1;
   const uint64_t round_bits = BitsOf(kRound);
-  e = e * DoubleFromBits((BitsOf(n1 + kRound) - round_bits + 1023) << 52);
-  e = e * DoubleFromBits((BitsOf(n2 + kRound) - round_bits + 1023) << 52);
+  e = e * BitCast<double>((BitsOf(n1 + kRound) - round_bits + 1023) << 52);
+  e = e * BitCast<double>((BitsOf(n2 + kRound) - round_bits + 1023) << 52);
   return e;
 }
 

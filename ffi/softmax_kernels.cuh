@@ -47,6 +47,8 @@ struct RowLoader {
   int shift;
   A scale;
 
+  // The row kernel keeps one loader per row of its batch, built once for loads and stores.
+  RowLoader() = default;
   __device__ __forceinline__ RowLoader(const RowParams& p, int64_t row, bool row_ok) {
     const int64_t base = row * p.cols;
     shift = kAccess == Access::kWindowed ? static_cast<int>(base & (kVec - 1)) : 0;
@@ -262,13 +264,15 @@ __global__ void __launch_bounds__(BlockThreads(kGroup))
     A v[kRows][kPacks][kVec];
     A g[kRows][kPacks][kVec];
     bool ok[kRows][kPacks][kVec];
+    // Built once per row: its bias/mask offsets and causal limit cost integer divisions.
+    Loader loaders[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int64_t row = row0 + r * (kBlock / kGroup) + group;
-      const Loader loader(p, row, row < p.rows);
+      loaders[r] = Loader(p, row, row < p.rows);
 #pragma unroll
       for (int k = 0; k < kPacks; ++k)
-        loader.load(first_col + k * kGroup * kVec, v[r][k], g[r][k], ok[r][k]);
+        loaders[r].load(first_col + k * kGroup * kVec, v[r][k], g[r][k], ok[r][k]);
     }
 
 #pragma unroll
@@ -301,10 +305,10 @@ __global__ void __launch_bounds__(BlockThreads(kGroup))
             out[k][e] = bwd_output(v[r][k][e], g[r][k][e], ok[r][k][e], dot, scale, log);
       }
       if (row < p.rows) {
-        const Loader loader(p, row, true);
-        T* dst = loader.out_row(p, row);
+        T* dst = loaders[r].out_row(p, row);
 #pragma unroll
-        for (int k = 0; k < kPacks; ++k) loader.store(dst, first_col + k * kGroup * kVec, out[k]);
+        for (int k = 0; k < kPacks; ++k)
+          loaders[r].store(dst, first_col + k * kGroup * kVec, out[k]);
       }
     }
   }

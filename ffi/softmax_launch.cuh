@@ -7,9 +7,10 @@
 // whose values take two registers; V = the 16-byte vector width,
 // or 1 when cols % V != 0 or a pointer is not 16-byte aligned):
 //   cols <= 32 * V          lane group of G = 1..32 lanes per row, one vector each; 128 / G rows
-//                           per 4-warp block (several rows per warp for tiny rows), and four
-//                           rows per group in flight at once (one 16-byte load per lane and row
-//                           left too few bytes in flight: bf16 N <= 256 ran at 60-66%)
+//                           per 4-warp block (several rows per warp for tiny rows), and four rows
+//                           per group in flight at once (two backward), meant to put more bytes
+//                           in flight; it moved float32 N <= 128 from 76-81% to 78-82% and left
+//                           bf16 N <= 256 at 58-65% (TUNING.md)
 //   cols <= 32 * E          one warp per row, E' <= E elements per lane (E' the smallest power
 //                           of two that fits)
 //   cols <= 512 * E         one block of G = 64..512 threads per row, E elements per thread
@@ -197,27 +198,27 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   constexpr int kE = (kBwd ? 16 : 32) / (kVec == 1 ? 2 : 1) / (sizeof(acc_t<T>) / 4);
   // A windowed row spans up to kVec - 1 more positions than it has columns.
   const int64_t n = c.p.cols + (kAccess == Access::kWindowed ? kVec - 1 : 0);
-#define JS_ROWS(G, E) return LaunchRows<T, G, E, kVec, kBwd, kAccess>(c)
-  // Lane groups: one vector per lane, several rows per group and iteration (kRowsShort).
+#define JS_ROWS(G, E, R) return LaunchRows<T, G, E, kVec, kBwd, kAccess, R>(c)
+  // Lane groups: one vector per lane, several rows per group and iteration.
   constexpr int kRowsShort = kBwd ? 2 : 4;  // backward: two values per element, 90 registers at 4
-  if (n <= 1 * kVec) return LaunchRows<T, 1, kVec, kVec, kBwd, kAccess, kRowsShort>(c);
-  if (n <= 2 * kVec) return LaunchRows<T, 2, kVec, kVec, kBwd, kAccess, kRowsShort>(c);
-  if (n <= 4 * kVec) return LaunchRows<T, 4, kVec, kVec, kBwd, kAccess, kRowsShort>(c);
-  if (n <= 8 * kVec) return LaunchRows<T, 8, kVec, kVec, kBwd, kAccess, kRowsShort>(c);
-  if (n <= 16 * kVec) return LaunchRows<T, 16, kVec, kVec, kBwd, kAccess, kRowsShort>(c);
-  if (n <= 32 * kVec) return LaunchRows<T, 32, kVec, kVec, kBwd, kAccess, kRowsShort>(c);
+  if (n <= 1 * kVec) JS_ROWS(1, kVec, kRowsShort);
+  if (n <= 2 * kVec) JS_ROWS(2, kVec, kRowsShort);
+  if (n <= 4 * kVec) JS_ROWS(4, kVec, kRowsShort);
+  if (n <= 8 * kVec) JS_ROWS(8, kVec, kRowsShort);
+  if (n <= 16 * kVec) JS_ROWS(16, kVec, kRowsShort);
+  if (n <= 32 * kVec) JS_ROWS(32, kVec, kRowsShort);
   // One warp per row (two rows per iteration while a lane holds two vectors).
-  if constexpr (2 * kVec <= kE) if (n <= 32 * 2 * kVec) return LaunchRows<T, 32, 2 * kVec, kVec, kBwd, kAccess, 2>(c);
-  if constexpr (4 * kVec <= kE) if (n <= 32 * 4 * kVec) JS_ROWS(32, 4 * kVec);
-  if constexpr (8 * kVec <= kE) if (n <= 32 * 8 * kVec) JS_ROWS(32, 8 * kVec);
-  if constexpr (16 * kVec <= kE) if (n <= 32 * 16 * kVec) JS_ROWS(32, 16 * kVec);
-  if constexpr (32 * kVec <= kE) if (n <= 32 * 32 * kVec) JS_ROWS(32, 32 * kVec);
+  if constexpr (2 * kVec <= kE) if (n <= 32 * 2 * kVec) JS_ROWS(32, 2 * kVec, 2);
+  if constexpr (4 * kVec <= kE) if (n <= 32 * 4 * kVec) JS_ROWS(32, 4 * kVec, 1);
+  if constexpr (8 * kVec <= kE) if (n <= 32 * 8 * kVec) JS_ROWS(32, 8 * kVec, 1);
+  if constexpr (16 * kVec <= kE) if (n <= 32 * 16 * kVec) JS_ROWS(32, 16 * kVec, 1);
+  if constexpr (32 * kVec <= kE) if (n <= 32 * 32 * kVec) JS_ROWS(32, 32 * kVec, 1);
   // One block per row, up to 512 threads: two such blocks fit an SM, so one block's barrier
   // wait overlaps the other's loads.
-  if (n <= 64 * kE) JS_ROWS(64, kE);
-  if (n <= 128 * kE) JS_ROWS(128, kE);
-  if (n <= 256 * kE) JS_ROWS(256, kE);
-  if (n <= 512 * kE) JS_ROWS(512, kE);
+  if (n <= 64 * kE) JS_ROWS(64, kE, 1);
+  if (n <= 128 * kE) JS_ROWS(128, kE, 1);
+  if (n <= 256 * kE) JS_ROWS(256, kE, 1);
+  if (n <= 512 * kE) JS_ROWS(512, kE, 1);
   if (c.dev.cc_major >= 9) {
     // Hopper and newer: a cluster of 512-thread blocks per row, reduced through distributed
     // shared memory; 16 blocks of 1024 threads (non-portable size) as the last resort.
@@ -227,7 +228,7 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
     if (n <= 16 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 16, kBwd, kAccess>(c);
     if (n <= 16 * 1024 * kE) return LaunchCluster<T, 1024, kE, kVec, 16, kBwd, kAccess>(c);
   } else if (n <= 1024 * kE) {
-    JS_ROWS(1024, kE);
+    JS_ROWS(1024, kE, 1);
   }
 #undef JS_ROWS
   return LaunchTwoPass<T, kVec, kBwd, kAccess>(c);
