@@ -104,7 +104,7 @@ inline ffi::ErrorOr<RowAxes> MergeRowAxes(ffi::Span<const int64_t> x,
 }
 
 inline BroadcastView MakeView(const void* data, ffi::Span<const int64_t> op,
-                              ffi::Span<const int64_t> x, const RowAxes& axes) {
+                              ffi::Span<const int64_t> x, const RowAxes& axes, bool rows_below_2_31) {
   BroadcastView v;
   v.data = data;
   const int rank = static_cast<int>(x.size());
@@ -120,7 +120,7 @@ inline BroadcastView MakeView(const void* data, ffi::Span<const int64_t> op,
   for (int g = 0; g < axes.n; ++g) {
     int64_t size = 1;
     for (int a = axes.first[g]; a <= axes.last[g]; ++a) size *= x[a];
-    v.sizes[g] = size;
+    v.sizes[g] = RowDivisor(size, rows_below_2_31);
     // Axes in a group share one pattern, so the innermost axis's stride serves the group.
     v.strides[g] = IsBroadcastAxis(op, x, axes.last[g]) ? 0 : strides[axes.last[g]];
   }
@@ -182,9 +182,11 @@ inline ffi::Error FillRowParams(const ffi::AnyBuffer& in, const ffi::AnyBuffer* 
   p.cols = x.back();
   p.rows = p.cols == 0 ? 0 : NumElements(x) / p.cols;
   p.causal_sq = causal ? x[x.size() - 2] : 0;
+  const bool rows_below_2_31 = p.rows < (int64_t{1} << 31);
+  p.causal_div = RowDivisor(p.causal_sq, rows_below_2_31);
   int k = 0;
-  if (bias) p.bias = MakeView(bias->untyped_data(), shapes[k++], x, *axes);
-  if (mask) p.mask = MakeView(mask->untyped_data(), shapes[k++], x, *axes);
+  if (bias) p.bias = MakeView(bias->untyped_data(), shapes[k++], x, *axes, rows_below_2_31);
+  if (mask) p.mask = MakeView(mask->untyped_data(), shapes[k++], x, *axes, rows_below_2_31);
   return ffi::Error::Success();
 }
 

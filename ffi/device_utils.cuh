@@ -50,6 +50,14 @@ __device__ __forceinline__ float exp_acc(float x) {
   return y;
 }
 __device__ __forceinline__ double exp_acc(double x) { return exp(x); }
+// 1 / x through the SFU: rcp.approx.ftz, at most 1 ulp (PTX ISA); 1/0 = inf, 1/NaN = NaN.
+// Used once per row for the softmax's 1 / sum, where an IEEE division costs a slow-path check.
+__device__ __forceinline__ float rcp_acc(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ double rcp_acc(double x) { return 1.0 / x; }
 __device__ __forceinline__ float log_acc(float x) { return logf(x); }
 __device__ __forceinline__ double log_acc(double x) { return log(x); }
 
@@ -84,6 +92,30 @@ __device__ __forceinline__ void store_vec(T* dst, const T (&src)[N]) {
   *reinterpret_cast<W*>(dst) = *reinterpret_cast<const W*>(src);
 }
 
+// Converts N accumulator values to storage and stores them as one vector. 16-bit types convert
+// two values per instruction (F2FP packs a pair on sm_80+).
+template <int N, typename T>
+__device__ __forceinline__ void store_vec_acc(T* dst, const acc_t<T> (&src)[N]) {
+  T out[N];
+  if constexpr ((std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>) && N % 2 == 0) {
+    using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+#pragma unroll
+    for (int e = 0; e < N; e += 2) {
+      T2 pair;
+      if constexpr (std::is_same_v<T, __half>)
+        pair = __floats2half2_rn(src[e], src[e + 1]);
+      else
+        pair = __floats2bfloat162_rn(src[e], src[e + 1]);
+      out[e] = pair.x;
+      out[e + 1] = pair.y;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) out[e] = from_acc<T>(src[e]);
+  }
+  store_vec<N>(dst, out);
+}
+
 // --- reduction states -----------------------------------------------------------------------------
 // Running (max, sum of exp(z - max)) of part of a row. Merging rescales each sum to the common
 // max; a part with max == the common max (including both -inf) keeps its sum as is, so an all
@@ -112,6 +144,21 @@ struct Sum {
 template <typename A>
 __device__ __forceinline__ Sum<A> combine(Sum<A> a, Sum<A> b) {
   return {a.s + b.s};
+}
+
+// Plain max (the first of the lane groups' two reductions).
+template <typename A>
+struct Max {
+  A m;
+  static __device__ __forceinline__ Max identity() { return {neg_inf<A>()}; }
+};
+template <typename A>
+__device__ __forceinline__ Max<A> combine(Max<A> a, Max<A> b) {
+  return {row_max(a.m, b.m)};
+}
+template <typename A>
+__device__ __forceinline__ Max<A> shfl_xor(Max<A> v, int offset) {
+  return {__shfl_xor_sync(0xffffffffu, v.m, offset)};
 }
 
 template <typename A>

@@ -19,23 +19,54 @@ namespace jax_softmax {
 // Row axes left after merging neighbours that broadcast the same way in every operand.
 constexpr int kMaxRowDims = 6;
 
+// Division of a row index by a divisor fixed per call (a merged axis size, the causal query
+// length). When the host knows every numerator is below 2^31 (rows < 2^31), n / d is one 32x32-bit
+// widening multiply and a shift (Granlund-Montgomery: mul = ceil(2^(31+l) / d), l = ceil(log2 d);
+// exact for n < 2^31 because mul * d - 2^(31+l) < d, so the error term stays below 1/d).
+// Otherwise it is a 64-bit division, which costs ~100 instructions per call: paid by every lane
+// of every masked or biased row, it was the measured limit of the attention forward.
+struct RowDivisor {
+  int64_t d = 1;
+  uint64_t mul = 0;  // < 2^32
+  int shift = 31;
+  bool fast = false;
+
+  RowDivisor() = default;
+  RowDivisor(int64_t divisor, bool numerators_below_2_31) : d(divisor) {
+    if (!numerators_below_2_31 || divisor < 1 || divisor > (int64_t{1} << 31)) return;
+    int l = 0;
+    while ((int64_t{1} << l) < divisor) ++l;
+    shift = 31 + l;
+    mul = ((uint64_t{1} << shift) + static_cast<uint64_t>(divisor) - 1) / static_cast<uint64_t>(divisor);
+    fast = true;
+  }
+
+  JS_HOST_DEVICE int64_t quotient(int64_t n) const {
+    if (fast) {
+      const uint64_t wide = static_cast<uint64_t>(static_cast<uint32_t>(n)) * static_cast<uint32_t>(mul);
+      return static_cast<int64_t>(wide >> shift);
+    }
+    return n / d;
+  }
+};
+
 struct BroadcastView {
   const void* data = nullptr;  // nullptr: operand absent
   int ndims = 0;               // merged row axes, outermost first
-  int64_t sizes[kMaxRowDims] = {};
+  RowDivisor sizes[kMaxRowDims];      // merged axis sizes
   int64_t strides[kMaxRowDims] = {};  // in elements; 0 where the operand is broadcast
   int64_t col_stride = 0;             // 1, or 0 when one value serves the whole row
 
-  // Element offset of the operand's value for (row, col 0).
+  // Element offset of the operand's value for (row, col 0). The outermost axis needs no
+  // division: what is left of the row index there is already below its size.
   JS_HOST_DEVICE int64_t row_offset(int64_t row) const {
     int64_t offset = 0;
-    for (int d = ndims - 1; d >= 0; --d) {
-      const int64_t size = sizes[d];
-      const int64_t q = row / size;
-      offset += (row - q * size) * strides[d];
+    for (int d = ndims - 1; d > 0; --d) {
+      const int64_t q = sizes[d].quotient(row);
+      offset += (row - q * sizes[d].d) * strides[d];
       row = q;
     }
-    return offset;
+    return ndims > 0 ? offset + row * strides[0] : offset;
   }
 };
 
@@ -53,13 +84,14 @@ struct RowParams {
   double scale = 1.0;
   bool log = false;       // log_softmax instead of softmax
   int64_t causal_sq = 0;  // 0: no causal mask
+  RowDivisor causal_div;  // divides by causal_sq
   BroadcastView bias;     // forward only; element type = the input's
   BroadcastView mask;     // bool (one byte per element)
 
   // Index of the last valid column of `row` under the causal rule (cols - 1 without it).
   JS_HOST_DEVICE int64_t causal_limit(int64_t row) const {
     if (causal_sq <= 0) return cols - 1;
-    const int64_t q = row % causal_sq;
+    const int64_t q = row - causal_div.quotient(row) * causal_sq;
     return q < cols - 1 ? q : cols - 1;
   }
 };

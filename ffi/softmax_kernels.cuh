@@ -19,6 +19,11 @@ namespace jax_softmax {
 // whole block, so a block tier must never hold two rows.)
 constexpr int BlockThreads(int group) { return group > 32 ? group : 128; }
 
+// Resident blocks per SM that every register tier must allow: 1024 threads (half the SM), i.e.
+// at most 64 registers per thread. Left to itself ptxas gave some 512-thread kernels 94-127
+// registers, so one CTA per SM, whose loads then stall at every row's barrier.
+constexpr int MinBlocksPerSm(int block) { return block >= 1024 ? 1 : 1024 / block; }
+
 // --- loading one pack -----------------------------------------------------------------------------
 // How a kernel reads a row:
 //   kGeneral:  any bias / mask / causal limit; validity per element.
@@ -57,22 +62,32 @@ struct RowLoader {
     bias = nullptr;
     mask = nullptr;
     bias_cs = mask_cs = 0;
-    if (!kBwd && p.bias.data) {
-      bias = static_cast<const T*>(p.bias.data) + p.bias.row_offset(row);
-      bias_cs = p.bias.col_stride;
-    }
-    if (p.mask.data) {
-      mask = static_cast<const uint8_t*>(p.mask.data) + p.mask.row_offset(row);
-      mask_cs = p.mask.col_stride;
-    }
     // Column indices are 32-bit: the handler rejects rows of 2^31 - 1025 or more elements.
     cols = static_cast<int>(p.cols);
-    limit = row_ok ? static_cast<int>(p.causal_limit(row)) : -1;
+    if constexpr (kPlain) {
+      // Launched only without bias, mask and causal limit: none of their code is compiled in.
+      limit = row_ok ? cols - 1 : -1;
+    } else {
+      if (!kBwd && p.bias.data) {
+        bias = static_cast<const T*>(p.bias.data) + p.bias.row_offset(row);
+        bias_cs = p.bias.col_stride;
+      }
+      if (p.mask.data) {
+        mask = static_cast<const uint8_t*>(p.mask.data) + p.mask.row_offset(row);
+        mask_cs = p.mask.col_stride;
+      }
+      limit = row_ok ? static_cast<int>(p.causal_limit(row)) : -1;
+    }
     scale = static_cast<A>(p.scale);
   }
 
   // Loads the vector at window offset w (a multiple of kVec). Forward: v = scale * x + bias.
   // Backward: v = y, g = dy. ok[e] says whether column w - shift + e takes part in the row.
+  // Plain and windowed rows keep ok uniform over a vector: the partial vectors at a windowed
+  // row's ends load positions outside the row as values that drop out of the reductions (-inf
+  // for the forward's max and sum, 0 for the backward's dot) and are never stored. (Per-element
+  // flags there cost ~40 registers: 103 vs 64 at 512 threads, bfloat16.) A masked row cannot
+  // do this: a fully masked row must give zeros, an all -inf one NaN.
   __device__ __forceinline__ void load(int w, A (&v)[kVec], A (&g)[kVec], bool (&ok)[kVec]) const {
     const int c = w - shift;
 #pragma unroll
@@ -82,8 +97,9 @@ struct RowLoader {
     if (kAccess == Access::kWindowed && (c < 0 || c + kVec > cols)) {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        ok[e] = c + e >= 0 && c + e < cols;
-        if (ok[e]) {
+        ok[e] = true;
+        v[e] = kBwd ? A(0) : neg_inf<A>();
+        if (c + e >= 0 && c + e < cols) {
           v[e] = to_acc(in[w + e]);
           if constexpr (kBwd) g[e] = to_acc(grad[w + e]);
         }
@@ -100,8 +116,10 @@ struct RowLoader {
       }
     }
     if constexpr (!kBwd) {
+      if (scale != A(1)) {  // uniform: plain softmax skips a multiply per element
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) v[e] *= scale;
+        for (int e = 0; e < kVec; ++e) v[e] *= scale;
+      }
       if (!kPlain && bias) {
         T bs[kVec];
         if (bias_cs) {
@@ -132,15 +150,12 @@ struct RowLoader {
   __device__ __forceinline__ void store(T* dst, int w, const A (&o)[kVec]) const {
     const int c = w - shift;
     if (c >= cols) return;
-    T ys[kVec];
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) ys[e] = from_acc<T>(o[e]);
     if (kAccess == Access::kWindowed && (c < 0 || c + kVec > cols)) {
 #pragma unroll
       for (int e = 0; e < kVec; ++e)
-        if (c + e >= 0 && c + e < cols) dst[w + e] = ys[e];
+        if (c + e >= 0 && c + e < cols) dst[w + e] = from_acc<T>(o[e]);
     } else {
-      store_vec<kVec>(dst + w, ys);
+      store_vec_acc<kVec>(dst + w, o);
     }
   }
 
@@ -189,9 +204,37 @@ __device__ __forceinline__ FwdStats<A> fwd_stats(A thread_max, MaxSum<A> row, bo
     st.factor = A(0);
   } else {
     const A rescale = thread_max == row.m ? A(1) : exp_acc(thread_max - row.m);
+    // IEEE division here: rcp.approx let ptxas schedule the 32-element tiers into spills.
     st.factor = rescale / row.s;
     st.log_sum = A(0);
   }
+  return st;
+}
+
+// A lane group's statistics: group max, then the group sum of exp(z - max); v keeps exp(z - max)
+// for softmax, z for log-softmax. A row with no finite valid value shifts by 0 (see above).
+template <int kGroup, typename A, int N>
+__device__ __forceinline__ FwdStats<A> group_fwd_stats(A (&v)[N], const bool (&ok)[N], bool log) {
+  A m = neg_inf<A>();
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    if (ok[i]) m = row_max(m, v[i]);
+  m = group_allreduce<kGroup>(Max<A>{m}).m;
+  const A shift = m == neg_inf<A>() ? A(0) : m;
+  A s = A(0);
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    if (ok[i]) {
+      const A e = exp_acc(v[i] - shift);
+      s += e;
+      if (!log) v[i] = e;
+    }
+  }
+  s = group_allreduce<kGroup>(Sum<A>{s}).s;
+  FwdStats<A> st;
+  st.max = m;
+  st.log_sum = log ? log_acc(s) : A(0);
+  st.factor = log ? A(0) : rcp_acc(s);
   return st;
 }
 
@@ -231,7 +274,7 @@ __device__ __forceinline__ S row_allreduce(S v, S* block_slots, S* cluster_slot)
 // in flight; their reductions are independent shuffle chains.
 template <typename T, int kGroup, int kElems, int kVec, int kCluster, bool kBwd, Access kAccess,
           int kRows = 1>
-__global__ void __launch_bounds__(BlockThreads(kGroup))
+__global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThreads(kGroup)))
     softmax_rows_kernel(const RowParams p) {
   using A = acc_t<T>;
   using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;
@@ -280,11 +323,19 @@ __global__ void __launch_bounds__(BlockThreads(kGroup))
       const int64_t row = row0 + r * (kBlock / kGroup) + group;
       A out[kPacks][kVec];
       if constexpr (!kBwd) {
-        MaxSum<A> mine = thread_maxsum(reinterpret_cast<A(&)[kElems]>(v[r]),
-                                       reinterpret_cast<const bool(&)[kElems]>(ok[r]), log);
-        const MaxSum<A> total =
-            row_allreduce<S, kGroup, kCluster>(mine, block_slots[parity], &cluster_slots[parity]);
-        const FwdStats<A> st = fwd_stats(mine.m, total, log);
+        auto& vr = reinterpret_cast<A(&)[kElems]>(v[r]);
+        const auto& okr = reinterpret_cast<const bool(&)[kElems]>(ok[r]);
+        FwdStats<A> st;
+        if constexpr (kGroup <= 32) {
+          // Shuffles only: reduce the max first, then sum exp(z - row max). Two short shuffle
+          // chains cost less than one chain of (max, sum) merges, each of which rescales by an exp.
+          st = group_fwd_stats<kGroup>(vr, okr, log);
+        } else {
+          const MaxSum<A> mine = thread_maxsum(vr, okr, log);
+          const MaxSum<A> total =
+              row_allreduce<S, kGroup, kCluster>(mine, block_slots[parity], &cluster_slots[parity]);
+          st = fwd_stats(mine.m, total, log);
+        }
 #pragma unroll
         for (int k = 0; k < kPacks; ++k)
 #pragma unroll
@@ -359,7 +410,7 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
       // Every element is recomputed from z, so the stored-exp rescale does not apply.
       st.max = total.m;
       st.log_sum = log ? log_acc(total.s) : A(0);
-      st.factor = log ? A(0) : A(1) / total.s;
+      st.factor = log ? A(0) : rcp_acc(total.s);
     }
     for (int t0 = 0; t0 < loader.cols + loader.shift; t0 += kTile) {
       A v[kUnroll][kVec], g[kUnroll][kVec];

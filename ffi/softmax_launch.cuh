@@ -21,13 +21,17 @@
 // Access modes (softmax_kernels.cuh): plain rows (no bias/mask/causal) of cols % V != 0 are read
 // through 16-byte-aligned windows (kWindowed) instead of element by element; rows with a mask
 // or bias and cols % V != 0, or misaligned pointers, use V = 1.
-// Grids are one wave: blocks (clusters) = resident blocks per SM (clusters per GPU) from the
-// occupancy calculator, read once per device and kernel, then rows are looped over.
+// Grids: one CTA (cluster) per batch of rows, capped at kDefaultMaxWaves waves of the resident
+// CTAs (clusters) the occupancy calculator reports, read once per device and kernel; CTAs loop
+// over rows beyond the cap. Measured (TUNING.md): a single persistent wave left every CTA idle
+// for a load latency at each row's reduction.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <climits>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -35,6 +39,8 @@
 #include "softmax_kernels.cuh"
 
 namespace jax_softmax {
+
+constexpr long kDefaultMaxWaves = 0;  // 0: no cap (set from the measurement in TUNING.md)
 
 template <typename Tag>
 struct CudaStorage {
@@ -142,6 +148,26 @@ int ActiveClusters(int device) {
   return n > 0 ? n : 0;
 }
 
+// Grid size: at most kMaxWaves x (resident CTAs or clusters) of the GPU; CTAs loop over the rows
+// beyond that. JAX_SOFTMAX_WAVES overrides the cap (read once; 1 = one persistent wave, 0 = no
+// cap), for tuning experiments.
+inline int64_t MaxWaves() {
+  static const int64_t waves = [] {
+    const char* env = std::getenv("JAX_SOFTMAX_WAVES");
+    const long v = env ? std::strtol(env, nullptr, 10) : kDefaultMaxWaves;
+    return v > 0 ? int64_t{v} : int64_t{INT_MAX};
+  }();
+  return waves;
+}
+
+// Blocks for `needed` units of work (CTAs, or clusters of kCluster CTAs) given `resident` that
+// fit the GPU at once.
+inline int GridUnits(int64_t needed, int64_t resident, int cluster = 1) {
+  int64_t cap = resident * MaxWaves();
+  if (cap > INT_MAX / cluster) cap = INT_MAX / cluster;
+  return static_cast<int>(needed < cap ? needed : cap);
+}
+
 struct LaunchCtx {
   const RowParams& p;
   cudaStream_t stream;
@@ -157,8 +183,7 @@ ffi::Error LaunchRows(const LaunchCtx& c) {
   auto per_sm = BlocksPerSm<kernel, kBlock>(c.device);
   if (per_sm.has_error()) return per_sm.error();
   const int64_t needed = (c.p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  const int64_t wave = int64_t(*per_sm) * c.dev.sm_count;
-  const int grid = static_cast<int>(needed < wave ? needed : wave);
+  const int grid = GridUnits(needed, int64_t(*per_sm) * c.dev.sm_count);
   kernel<<<grid, kBlock, 0, c.stream>>>(c.p);
   return CheckLaunch("softmax row kernel");
 }
@@ -170,8 +195,7 @@ ffi::Error LaunchTwoPass(const LaunchCtx& c) {
   constexpr auto kernel = softmax_rows_twopass_kernel<T, kBlock, kVec, kUnroll, kBwd, kAccess>;
   auto per_sm = BlocksPerSm<kernel, kBlock>(c.device);
   if (per_sm.has_error()) return per_sm.error();
-  const int64_t wave = int64_t(*per_sm) * c.dev.sm_count;
-  const int grid = static_cast<int>(c.p.rows < wave ? c.p.rows : wave);
+  const int grid = GridUnits(c.p.rows, int64_t(*per_sm) * c.dev.sm_count);
   kernel<<<grid, kBlock, 0, c.stream>>>(c.p);
   return CheckLaunch("softmax two-pass kernel");
 }
@@ -183,7 +207,7 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
   constexpr auto kernel = softmax_rows_kernel<T, kBlock, kElems, kVec, kCluster, kBwd, kAccess>;
   const int active = ActiveClusters<kernel, kBlock, kCluster>(c.device);
   if (active == 0) return LaunchTwoPass<T, kVec, kBwd, kAccess>(c);
-  const int64_t clusters = c.p.rows < active ? c.p.rows : active;
+  const int64_t clusters = GridUnits(c.p.rows, active, kCluster);
   const ClusterLaunch launch(kCluster, static_cast<unsigned>(clusters * kCluster), kBlock, c.stream);
   const cudaError_t e = cudaLaunchKernelEx(&launch.config, kernel, c.p);
   if (e != cudaSuccess)
@@ -207,8 +231,10 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   if (n <= 8 * kVec) JS_ROWS(8, kVec, kRowsShort);
   if (n <= 16 * kVec) JS_ROWS(16, kVec, kRowsShort);
   if (n <= 32 * kVec) JS_ROWS(32, kVec, kRowsShort);
-  // One warp per row (two rows per iteration while a lane holds two vectors).
-  if constexpr (2 * kVec <= kE) if (n <= 32 * 2 * kVec) JS_ROWS(32, 2 * kVec, 2);
+  // One warp per row (two rows per iteration while a lane holds two vectors and the two rows'
+  // values fit 32 registers; 16-bit backward rows hold twice that and spilled at 64).
+  constexpr int kRowsTwoVec = 2 * (2 * kVec) * (kBwd ? 2 : 1) <= 32 ? 2 : 1;
+  if constexpr (2 * kVec <= kE) if (n <= 32 * 2 * kVec) JS_ROWS(32, 2 * kVec, kRowsTwoVec);
   if constexpr (4 * kVec <= kE) if (n <= 32 * 4 * kVec) JS_ROWS(32, 4 * kVec, 1);
   if constexpr (8 * kVec <= kE) if (n <= 32 * 8 * kVec) JS_ROWS(32, 8 * kVec, 1);
   if constexpr (16 * kVec <= kE) if (n <= 32 * 16 * kVec) JS_ROWS(32, 16 * kVec, 1);

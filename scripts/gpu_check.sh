@@ -2,10 +2,13 @@
 # The one device call: build, GPU tests, compute-sanitizer, benchmark; a short table last.
 # Full logs and results go under $OUT (the device tool brings them back).
 #
-#   bash scripts/gpu_check.sh [all|build|test|sanitize|bench]...   (default: all)
+#   bash scripts/gpu_check.sh [all|build|test|sanitize|bench|ab|ncu]...   (default: all)
 #
+# all = build test sanitize bench. ab: quick A/B timing of scripts/profile_cases.py cases under
+# each JAX_SOFTMAX_WAVES value in AB_WAVES (default "1 0"); ncu: Nsight Compute on NCU_CASES.
 # Env: JAX_SOFTMAX_CUDA_ARCHS (default 90a-real: the device is an H100/H200), BENCH_ARGS
-# (extra arguments for `python -m jax_softmax bench`).
+# (extra arguments for `python -m jax_softmax bench`), TEST_ARGS (extra pytest arguments, e.g.
+# --lf), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), AB_CASES, NCU_CASES, *_TIMEOUT (seconds).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/jax_softmax_out}
@@ -13,7 +16,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 steps=${*:-all}
-want() { [[ " $steps " == *" all "* || " $steps " == *" $1 "* ]]; }
+want() { [[ " $steps " == *" $1 "* || (" $steps " == *" all "* && " build test sanitize bench " == *" $1 "*) ]]; }
 status=0
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/device.txt"
@@ -38,8 +41,8 @@ fi
 # Run from outside the checkout so Python imports the installed package, not the source tree.
 cd /tmp
 if want test; then
-  "$PY" -m pytest "$REPO/tests" -q --maxfail=25 -p no:cacheprovider -rf --junitxml="$OUT/pytest.xml" \
-    2>&1 | tee "$OUT/pytest.log" | tail -25
+  timeout "${TEST_TIMEOUT:-1800}" "$PY" -m pytest "$REPO/tests" -q --maxfail=25 -p no:cacheprovider \
+    -rf --junitxml="$OUT/pytest.xml" ${TEST_K:+-k "$TEST_K"} ${TEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -25
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
@@ -57,6 +60,27 @@ if want bench; then
   "$PY" -m jax_softmax bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -70
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
+if want ab; then
+  for waves in ${AB_WAVES:-1 0}; do
+    JAX_SOFTMAX_WAVES=$waves timeout "${AB_TIMEOUT:-150}" "$PY" "$REPO/scripts/profile_cases.py" time \
+      ${AB_CASES:-} >"$OUT/ab_waves$waves.log" 2>&1 || status=1
+  done
+fi
+
+if want ncu; then
+  timeout "${NCU_TIMEOUT:-300}" ncu --clock-control none -k regex:softmax_rows \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis \
+    "$PY" "$REPO/scripts/profile_cases.py" ncu ${NCU_CASES:-} >"$OUT/ncu.log" 2>&1 || status=1
+  grep -E "profiled|softmax_rows|Duration|DRAM Throughput|Achieved Occupancy|Registers Per Thread|Block Limit Registers|No Eligible|Issued Warp Per|L2 Hit Rate  " \
+    "$OUT/ncu.log" | sed -E 's/\(jax_softmax::RowParams\)//; s/jax_softmax:://g' >"$OUT/ncu_summary.log"
+fi
+
+if want ab; then
+  echo "== A/B (% of copy, x over XLA) =="
+  paste "$OUT"/ab_waves*.log | cut -c1-200
+fi
+
 # The device tool returns at most 8 files: bundle the logs, keep results (JSON/CSV/PNG) as they are.
 (cd "$OUT" && ls *.log *.xml >/dev/null 2>&1 && tar czf logs.tgz *.log *.xml && rm -f *.log *.xml)
 exit $status

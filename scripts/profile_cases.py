@@ -1,0 +1,153 @@
+"""A fixed set of kernel cases for quick A/B timing and for Nsight Compute.
+
+    python3 scripts/profile_cases.py time [CASE ...]   # one line per case: % of copy, x XLA
+    python3 scripts/profile_cases.py ncu  [CASE ...]   # each case twice, for `ncu -k regex:softmax`
+
+`time` keeps the GPU queue full with back-to-back asynchronous calls on 256 MiB tensors (a call
+takes >= 60 us against ~22 us of dispatch), so wall time per call is kernel time; it is a quick
+probe for comparing kernel variants in one session (tier knobs such as JAX_SOFTMAX_WAVES are read
+once per process, so run one process per variant). The committed figures come from
+`python -m jax_softmax bench`, which also checks the dispatch residual.
+
+`ncu` builds inputs on the host and runs each case twice (the first call compiles), so that
+`ncu -k regex:softmax_rows --launch-skip 0` sees exactly two launches per case and nothing else
+from this script's own kernels.
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+import jax_softmax
+from jax_softmax.primitives import softmax_bwd_p
+
+MIB = 2**20
+TENSOR_BYTES = int(os.environ.get("PROFILE_MIB", "256")) * MIB
+_ONES = None
+
+
+def _rows(n, dtype):
+    return max(1, TENSOR_BYTES // (n * jnp.dtype(dtype).itemsize))
+
+
+def _bwd(y, g):
+    global _ONES
+    if _ONES is None:
+        _ONES = jnp.ones((1, 1), bool)
+    return softmax_bwd_p.bind(y, g, _ONES, log=False, scale=1.0, has_mask=False, causal=False)
+
+
+def _xla_bwd(y, g):
+    return (y * (g - jnp.sum(y * g, -1, keepdims=True))).astype(y.dtype)
+
+
+def _attention_case(kind, s, dtype=jnp.bfloat16):
+    b, h = max(1, TENSOR_BYTES // (16 * s * s * jnp.dtype(dtype).itemsize)), 16
+    rng = np.random.default_rng(1)
+    scores = np.asarray(rng.standard_normal((b, h, s, s)), np.float32)
+    args = [jnp.asarray(scores, dtype)]
+    kw = {}
+    if kind == "pad":
+        args.append(jnp.asarray(rng.random((b, 1, 1, s)) > 0.1))
+
+        def ours(x, m):
+            return jax_softmax.attention_softmax(x, scale=0.125, mask=m)
+
+        def xla(x, m):
+            z = 0.125 * x.astype(jnp.float32)
+            return jax.nn.softmax(z, where=m).astype(x.dtype)
+    elif kind == "bias":
+        args.append(jnp.asarray(rng.standard_normal((1, h, s, s)), dtype))
+
+        def ours(x, bias):
+            return jax_softmax.attention_softmax(x, scale=0.125, bias=bias)
+
+        def xla(x, bias):
+            z = 0.125 * x.astype(jnp.float32) + bias.astype(jnp.float32)
+            return jax.nn.softmax(z).astype(x.dtype)
+    else:  # causal
+        def ours(x):
+            return jax_softmax.attention_softmax(x, scale=0.125, is_causal=True)
+
+        def xla(x):
+            z = 0.125 * x.astype(jnp.float32)
+            keep = jnp.tril(jnp.ones((s, s), bool))
+            return jax.nn.softmax(z, where=keep).astype(x.dtype)
+    del kw
+    return ours, xla, args, 2 * args[0].nbytes
+
+
+def _row_case(dtype, n, bwd=False):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((_rows(n, dtype), n)).astype(np.float32), dtype)
+    if not bwd:
+        return jax_softmax.softmax, jax.nn.softmax, [x], 2 * x.nbytes
+    y = jax_softmax.softmax(x)
+    return _bwd, _xla_bwd, [y, x], 3 * x.nbytes
+
+
+CASES = {}
+for _dt, _name in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16")):
+    for _n in (32, 128, 256, 1000, 1024, 4096, 16384, 32768, 50257, 65536, 262144):
+        CASES[f"{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n))
+    for _n in (128, 4096, 32768, 262144):
+        CASES[f"{_name}_bwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n, bwd=True))
+for _kind in ("pad", "bias", "causal"):
+    for _s in (256, 1024, 4096):
+        CASES[f"attn_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_case(k, s))
+
+NCU_DEFAULT = ["bf16_fwd_32", "bf16_fwd_256", "f32_fwd_4096", "f32_fwd_16384", "f32_fwd_50257",
+               "f32_fwd_65536", "f32_fwd_262144", "attn_pad_1024", "attn_causal_1024"]
+
+
+def timeit(fn, args, k=20, reps=5):
+    fn = jax.jit(fn)
+    fn(*args).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(k):
+            r = fn(*args)
+        r.block_until_ready()
+        times.append((time.perf_counter() - t) / k)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth():
+    x = jnp.ones((TENSOR_BYTES // 4,), jnp.float32)
+    return 2 * x.nbytes / timeit(lambda v: v * 1.0000001, [x])
+
+
+def main(argv):
+    mode = argv[0] if argv else "time"
+    names = argv[1:] or (NCU_DEFAULT if mode == "ncu" else list(CASES))
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        raise SystemExit(f"unknown cases {unknown}; known: {list(CASES)}")
+    if mode == "ncu":
+        for name in names:
+            ours, _, args, _ = CASES[name]()
+            f = jax.jit(ours)
+            for _ in range(2):
+                f(*args).block_until_ready()
+            print(f"profiled {name}", flush=True)
+        return
+    bw = copy_bandwidth()
+    tag = os.environ.get("JAX_SOFTMAX_WAVES", "default")
+    print(f"copy {bw / 1e9:.0f} GB/s  (JAX_SOFTMAX_WAVES={tag})", flush=True)
+    for name in names:
+        ours, xla, args, nbytes = CASES[name]()
+        t_o = timeit(ours, args)
+        t_x = timeit(xla, args)
+        print(f"{name:22s} ours {100 * nbytes / t_o / bw:5.1f}%  xla {100 * nbytes / t_x / bw:5.1f}%"
+              f"  x{t_x / t_o:4.2f}  ({t_o * 1e6:.0f} us)", flush=True)
+        del args
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
