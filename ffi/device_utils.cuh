@@ -116,6 +116,22 @@ __device__ __forceinline__ void store_vec_acc(T* dst, const acc_t<T> (&src)[N]) 
   store_vec<N>(dst, out);
 }
 
+// Asks L2 to fetch the bytes [begin, end) ahead of the loads that will read them (sm_90 bulk
+// prefetch: no registers, no completion to wait for). The lanes of one warp issue it in 16 KiB
+// pieces. Both ends are rounded down to 16 bytes, so nothing outside [begin & ~15, end) is
+// touched: callers pass ranges inside 16-byte-aligned buffers.
+__device__ __forceinline__ void prefetch_l2(const void* begin, const void* end, int lane) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr uintptr_t kPiece = 16384;
+  const uintptr_t b = reinterpret_cast<uintptr_t>(begin) & ~uintptr_t{15};
+  const uintptr_t e = reinterpret_cast<uintptr_t>(end) & ~uintptr_t{15};
+  for (uintptr_t a = b + uintptr_t(lane) * kPiece; a < e; a += 32 * kPiece) {
+    const uint32_t bytes = static_cast<uint32_t>(e - a < kPiece ? e - a : kPiece);
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(bytes) : "memory");
+  }
+#endif
+}
+
 // --- reduction states -----------------------------------------------------------------------------
 // Running (max, sum of exp(z - max)) of part of a row. Merging rescales each sum to the common
 // max; a part with max == the common max (including both -inf) keeps its sum as is, so an all

@@ -85,6 +85,7 @@ struct RowParams {
   bool log = false;       // log_softmax instead of softmax
   int64_t causal_sq = 0;  // 0: no causal mask
   RowDivisor causal_div;  // divides by causal_sq
+  bool prefetch = false;  // CUDA: prefetch each CTA's next rows into L2 (launcher's choice)
   BroadcastView bias;     // forward only; element type = the input's
   BroadcastView mask;     // bool (one byte per element)
 

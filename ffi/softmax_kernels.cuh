@@ -304,6 +304,30 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   // neighbouring rows.
   for (int64_t row0 = int64_t(blockIdx.x / kCluster) * kRowsPerBlock; row0 < p.rows;
        row0 += num_ctas * kRowsPerBlock, parity ^= 1) {
+    // Ask L2 for this CTA's next batch (this batch was asked for one iteration ago): its loads
+    // then wait for L2, not DRAM, and DRAM stays busy while this batch is reduced. Issued before
+    // this batch's loads so that its address registers are dead before the loaded values live.
+    // (Only with 16-byte vectors, whose buffers are known to be aligned.)
+    if (kVec > 1 && p.prefetch && threadIdx.x < 32) {
+      const int64_t next0 = row0 + num_ctas * kRowsPerBlock;
+      if (next0 < p.rows) {
+        const int64_t next_end = next0 + kRowsPerBlock < p.rows ? next0 + kRowsPerBlock : p.rows;
+        // A cluster CTA reads only its own chunk of the row.
+        int64_t begin = next0 * p.cols, end = next_end * p.cols;
+        if constexpr (kCluster > 1) {
+          const int64_t lo = int64_t(cluster_rank()) * kChunk;
+          const int64_t hi = lo + kChunk < p.cols ? lo + kChunk : p.cols;
+          end = lo < p.cols ? begin + hi : begin;
+          begin += lo;
+        }
+        prefetch_l2(static_cast<const T*>(p.in) + begin, static_cast<const T*>(p.in) + end,
+                    threadIdx.x);
+        if constexpr (kBwd)
+          prefetch_l2(static_cast<const T*>(p.grad_in) + begin,
+                      static_cast<const T*>(p.grad_in) + end, threadIdx.x);
+      }
+    }
+
     A v[kRows][kPacks][kVec];
     A g[kRows][kPacks][kVec];
     bool ok[kRows][kPacks][kVec];

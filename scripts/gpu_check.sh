@@ -5,10 +5,10 @@
 #   bash scripts/gpu_check.sh [all|build|test|sanitize|bench|ab|ncu]...   (default: all)
 #
 # all = build test sanitize bench. ab: quick A/B timing of scripts/profile_cases.py cases under
-# each JAX_SOFTMAX_WAVES value in AB_WAVES (default "1 0"); ncu: Nsight Compute on NCU_CASES.
+# each variant in AB_VARIANTS (words of comma-separated VAR=value settings, default
+# "JAX_SOFTMAX_PREFETCH=1 JAX_SOFTMAX_PREFETCH=0"); ncu: Nsight Compute on NCU_CASES.
 # Env: JAX_SOFTMAX_CUDA_ARCHS (default 90a-real: the device is an H100/H200), BENCH_ARGS
-# (extra arguments for `python -m jax_softmax bench`), TEST_ARGS (extra pytest arguments, e.g.
-# --lf), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), AB_CASES, NCU_CASES, *_TIMEOUT (seconds).
+# (extra arguments for `python -m jax_softmax bench`), TEST_ARGS (extra pytest arguments), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), AB_CASES, NCU_CASES, *_TIMEOUT (seconds).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/jax_softmax_out}
@@ -61,16 +61,20 @@ if want bench; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if want ab; then
-  for waves in ${AB_WAVES:-1 0}; do
-    JAX_SOFTMAX_WAVES=$waves timeout "${AB_TIMEOUT:-150}" "$PY" "$REPO/scripts/profile_cases.py" time \
-      ${AB_CASES:-} >"$OUT/ab_waves$waves.log" 2>&1 || status=1
+  i=0
+  for variant in ${AB_VARIANTS:-JAX_SOFTMAX_PREFETCH=1 JAX_SOFTMAX_PREFETCH=0}; do
+    i=$((i + 1))
+    (export ${variant//,/ }; echo "variant $variant"
+     timeout "${AB_TIMEOUT:-150}" "$PY" "$REPO/scripts/profile_cases.py" time ${AB_CASES:-}) \
+      >"$OUT/ab_$i.log" 2>&1 || status=1
   done
 fi
 
 if want ncu; then
-  timeout "${NCU_TIMEOUT:-300}" ncu --clock-control none -k regex:softmax_rows \
+  # No preallocation and 128 MiB tensors: ncu saves and restores device memory on every replay.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false PROFILE_MIB=128 timeout "${NCU_TIMEOUT:-300}" \
+    ncu --clock-control none -k regex:softmax_rows \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section SchedulerStats --section MemoryWorkloadAnalysis \
     "$PY" "$REPO/scripts/profile_cases.py" ncu ${NCU_CASES:-} >"$OUT/ncu.log" 2>&1 || status=1
   grep -E "profiled|softmax_rows|Duration|DRAM Throughput|Achieved Occupancy|Registers Per Thread|Block Limit Registers|No Eligible|Issued Warp Per|L2 Hit Rate  " \
     "$OUT/ncu.log" | sed -E 's/\(jax_softmax::RowParams\)//; s/jax_softmax:://g' >"$OUT/ncu_summary.log"
@@ -78,7 +82,7 @@ fi
 
 if want ab; then
   echo "== A/B (% of copy, x over XLA) =="
-  paste "$OUT"/ab_waves*.log | cut -c1-200
+  paste "$OUT"/ab_*.log | cut -c1-200
 fi
 
 # The device tool returns at most 8 files: bundle the logs, keep results (JSON/CSV/PNG) as they are.

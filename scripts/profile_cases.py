@@ -1,7 +1,7 @@
 """A fixed set of kernel cases for quick A/B timing and for Nsight Compute.
 
     python3 scripts/profile_cases.py time [CASE ...]   # one line per case: % of copy, x XLA
-    python3 scripts/profile_cases.py ncu  [CASE ...]   # each case twice, for `ncu -k regex:softmax`
+    python3 scripts/profile_cases.py ncu  [CASE ...]   # each case once, for `ncu -k regex:softmax`
 
 `time` keeps the GPU queue full with back-to-back asynchronous calls on 256 MiB tensors (a call
 takes >= 60 us against ~22 us of dispatch), so wall time per call is kernel time; it is a quick
@@ -9,9 +9,8 @@ probe for comparing kernel variants in one session (tier knobs such as JAX_SOFTM
 once per process, so run one process per variant). The committed figures come from
 `python -m jax_softmax bench`, which also checks the dispatch residual.
 
-`ncu` builds inputs on the host and runs each case twice (the first call compiles), so that
-`ncu -k regex:softmax_rows --launch-skip 0` sees exactly two launches per case and nothing else
-from this script's own kernels.
+`ncu` builds inputs on the host and runs each case once (compiling launches none of our
+kernels), so `ncu -k regex:softmax_rows` sees one launch per case.
 """
 
 import os
@@ -28,7 +27,7 @@ from jax_softmax.primitives import softmax_bwd_p
 
 MIB = 2**20
 TENSOR_BYTES = int(os.environ.get("PROFILE_MIB", "256")) * MIB
-_ONES = None
+_NO_MASK = jnp.ones((1, 1), bool)
 
 
 def _rows(n, dtype):
@@ -36,10 +35,7 @@ def _rows(n, dtype):
 
 
 def _bwd(y, g):
-    global _ONES
-    if _ONES is None:
-        _ONES = jnp.ones((1, 1), bool)
-    return softmax_bwd_p.bind(y, g, _ONES, log=False, scale=1.0, has_mask=False, causal=False)
+    return softmax_bwd_p.bind(y, g, _NO_MASK, log=False, scale=1.0, has_mask=False, causal=False)
 
 
 def _xla_bwd(y, g):
@@ -132,9 +128,7 @@ def main(argv):
     if mode == "ncu":
         for name in names:
             ours, _, args, _ = CASES[name]()
-            f = jax.jit(ours)
-            for _ in range(2):
-                f(*args).block_until_ready()
+            jax.jit(ours)(*args).block_until_ready()
             print(f"profiled {name}", flush=True)
         return
     bw = copy_bandwidth()
