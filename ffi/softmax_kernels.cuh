@@ -269,6 +269,31 @@ __device__ __forceinline__ S row_allreduce(S v, S* block_slots, S* cluster_slot)
   }
 }
 
+// One row's forward after its loads: statistics, then the output values. kGroup <= 32 reduces with
+// shuffles only: the max first, then the sum of exp(z - row max); two short shuffle chains cost
+// less than one chain of (max, sum) merges, each of which rescales by an exp. Wider tiers reduce
+// (max, sum) pairs in one pass, so that a block needs one barrier (and a cluster one sync).
+template <bool kLog, int kGroup, int kCluster, typename S, typename A, int kPacks, int kVec>
+__device__ __forceinline__ void forward_row(A (&v)[kPacks][kVec], const bool (&ok)[kPacks][kVec],
+                                            A (&out)[kPacks][kVec], S* block_slots,
+                                            S* cluster_slot) {
+  constexpr int kElems = kPacks * kVec;
+  auto& vr = *reinterpret_cast<A(*)[kElems]>(&v[0][0]);
+  const auto& okr = *reinterpret_cast<const bool(*)[kElems]>(&ok[0][0]);
+  FwdStats<A> st;
+  if constexpr (kGroup <= 32) {
+    st = group_fwd_stats<kGroup>(vr, okr, kLog);
+  } else {
+    const MaxSum<A> mine = thread_maxsum(vr, okr, kLog);
+    const MaxSum<A> total = row_allreduce<S, kGroup, kCluster>(mine, block_slots, cluster_slot);
+    st = fwd_stats(mine.m, total, kLog);
+  }
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) out[k][e] = fwd_output(v[k][e], ok[k][e], st, kLog);
+}
+
 // kRows: rows a lane group handles per iteration (lane-group tiers only). Their lanes hold one or
 // two vectors of a row, so several rows are loaded before the first shuffle to keep enough bytes
 // in flight; their reductions are independent shuffle chains.
@@ -347,23 +372,14 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
       const int64_t row = row0 + r * (kBlock / kGroup) + group;
       A out[kPacks][kVec];
       if constexpr (!kBwd) {
-        auto& vr = reinterpret_cast<A(&)[kElems]>(v[r]);
-        const auto& okr = reinterpret_cast<const bool(&)[kElems]>(ok[r]);
-        FwdStats<A> st;
-        if constexpr (kGroup <= 32) {
-          // Shuffles only: reduce the max first, then sum exp(z - row max). Two short shuffle
-          // chains cost less than one chain of (max, sum) merges, each of which rescales by an exp.
-          st = group_fwd_stats<kGroup>(vr, okr, log);
-        } else {
-          const MaxSum<A> mine = thread_maxsum(vr, okr, log);
-          const MaxSum<A> total =
-              row_allreduce<S, kGroup, kCluster>(mine, block_slots[parity], &cluster_slots[parity]);
-          st = fwd_stats(mine.m, total, log);
-        }
-#pragma unroll
-        for (int k = 0; k < kPacks; ++k)
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) out[k][e] = fwd_output(v[r][k][e], ok[r][k][e], st, log);
+        // Branch once per row on log, so that neither epilogue carries the other's per-element
+        // selects.
+        if (log)
+          forward_row<true, kGroup, kCluster>(v[r], ok[r], out, block_slots[parity],
+                                              &cluster_slots[parity]);
+        else
+          forward_row<false, kGroup, kCluster>(v[r], ok[r], out, block_slots[parity],
+                                               &cluster_slots[parity]);
       } else {
         Sum<A> mine{A(0)};
 #pragma unroll

@@ -283,7 +283,9 @@ ffi::Error LaunchSoftmax(const RowParams& p, cudaStream_t stream) {
   auto dev = GetDeviceInfo(device);
   if (dev.has_error()) return dev.error();
   RowParams params = p;
-  params.prefetch = PrefetchEnabled() && dev->cc_major >= 9;
+  // Measured (TUNING.md): prefetch helped 16-bit rows (+7-20% at N >= 4096) and slowed float32
+  // (-5-20%), whose batches are twice the bytes and whose loads then queue behind the prefetch.
+  params.prefetch = PrefetchEnabled() && dev->cc_major >= 9 && sizeof(T) == 2;
   const LaunchCtx ctx{params, stream, device, *dev};
   // XLA aligns buffers; the check costs nothing and depends on addresses, never on data.
   const bool ptrs_aligned = Aligned16(p.in) && Aligned16(p.out) &&
