@@ -2,9 +2,10 @@
 # The one device call: build, GPU tests, compute-sanitizer, benchmark; a short table last.
 # Full logs and results go under $OUT (the device tool brings them back).
 #
-#   bash scripts/gpu_check.sh [all|build|test|sanitize|bench|ab|ncu]...   (default: all)
+#   bash scripts/gpu_check.sh [all|build|test|sanitize|bench|attention|ab|ncu]...   (default: all)
 #
-# all = build test sanitize bench. ab: quick A/B timing of scripts/profile_cases.py cases under
+# all = build test sanitize bench attention (bench: the row-length sweep; attention: the
+# (B, H, S, S) sweep; ATTN_ARGS passes it options). ab: quick A/B timing of scripts/profile_cases.py cases under
 # each variant in AB_VARIANTS (words of comma-separated VAR=value settings, default
 # "JAX_SOFTMAX_PREFETCH=1 JAX_SOFTMAX_PREFETCH=0"); ncu: Nsight Compute on NCU_CASES.
 # Env: JAX_SOFTMAX_CUDA_ARCHS (default 90a-real: the device is an H100/H200), BENCH_ARGS
@@ -16,7 +17,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 steps=${*:-all}
-want() { [[ " $steps " == *" $1 "* || (" $steps " == *" all "* && " build test sanitize bench " == *" $1 "*) ]]; }
+want() { [[ " $steps " == *" $1 "* || (" $steps " == *" all "* && " build test sanitize bench attention " == *" $1 "*) ]]; }
 status=0
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/device.txt"
@@ -48,7 +49,8 @@ fi
 
 if want sanitize; then
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 9 "$PY" "$REPO/scripts/sanitize_cases.py" \
+    timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool $tool --error-exitcode 9 \
+      "$PY" "$REPO/scripts/sanitize_cases.py" \
       >"$OUT/sanitizer_$tool.log" 2>&1
     rc=$?
     echo "compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)"
@@ -60,6 +62,11 @@ if want bench; then
   "$PY" -m jax_softmax bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -70
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
+if want attention; then
+  "$PY" -m jax_softmax bench attention --out "$OUT/bench" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attention.log" | tail -40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
 if want ab; then
   i=0
   for variant in ${AB_VARIANTS:-JAX_SOFTMAX_PREFETCH=1 JAX_SOFTMAX_PREFETCH=0}; do
@@ -86,5 +93,6 @@ if want ab; then
 fi
 
 # The device tool returns at most 8 files: bundle the logs, keep results (JSON/CSV/PNG) as they are.
-(cd "$OUT" && ls *.log *.xml >/dev/null 2>&1 && tar czf logs.tgz *.log *.xml && rm -f *.log *.xml)
+# Appends, so that several invocations in one device call share one archive.
+(cd "$OUT" && for f in *.log *.xml; do [ -e "$f" ] && tar rf logs.tar "$f" && rm -f "$f"; done)
 exit $status
