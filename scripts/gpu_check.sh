@@ -48,7 +48,7 @@ if want test; then
 fi
 
 if want sanitize; then
-  for tool in memcheck racecheck; do
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
     timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool $tool --error-exitcode 9 \
       "$PY" "$REPO/scripts/sanitize_cases.py" \
       >"$OUT/sanitizer_$tool.log" 2>&1
