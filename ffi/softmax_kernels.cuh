@@ -173,15 +173,21 @@ struct FwdStats {
   A log_sum;  // log-softmax: log(row sum)
 };
 
-// The forward's per-thread pass over its values: thread max, then exp(z - shift) summed, where
-// shift = thread max unless that is -inf (then nothing valid is finite and 0 avoids -inf - -inf).
-// Softmax keeps exp(z - shift) in v; log-softmax keeps z.
+// The forward's per-thread passes over its values: thread_max, then exp_sum (the lane groups
+// reduce the max over the group in between; wider tiers merge (max, sum) pairs, thread_maxsum).
 template <typename A, int N>
-__device__ __forceinline__ MaxSum<A> thread_maxsum(A (&v)[N], const bool (&ok)[N], bool log) {
+__device__ __forceinline__ A thread_max(const A (&v)[N], const bool (&ok)[N]) {
   A m = neg_inf<A>();
 #pragma unroll
   for (int i = 0; i < N; ++i)
     if (ok[i]) m = row_max(m, v[i]);
+  return m;
+}
+
+// Sum of exp(z - shift) over the valid values, shift = m unless m is -inf (then nothing valid is
+// finite, and 0 avoids -inf - -inf). Softmax keeps exp(z - shift) in v; log-softmax keeps z.
+template <typename A, int N>
+__device__ __forceinline__ A exp_sum(A (&v)[N], const bool (&ok)[N], A m, bool log) {
   const A shift = m == neg_inf<A>() ? A(0) : m;
   A s = A(0);
 #pragma unroll
@@ -192,7 +198,13 @@ __device__ __forceinline__ MaxSum<A> thread_maxsum(A (&v)[N], const bool (&ok)[N
       if (!log) v[i] = e;
     }
   }
-  return {m, s};
+  return s;
+}
+
+template <typename A, int N>
+__device__ __forceinline__ MaxSum<A> thread_maxsum(A (&v)[N], const bool (&ok)[N], bool log) {
+  const A m = thread_max(v, ok);
+  return {m, exp_sum(v, ok, m, log)};
 }
 
 template <typename A>
@@ -212,25 +224,11 @@ __device__ __forceinline__ FwdStats<A> fwd_stats(A thread_max, MaxSum<A> row, bo
 }
 
 // A lane group's statistics: group max, then the group sum of exp(z - max); v keeps exp(z - max)
-// for softmax, z for log-softmax. A row with no finite valid value shifts by 0 (see above).
+// for softmax, z for log-softmax. A row with no finite valid value shifts by 0 (see exp_sum).
 template <int kGroup, typename A, int N>
 __device__ __forceinline__ FwdStats<A> group_fwd_stats(A (&v)[N], const bool (&ok)[N], bool log) {
-  A m = neg_inf<A>();
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-    if (ok[i]) m = row_max(m, v[i]);
-  m = group_allreduce<kGroup>(Max<A>{m}).m;
-  const A shift = m == neg_inf<A>() ? A(0) : m;
-  A s = A(0);
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    if (ok[i]) {
-      const A e = exp_acc(v[i] - shift);
-      s += e;
-      if (!log) v[i] = e;
-    }
-  }
-  s = group_allreduce<kGroup>(Sum<A>{s}).s;
+  const A m = group_allreduce<kGroup>(Max<A>{thread_max(v, ok)}).m;
+  const A s = group_allreduce<kGroup>(Sum<A>{exp_sum(v, ok, m, log)}).s;
   FwdStats<A> st;
   st.max = m;
   st.log_sum = log ? log_acc(s) : A(0);
