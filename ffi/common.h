@@ -181,9 +181,8 @@ inline ffi::Error FillRowParams(const ffi::AnyBuffer& in, const ffi::AnyBuffer* 
   }
   p.cols = x.back();
   p.rows = p.cols == 0 ? 0 : NumElements(x) / p.cols;
-  p.causal_sq = causal ? x[x.size() - 2] : 0;
   const bool rows_below_2_31 = p.rows < (int64_t{1} << 31);
-  p.causal_div = RowDivisor(p.causal_sq, rows_below_2_31);
+  p.causal = RowDivisor(causal ? x[x.size() - 2] : 0, rows_below_2_31);
   int k = 0;
   if (bias) p.bias = MakeView(bias->untyped_data(), shapes[k++], x, *axes, rows_below_2_31);
   if (mask) p.mask = MakeView(mask->untyped_data(), shapes[k++], x, *axes, rows_below_2_31);

@@ -73,8 +73,8 @@ struct BroadcastView {
 // What one call computes. Forward: z = scale * x + bias, y = softmax(z) or log_softmax(z) over
 // the valid positions of each row. Backward: dx = scale * d(softmax or log_softmax)/dz applied
 // to dy, zero at invalid positions. A position is valid when its mask element is true (or there
-// is no mask) and, with causal_sq > 0, its column does not exceed its query index
-// (row % causal_sq): query i sees keys j <= i.
+// is no mask) and, with causal.d = Sq > 0, its column does not exceed its query index
+// (row % Sq): query i sees keys j <= i.
 struct RowParams {
   const void* in = nullptr;       // forward: x; backward: y (the saved forward output)
   const void* grad_in = nullptr;  // backward: dy; forward: unused
@@ -83,16 +83,15 @@ struct RowParams {
   int64_t cols = 0;
   double scale = 1.0;
   bool log = false;       // log_softmax instead of softmax
-  int64_t causal_sq = 0;  // 0: no causal mask
-  RowDivisor causal_div;  // divides by causal_sq
-  bool prefetch = false;  // CUDA: prefetch each CTA's next rows into L2 (launcher's choice)
+  RowDivisor causal{0, false};  // divides by the query length Sq; d == 0: no causal mask
+  bool prefetch = false;  // CUDA, 16-bit types: prefetch each CTA's next rows into L2
   BroadcastView bias;     // forward only; element type = the input's
   BroadcastView mask;     // bool (one byte per element)
 
   // Index of the last valid column of `row` under the causal rule (cols - 1 without it).
   JS_HOST_DEVICE int64_t causal_limit(int64_t row) const {
-    if (causal_sq <= 0) return cols - 1;
-    const int64_t q = row - causal_div.quotient(row) * causal_sq;
+    if (causal.d <= 0) return cols - 1;
+    const int64_t q = row - causal.quotient(row) * causal.d;
     return q < cols - 1 ? q : cols - 1;
   }
 };

@@ -23,7 +23,8 @@
 // or bias and cols % V != 0, or misaligned pointers, use V = 1.
 // Grids: one persistent wave (kDefaultMaxWaves = 1) of the resident CTAs (clusters) the
 // occupancy calculator reports, read once per device and kernel; CTAs loop over rows and, on
-// sm_90, prefetch their next rows into L2 while the current ones are reduced. Measured
+// sm_90 with 16-bit types, prefetch their next rows into L2 while the current ones are reduced
+// (softmax_rows_kernel says why 16-bit only). Measured
 // (TUNING.md): one CTA per batch of rows (no cap) was 2-10% slower than the persistent wave.
 #pragma once
 
@@ -148,7 +149,7 @@ int ActiveClusters(int device) {
   return n > 0 ? n : 0;
 }
 
-// Grid size: at most kMaxWaves x (resident CTAs or clusters) of the GPU; CTAs loop over the rows
+// Grid size: at most MaxWaves() x (resident CTAs or clusters) of the GPU; CTAs loop over the rows
 // beyond that. JAX_SOFTMAX_WAVES overrides the cap (read once; 1 = one persistent wave, 0 = no
 // cap), for tuning experiments.
 inline int64_t MaxWaves() {
@@ -283,9 +284,7 @@ ffi::Error LaunchSoftmax(const RowParams& p, cudaStream_t stream) {
   auto dev = GetDeviceInfo(device);
   if (dev.has_error()) return dev.error();
   RowParams params = p;
-  // Measured (TUNING.md): prefetch helped 16-bit rows (+7-20% at N >= 4096) and slowed float32
-  // (-5-20%), whose batches are twice the bytes and whose loads then queue behind the prefetch.
-  params.prefetch = PrefetchEnabled() && dev->cc_major >= 9 && sizeof(T) == 2;
+  params.prefetch = PrefetchEnabled() && dev->cc_major >= 9;
   const LaunchCtx ctx{params, stream, device, *dev};
   // XLA aligns buffers; the check costs nothing and depends on addresses, never on data.
   const bool ptrs_aligned = Aligned16(p.in) && Aligned16(p.out) &&
@@ -294,7 +293,7 @@ ffi::Error LaunchSoftmax(const RowParams& p, cudaStream_t stream) {
                             (!p.mask.data || Aligned16(p.mask.data));
   const bool whole_vectors = p.cols % kVec == 0;
   // Plain: no bias, mask or causal limit (the bias is a forward-only operand).
-  const bool plain = (kBwd || !p.bias.data) && !p.mask.data && p.causal_sq == 0;
+  const bool plain = (kBwd || !p.bias.data) && !p.mask.data && p.causal.d == 0;
   if (ptrs_aligned && plain) {
     return whole_vectors ? LaunchTier<T, kVec, kBwd, Access::kPlain>(ctx)
                          : LaunchTier<T, kVec, kBwd, Access::kWindowed>(ctx);

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_softmax
+from jax_softmax._bench import xla_attention_softmax
 from jax_softmax.primitives import softmax_bwd_p
 
 MIB = 2**20
@@ -43,39 +44,25 @@ def _xla_bwd(y, g):
 
 
 def _attention_case(kind, s, dtype=jnp.bfloat16):
+    """(B, 16, s, s) scores with a padding mask, a per-head bias or the causal rule; the XLA side
+    is the benchmark's own expression (jax_softmax._bench.xla_attention_softmax)."""
     b, h = max(1, TENSOR_BYTES // (16 * s * s * jnp.dtype(dtype).itemsize)), 16
     rng = np.random.default_rng(1)
-    scores = np.asarray(rng.standard_normal((b, h, s, s)), np.float32)
-    args = [jnp.asarray(scores, dtype)]
-    kw = {}
-    if kind == "pad":
-        args.append(jnp.asarray(rng.random((b, 1, 1, s)) > 0.1))
+    scores = jnp.asarray(rng.standard_normal((b, h, s, s)).astype(np.float32), dtype)
+    operand = {"pad": ("mask", lambda: jnp.asarray(rng.random((b, 1, 1, s)) > 0.1)),
+               "bias": ("bias", lambda: jnp.asarray(rng.standard_normal((1, h, s, s)), dtype)),
+               "causal": (None, None)}[kind]
+    name, make = operand
+    args = [scores] + ([make()] if make else [])
 
-        def ours(x, m):
-            return jax_softmax.attention_softmax(x, scale=0.125, mask=m)
+    def bind(fn):
+        def call(x, *extra):
+            kw = {name: extra[0]} if name else {"is_causal": True}
+            return fn(x, scale=0.125, **kw)
+        return call
 
-        def xla(x, m):
-            z = 0.125 * x.astype(jnp.float32)
-            return jax.nn.softmax(z, where=m).astype(x.dtype)
-    elif kind == "bias":
-        args.append(jnp.asarray(rng.standard_normal((1, h, s, s)), dtype))
-
-        def ours(x, bias):
-            return jax_softmax.attention_softmax(x, scale=0.125, bias=bias)
-
-        def xla(x, bias):
-            z = 0.125 * x.astype(jnp.float32) + bias.astype(jnp.float32)
-            return jax.nn.softmax(z).astype(x.dtype)
-    else:  # causal
-        def ours(x):
-            return jax_softmax.attention_softmax(x, scale=0.125, is_causal=True)
-
-        def xla(x):
-            z = 0.125 * x.astype(jnp.float32)
-            keep = jnp.tril(jnp.ones((s, s), bool))
-            return jax.nn.softmax(z, where=keep).astype(x.dtype)
-    del kw
-    return ours, xla, args, 2 * args[0].nbytes
+    return (bind(jax_softmax.attention_softmax), bind(xla_attention_softmax), args,
+            2 * scores.nbytes)
 
 
 def _row_case(dtype, n, bwd=False):
