@@ -132,6 +132,74 @@ __device__ __forceinline__ void prefetch_l2(const void* begin, const void* end, 
 #endif
 }
 
+// --- bulk copies into shared memory (sm_90) -----------------------------------------------------
+// The staged kernels move each CTA's next tiles into shared memory with cp.async.bulk while the
+// current tile is reduced: the copy engine keeps those bytes in flight, not registers. One mbarrier
+// per stage counts the bytes that arrive (expect_tx); its phase parity says which fill completed.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(arrivals)
+               : "memory");
+#endif
+}
+
+// Makes initialised barriers visible to the copy engine (the async proxy); a __syncthreads
+// must follow before other threads use them.
+__device__ __forceinline__ void fence_mbarrier_init() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+// Orders this thread's earlier generic-proxy accesses of shared memory (the reads of a stage
+// that all threads finished before a barrier) before the async-proxy writes of the next copy.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// One arrival that also announces `bytes` still to come from bulk copies.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+#endif
+}
+
+// Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to this CTA's
+// shared memory; completion is counted on `bar`.
+__device__ __forceinline__ void bulk_load_shared(void* dst, const void* src, uint32_t bytes,
+                                                 uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+#endif
+}
+
+// Waits until the phase with parity `parity` of `bar` has completed.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+#endif
+}
+
 // --- reduction states -----------------------------------------------------------------------------
 // Running (max, sum of exp(z - max)) of part of a row. Merging rescales each sum to the common
 // max; a part with max == the common max (including both -inf) keeps its sum as is, so an all

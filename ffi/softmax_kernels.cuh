@@ -292,6 +292,54 @@ __device__ __forceinline__ void forward_row(A (&v)[kPacks][kVec], const bool (&o
     for (int e = 0; e < kVec; ++e) out[k][e] = fwd_output(v[k][e], ok[k][e], st, kLog);
 }
 
+// A batch after its loads (each lane group's kRows rows, values in v and g): statistics, outputs,
+// stores. Shared by the register kernel, which loads from global memory, and the staged kernel,
+// which loads from shared memory.
+template <int kGroup, int kCluster, bool kBwd, int kRows, typename Loader, typename S, typename A,
+          int kPacks, int kVec>
+__device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&loaders)[kRows],
+                                             int64_t row0, int group, int first_col,
+                                             A (&v)[kRows][kPacks][kVec],
+                                             const A (&g)[kRows][kPacks][kVec],
+                                             const bool (&ok)[kRows][kPacks][kVec], S* block_slots,
+                                             S* cluster_slot) {
+  using T = std::remove_cv_t<std::remove_pointer_t<decltype(Loader::in)>>;
+  constexpr int kBlock = BlockThreads(kGroup);
+  const bool log = p.log;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t row = row0 + r * (kBlock / kGroup) + group;
+    A out[kPacks][kVec];
+    if constexpr (!kBwd) {
+      // Branch once per row on log, so that neither epilogue carries the other's per-element
+      // selects.
+      if (log)
+        forward_row<true, kGroup, kCluster>(v[r], ok[r], out, block_slots, cluster_slot);
+      else
+        forward_row<false, kGroup, kCluster>(v[r], ok[r], out, block_slots, cluster_slot);
+    } else {
+      const A scale = static_cast<A>(p.scale);
+      Sum<A> mine{A(0)};
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e)
+          if (ok[r][k][e]) mine.s += bwd_term(v[r][k][e], g[r][k][e], log);
+      const A dot = row_allreduce<S, kGroup, kCluster>(mine, block_slots, cluster_slot).s;
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e)
+          out[k][e] = bwd_output(v[r][k][e], g[r][k][e], ok[r][k][e], dot, scale, log);
+    }
+    if (row < p.rows) {
+      T* dst = loaders[r].out_row(p, row);
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) loaders[r].store(dst, first_col + k * kGroup * kVec, out[k]);
+    }
+  }
+}
+
 // kRows: rows a lane group handles per iteration (lane-group tiers only). Their lanes hold one or
 // two vectors of a row, so several rows are loaded before the first shuffle to keep enough bytes
 // in flight; their reductions are independent shuffle chains.
@@ -317,8 +365,6 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   const int group = threadIdx.x / kGroup;
   const int first_col = static_cast<int>((kCluster > 1 ? cluster_rank() : 0) * kChunk) + lane * kVec;
   const int64_t num_ctas = gridDim.x / kCluster;
-  const bool log = p.log;
-  const A scale = static_cast<A>(p.scale);
 
   int parity = 0;
   // The loop bound is uniform over the block (and cluster): lane groups past the last row still
@@ -367,45 +413,133 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
       for (int k = 0; k < kPacks; ++k)
         loaders[r].load(first_col + k * kGroup * kVec, v[r][k], g[r][k], ok[r][k]);
     }
-
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int64_t row = row0 + r * (kBlock / kGroup) + group;
-      A out[kPacks][kVec];
-      if constexpr (!kBwd) {
-        // Branch once per row on log, so that neither epilogue carries the other's per-element
-        // selects.
-        if (log)
-          forward_row<true, kGroup, kCluster>(v[r], ok[r], out, block_slots[parity],
-                                              &cluster_slots[parity]);
-        else
-          forward_row<false, kGroup, kCluster>(v[r], ok[r], out, block_slots[parity],
-                                               &cluster_slots[parity]);
-      } else {
-        Sum<A> mine{A(0)};
-#pragma unroll
-        for (int k = 0; k < kPacks; ++k)
-#pragma unroll
-          for (int e = 0; e < kVec; ++e)
-            if (ok[r][k][e]) mine.s += bwd_term(v[r][k][e], g[r][k][e], log);
-        const A dot = row_allreduce<S, kGroup, kCluster>(mine, block_slots[parity],
-                                                         &cluster_slots[parity]).s;
-#pragma unroll
-        for (int k = 0; k < kPacks; ++k)
-#pragma unroll
-          for (int e = 0; e < kVec; ++e)
-            out[k][e] = bwd_output(v[r][k][e], g[r][k][e], ok[r][k][e], dot, scale, log);
-      }
-      if (row < p.rows) {
-        T* dst = loaders[r].out_row(p, row);
-#pragma unroll
-        for (int k = 0; k < kPacks; ++k)
-          loaders[r].store(dst, first_col + k * kGroup * kVec, out[k]);
-      }
-    }
+    finish_batch<kGroup, kCluster, kBwd>(p, loaders, row0, group, first_col, v, g, ok,
+                                         block_slots[parity], &cluster_slots[parity]);
   }
   // No CTA may leave while another still reads its shared memory.
   if constexpr (kCluster > 1) cluster_sync_all();
+}
+
+// --- staged tiers (sm_90, plain rows): the register tiers fed through shared memory -------------
+// The register kernel has only what its registers hold in flight: a CTA loads a batch, then waits
+// for it, then reduces it, and DRAM idles unless other CTAs happen to be loading. The staged kernel
+// runs the same tiers (same threads per row, same values per thread, same reductions) but has one
+// thread of each CTA copy whole tiles (the CTA's batch of rows, or its chunk of a cluster's row)
+// into a ring of `stages` shared-memory buffers with cp.async.bulk. A tile is one contiguous byte
+// range (plain rows: cols % kVec == 0 and aligned buffers; a cluster CTA's chunk of one row), so
+// one copy per operand moves it. Tiles it + 1 .. it + stages - 1 are in flight while tile it is
+// reduced; a stage is refilled as soon as every thread has copied it into registers.
+// Shared memory per stage: the tile of x (forward) or of y and then dy (backward), kRowsPerBlock
+// rows of `span` elements (span = cols, or kChunk for a cluster CTA).
+struct StagedTiles {
+  int stages;            // 2 .. kMaxStages buffers in the ring
+  uint32_t stage_bytes;  // distance between stages in dynamic shared memory (multiple of 128)
+};
+constexpr int kMaxStages = 4;
+
+template <typename T, int kGroup, int kElems, int kVec, int kCluster, bool kBwd, int kRows = 1>
+__global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThreads(kGroup)))
+    softmax_rows_staged_kernel(const RowParams p, const StagedTiles tiles) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using A = acc_t<T>;
+  using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;
+  using Loader = RowLoader<T, kVec, kBwd, Access::kPlain>;
+  constexpr int kBlock = BlockThreads(kGroup);
+  constexpr int kRowsPerBlock = kBlock / kGroup * kRows;
+  constexpr int kPacks = kElems / kVec;
+  constexpr int64_t kChunk = int64_t(kGroup) * kElems;
+  static_assert(kElems % kVec == 0 && kBlock % kGroup == 0, "tier shape");
+  static_assert(kCluster == 1 || kGroup == kBlock, "a cluster splits whole-block rows");
+
+  extern __shared__ __align__(128) unsigned char staged_smem[];
+  __shared__ uint64_t full[kMaxStages];
+  __shared__ S block_slots[2][32];
+  __shared__ S cluster_slots[2];
+
+  const int lane = threadIdx.x % kGroup;
+  const int group = threadIdx.x / kGroup;
+  const int64_t col_base = kCluster > 1 ? int64_t(cluster_rank()) * kChunk : 0;
+  const int first_col = static_cast<int>(col_base) + lane * kVec;
+  const int64_t num_ctas = gridDim.x / kCluster;
+  const int64_t num_tiles = (p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  // Elements per tile row in shared memory: whole rows, or this CTA's chunk of the row.
+  const int64_t span = kCluster > 1 ? kChunk : p.cols;
+  // This CTA's columns of a row: all of them, or its chunk (none for a rank past the row end).
+  const int64_t cta_cols = kCluster > 1 ? (p.cols - col_base < 0 ? 0
+                                           : p.cols - col_base < kChunk ? p.cols - col_base
+                                                                        : kChunk)
+                                        : p.cols;
+  const int stages = tiles.stages;
+
+  // Thread 0 only: fill `stage` with tile `tile` (kRowsPerBlock rows, fewer at the end).
+  auto fill = [&](int stage, int64_t tile) {
+    T* dst = reinterpret_cast<T*>(staged_smem + size_t(stage) * tiles.stage_bytes);
+    const int64_t row0 = tile * kRowsPerBlock;
+    const int64_t nrows = p.rows - row0 < kRowsPerBlock ? p.rows - row0 : kRowsPerBlock;
+    // Tile rows are contiguous in memory: nrows * cols elements from row0's first column (for a
+    // cluster CTA, nrows == 1 and the copy starts at its chunk).
+    const int64_t first = row0 * p.cols + col_base;
+    const uint32_t bytes = static_cast<uint32_t>((kCluster > 1 ? cta_cols : nrows * p.cols) * sizeof(T));
+    mbarrier_arrive_expect_tx(&full[stage], kBwd ? 2 * bytes : bytes);
+    if (bytes == 0) return;
+    bulk_load_shared(dst, static_cast<const T*>(p.in) + first, bytes, &full[stage]);
+    if constexpr (kBwd)
+      bulk_load_shared(dst + kRowsPerBlock * span, static_cast<const T*>(p.grad_in) + first, bytes,
+                       &full[stage]);
+  };
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) mbarrier_init(&full[s], 1);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  const int64_t first_tile = blockIdx.x / kCluster;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s)
+      if (first_tile + s * num_ctas < num_tiles) fill(s, first_tile + s * num_ctas);
+  }
+
+  int stage = 0;
+  uint32_t phase = 0;
+  int parity = 0;
+  // The loop bound is uniform over the block and the cluster (the CTAs of a cluster share
+  // blockIdx.x / kCluster), as the reductions need.
+  for (int64_t tile = first_tile; tile < num_tiles; tile += num_ctas, parity ^= 1) {
+    const int64_t row0 = tile * kRowsPerBlock;
+    mbarrier_wait(&full[stage], phase);
+    const T* stage_in = reinterpret_cast<const T*>(staged_smem + size_t(stage) * tiles.stage_bytes);
+    A v[kRows][kPacks][kVec];
+    A g[kRows][kPacks][kVec];
+    bool ok[kRows][kPacks][kVec];
+    Loader loaders[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int local = r * (kBlock / kGroup) + group;
+      const int64_t row = row0 + local;
+      loaders[r] = Loader(p, row, row < p.rows);
+      // Read the row from the stage instead of global memory: load(w) reads in[w] (and
+      // grad[w]) at column w, and the stage holds columns col_base.. of each tile row.
+      loaders[r].in = stage_in + local * span - col_base;
+      if constexpr (kBwd) loaders[r].grad = loaders[r].in + kRowsPerBlock * span;
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k)
+        loaders[r].load(first_col + k * kGroup * kVec, v[r][k], g[r][k], ok[r][k]);
+    }
+    // Every thread has its values: the stage can take the tile `stages` iterations ahead.
+    __syncthreads();
+    if (threadIdx.x == 0 && tile + stages * num_ctas < num_tiles) {
+      fence_proxy_async_shared();
+      fill(stage, tile + stages * num_ctas);
+    }
+    finish_batch<kGroup, kCluster, kBwd>(p, loaders, row0, group, first_col, v, g, ok,
+                                         block_slots[parity], &cluster_slots[parity]);
+    if (++stage == stages) stage = 0, phase ^= 1;
+  }
+  // No CTA may leave while another still reads its shared memory.
+  if constexpr (kCluster > 1) cluster_sync_all();
+#else
+  __trap();  // launched on sm_90+ only
+#endif
 }
 
 // --- streaming tier: any row length, x read twice ------------------------------------------------

@@ -60,6 +60,9 @@ struct CudaStorage<BFloat16Tag> {
 struct DeviceInfo {
   int sm_count = 0;
   int cc_major = 0;
+  int smem_per_sm = 0;        // shared memory of an SM, bytes
+  int smem_per_block = 0;     // the most one block may opt in to
+  int smem_reserved = 0;      // what the system takes per resident block
 };
 
 constexpr int kMaxDevices = 64;
@@ -73,6 +76,15 @@ inline ffi::ErrorOr<DeviceInfo> GetDeviceInfo(int device) {
     cudaError_t e = cudaDeviceGetAttribute(&info[device].sm_count, cudaDevAttrMultiProcessorCount, device);
     if (e == cudaSuccess)
       e = cudaDeviceGetAttribute(&info[device].cc_major, cudaDevAttrComputeCapabilityMajor, device);
+    if (e == cudaSuccess)
+      e = cudaDeviceGetAttribute(&info[device].smem_per_sm,
+                                 cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+    if (e == cudaSuccess)
+      e = cudaDeviceGetAttribute(&info[device].smem_per_block,
+                                 cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (e == cudaSuccess)
+      e = cudaDeviceGetAttribute(&info[device].smem_reserved,
+                                 cudaDevAttrReservedSharedMemoryPerBlock, device);
     status[device] = e;
   });
   if (status[device] != cudaSuccess)
@@ -89,7 +101,9 @@ inline ffi::Error CheckLaunch(const char* what) {
 
 // Per (kernel, device) cached occupancy: resident blocks per SM, or active clusters per GPU.
 // Function-local statics are per template instantiation, i.e. per kernel.
-template <auto Kernel>
+// kWhat tells apart the values cached for one kernel (kBlocksPerSm, kActiveClusters).
+enum CacheSlot { kBlocksPerSm, kActiveClusters };
+template <auto Kernel, CacheSlot kWhat>
 struct KernelCache {
   static std::atomic<int>& slot(int device) {
     static std::atomic<int> values[kMaxDevices];
@@ -99,7 +113,7 @@ struct KernelCache {
 
 template <auto Kernel, int kBlock>
 ffi::ErrorOr<int> BlocksPerSm(int device) {
-  std::atomic<int>& cached = KernelCache<Kernel>::slot(device);
+  std::atomic<int>& cached = KernelCache<Kernel, kBlocksPerSm>::slot(device);
   int n = cached.load(std::memory_order_relaxed);
   if (n == 0) {
     const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, kBlock, 0);
@@ -115,13 +129,14 @@ ffi::ErrorOr<int> BlocksPerSm(int device) {
 struct ClusterLaunch {
   cudaLaunchAttribute attr[1];
   cudaLaunchConfig_t config = {};
-  ClusterLaunch(int cluster, unsigned grid, int block, cudaStream_t stream) {
+  ClusterLaunch(int cluster, unsigned grid, int block, cudaStream_t stream, size_t smem = 0) {
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = cluster;
     attr[0].val.clusterDim.y = 1;
     attr[0].val.clusterDim.z = 1;
     config.gridDim = dim3(grid);
     config.blockDim = dim3(block);
+    config.dynamicSmemBytes = smem;
     config.stream = stream;
     config.attrs = attr;
     config.numAttrs = 1;
@@ -131,14 +146,14 @@ struct ClusterLaunch {
 
 // Active clusters of kCluster blocks for a cluster kernel; 0 when the GPU cannot schedule one.
 template <auto Kernel, int kBlock, int kCluster>
-int ActiveClusters(int device) {
-  std::atomic<int>& cached = KernelCache<Kernel>::slot(device);
+int ActiveClusters(int device, size_t smem = 0) {
+  std::atomic<int>& cached = KernelCache<Kernel, kActiveClusters>::slot(device);
   int n = cached.load(std::memory_order_relaxed);
   if (n == 0) {
     n = -1;
     if (kCluster > 8)
       cudaFuncSetAttribute(Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    const ClusterLaunch launch(kCluster, kCluster, kBlock, nullptr);
+    const ClusterLaunch launch(kCluster, kCluster, kBlock, nullptr, smem);
     int clusters = 0;
     if (cudaOccupancyMaxActiveClusters(&clusters, Kernel, &launch.config) == cudaSuccess &&
         clusters > 0)
@@ -171,6 +186,16 @@ inline bool PrefetchEnabled() {
   return enabled;
 }
 
+// Staged tiers (softmax_rows_staged_kernel) for plain rows on sm_90+; JAX_SOFTMAX_STAGED=0 runs
+// the register tiers instead, for tuning experiments (read once).
+inline bool StagedEnabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("JAX_SOFTMAX_STAGED");
+    return !(env && env[0] == '0');
+  }();
+  return enabled;
+}
+
 // Blocks for `needed` units of work (CTAs, or clusters of kCluster CTAs) given `resident` that
 // fit the GPU at once.
 inline int GridUnits(int64_t needed, int64_t resident, int cluster = 1) {
@@ -178,6 +203,49 @@ inline int GridUnits(int64_t needed, int64_t resident, int cluster = 1) {
   if (cap > INT_MAX / cluster) cap = INT_MAX / cluster;
   return static_cast<int>(needed < cap ? needed : cap);
 }
+
+// The ring of a staged kernel (softmax_rows_staged_kernel): as many CTAs per SM as registers
+// allow, each with 2..kMaxStages tiles of shared memory; fewer CTAs per SM where a ring of two does
+// not fit; stages == 0 where not even one CTA's does (the register kernel runs instead).
+struct StagePlan {
+  StagedTiles tiles{0, 0};
+  int ctas_per_sm = 0;
+  size_t smem = 0;  // dynamic shared memory per CTA
+};
+constexpr int64_t kStaticSmemBound = 1024;  // a staged kernel's own __shared__ arrays fit in this
+
+inline StagePlan PlanStages(uint64_t tile_bytes, int reg_ctas, const DeviceInfo& dev) {
+  const int64_t stride = static_cast<int64_t>((tile_bytes + 127) / 128 * 128);
+  StagePlan plan;
+  for (int r = reg_ctas; r >= 1; --r) {
+    int64_t budget = int64_t(dev.smem_per_sm) / r - dev.smem_reserved - kStaticSmemBound;
+    if (budget > dev.smem_per_block - kStaticSmemBound) budget = dev.smem_per_block - kStaticSmemBound;
+    if (budget < 2 * stride) continue;
+    const int stages = budget / stride < kMaxStages ? static_cast<int>(budget / stride) : kMaxStages;
+    plan.tiles = StagedTiles{stages, static_cast<uint32_t>(stride)};
+    plan.ctas_per_sm = r;
+    plan.smem = static_cast<size_t>(stages) * stride;
+    return plan;
+  }
+  return plan;
+}
+
+// Lets Kernel take all the dynamic shared memory a block may opt in to (once per device).
+template <auto Kernel>
+bool AllowDynamicSmem(int device, const DeviceInfo& dev) {
+  static std::once_flag once[kMaxDevices];
+  static bool ok[kMaxDevices];
+  std::call_once(once[device], [&] {
+    ok[device] = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      dev.smem_per_block - int(kStaticSmemBound)) == cudaSuccess;
+    cudaGetLastError();  // a refusal means: use the register kernel
+  });
+  return ok[device];
+}
+
+// The staged kernels take plain rows of 16-byte vectors (one contiguous copy per tile), on sm_90+.
+template <typename T, int kVec, Access kAccess>
+constexpr bool kStageable = kAccess == Access::kPlain && kVec > 1 && sizeof(T) <= 4;
 
 struct LaunchCtx {
   const RowParams& p;
@@ -190,10 +258,24 @@ template <typename T, int kGroup, int kElems, int kVec, bool kBwd, Access kAcces
 ffi::Error LaunchRows(const LaunchCtx& c) {
   constexpr int kBlock = BlockThreads(kGroup);
   constexpr int kRowsPerBlock = kBlock / kGroup * kRows;
+  const int64_t needed = (c.p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  if constexpr (kStageable<T, kVec, kAccess>) {
+    if (c.dev.cc_major >= 9 && StagedEnabled()) {
+      constexpr auto staged = softmax_rows_staged_kernel<T, kGroup, kElems, kVec, 1, kBwd, kRows>;
+      auto reg = BlocksPerSm<staged, kBlock>(c.device);
+      if (reg.has_error()) return reg.error();
+      const uint64_t tile = uint64_t(kRowsPerBlock) * uint64_t(c.p.cols) * sizeof(T) * (kBwd ? 2 : 1);
+      const StagePlan plan = PlanStages(tile, *reg, c.dev);
+      if (plan.tiles.stages > 0 && AllowDynamicSmem<staged>(c.device, c.dev)) {
+        const int grid = GridUnits(needed, int64_t(plan.ctas_per_sm) * c.dev.sm_count);
+        staged<<<grid, kBlock, plan.smem, c.stream>>>(c.p, plan.tiles);
+        return CheckLaunch("softmax staged kernel");
+      }
+    }
+  }
   constexpr auto kernel = softmax_rows_kernel<T, kGroup, kElems, kVec, 1, kBwd, kAccess, kRows>;
   auto per_sm = BlocksPerSm<kernel, kBlock>(c.device);
   if (per_sm.has_error()) return per_sm.error();
-  const int64_t needed = (c.p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   const int grid = GridUnits(needed, int64_t(*per_sm) * c.dev.sm_count);
   kernel<<<grid, kBlock, 0, c.stream>>>(c.p);
   return CheckLaunch("softmax row kernel");
@@ -215,6 +297,30 @@ ffi::Error LaunchTwoPass(const LaunchCtx& c) {
 // kernel where the GPU cannot schedule the cluster.
 template <typename T, int kBlock, int kElems, int kVec, int kCluster, bool kBwd, Access kAccess>
 ffi::Error LaunchCluster(const LaunchCtx& c) {
+  if constexpr (kStageable<T, kVec, kAccess>) {
+    if (StagedEnabled()) {
+      constexpr auto staged = softmax_rows_staged_kernel<T, kBlock, kElems, kVec, kCluster, kBwd>;
+      auto reg = BlocksPerSm<staged, kBlock>(c.device);
+      if (reg.has_error()) return reg.error();
+      // One row's chunk per CTA and tile: a size fixed by the kernel, so the plan and the
+      // cluster occupancy are too.
+      const uint64_t tile = uint64_t(kBlock) * kElems * sizeof(T) * (kBwd ? 2 : 1);
+      const StagePlan plan = PlanStages(tile, *reg, c.dev);
+      if (plan.tiles.stages > 0 && AllowDynamicSmem<staged>(c.device, c.dev)) {
+        const int active = ActiveClusters<staged, kBlock, kCluster>(c.device, plan.smem);
+        if (active > 0) {
+          const int64_t clusters = GridUnits(c.p.rows, active, kCluster);
+          const ClusterLaunch launch(kCluster, static_cast<unsigned>(clusters * kCluster), kBlock,
+                                     c.stream, plan.smem);
+          const cudaError_t e = cudaLaunchKernelEx(&launch.config, staged, c.p, plan.tiles);
+          if (e != cudaSuccess)
+            return Internal(std::string("softmax staged cluster kernel launch failed: ") +
+                            cudaGetErrorString(e));
+          return CheckLaunch("softmax staged cluster kernel");
+        }
+      }
+    }
+  }
   constexpr auto kernel = softmax_rows_kernel<T, kBlock, kElems, kVec, kCluster, kBwd, kAccess>;
   const int active = ActiveClusters<kernel, kBlock, kCluster>(c.device);
   if (active == 0) return LaunchTwoPass<T, kVec, kBwd, kAccess>(c);

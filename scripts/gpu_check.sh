@@ -7,7 +7,7 @@
 # all = build test sanitize bench attention (bench: the row-length sweep; attention: the
 # (B, H, S, S) sweep; ATTN_ARGS passes it options). ab: quick A/B timing of scripts/profile_cases.py cases under
 # each variant in AB_VARIANTS (words of comma-separated VAR=value settings, default
-# "JAX_SOFTMAX_PREFETCH=1 JAX_SOFTMAX_PREFETCH=0"); ncu: Nsight Compute on NCU_CASES.
+# "JAX_SOFTMAX_STAGED=1 JAX_SOFTMAX_STAGED=0"); ncu: Nsight Compute on NCU_CASES.
 # Env: JAX_SOFTMAX_CUDA_ARCHS (default 90a-real: the device is an H100/H200), BENCH_ARGS
 # (extra arguments for `python -m jax_softmax bench`), TEST_ARGS (extra pytest arguments), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), AB_CASES, NCU_CASES, *_TIMEOUT (seconds).
 set -uo pipefail
@@ -45,6 +45,11 @@ if want test; then
   timeout "${TEST_TIMEOUT:-1800}" "$PY" -m pytest "$REPO/tests" -q --maxfail=25 -p no:cacheprovider \
     -rf --junitxml="$OUT/pytest.xml" ${TEST_K:+-k "$TEST_K"} ${TEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -25
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  # The register tiers for plain rows, which sm_90 replaces by the staged ones (older GPUs run them).
+  echo "register tiers for plain rows (JAX_SOFTMAX_STAGED=0):"
+  JAX_SOFTMAX_STAGED=0 timeout "${TEST_TIMEOUT:-1800}" "$PY" -m pytest "$REPO/tests/test_kernel_tiers.py" -q \
+    -p no:cacheprovider -rf -k "gpu and (many_long_rows or staged_ring)" 2>&1 | tee "$OUT/pytest_register.log" | tail -5
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
 if want sanitize; then
@@ -69,7 +74,7 @@ fi
 
 if want ab; then
   i=0
-  for variant in ${AB_VARIANTS:-JAX_SOFTMAX_PREFETCH=1 JAX_SOFTMAX_PREFETCH=0}; do
+  for variant in ${AB_VARIANTS:-JAX_SOFTMAX_STAGED=1 JAX_SOFTMAX_STAGED=0}; do
     i=$((i + 1))
     (export ${variant//,/ }; echo "variant $variant"
      timeout "${AB_TIMEOUT:-150}" "$PY" "$REPO/scripts/profile_cases.py" time ${AB_CASES:-}) \

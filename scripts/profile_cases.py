@@ -5,7 +5,7 @@
 
 `time` keeps the GPU queue full with back-to-back asynchronous calls on 256 MiB tensors (a call
 takes >= 60 us against ~22 us of dispatch), so wall time per call is kernel time; it is a quick
-probe for comparing kernel variants in one session (tier knobs such as JAX_SOFTMAX_WAVES are read
+probe for comparing kernel variants in one session (tier knobs such as JAX_SOFTMAX_STAGED are read
 once per process, so run one process per variant). The committed figures come from
 `python -m jax_softmax bench`, which also checks the dispatch residual.
 
@@ -76,7 +76,7 @@ def _row_case(dtype, n, bwd=False):
 
 CASES = {}
 for _dt, _name in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16")):
-    for _n in (32, 128, 256, 1000, 1024, 4096, 16384, 32768, 50257, 65536, 262144):
+    for _n in (32, 128, 256, 1000, 1024, 2048, 4096, 8192, 16384, 32768, 50257, 65536, 262144):
         CASES[f"{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n))
     for _n in (128, 4096, 32768, 262144):
         CASES[f"{_name}_bwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n, bwd=True))
@@ -119,8 +119,8 @@ def main(argv):
             print(f"profiled {name}", flush=True)
         return
     bw = copy_bandwidth()
-    tag = os.environ.get("JAX_SOFTMAX_WAVES", "default")
-    print(f"copy {bw / 1e9:.0f} GB/s  (JAX_SOFTMAX_WAVES={tag})", flush=True)
+    knobs = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("JAX_SOFTMAX_"))
+    print(f"copy {bw / 1e9:.0f} GB/s  ({knobs or 'default knobs'})", flush=True)
     for name in names:
         ours, xla, args, nbytes = CASES[name]()
         t_o = timeit(ours, args)

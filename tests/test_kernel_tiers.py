@@ -163,6 +163,41 @@ def test_many_long_rows(backend, device, rng, dtype, n):
     check_sizes(device, rng, dtype, [n], lambda n: max(3, min(301, 2**23 // n)))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("tier", ["group4", "group32", "warp", "block", "cluster2", "cluster8"])
+def test_staged_ring_wraps(backend, device, rng, dtype, tier):
+    # The staged tiers (sm_90+, plain rows) keep a ring of 2-4 shared-memory stages per CTA and
+    # refill a stage as soon as it is read. 2^24 elements are more tiles than every CTA's ring
+    # holds (the largest ring of any tier covers 132 SMs x 8 CTAs x 3 stages x 8 KiB = 2^23.3
+    # bytes of bfloat16), so each CTA's barrier phases wrap several times; an odd row count
+    # leaves the last tile partial. Forward and backward of softmax and log_softmax (no mask:
+    # masked rows take the register tiers).
+    v = VEC[dtype]
+    n = {"group4": 4 * v, "group32": 32 * v, "warp": 64 * v, "block": 4096, "cluster2": 32768,
+         "cluster8": 131072}[tier]
+    rows = (2**24 // n) | 1
+    x = rounded(rng.standard_normal((rows, n)) * 3.0, dtype)
+    g = rounded(rng.standard_normal((rows, n)), dtype)
+    xd, gd = put(device, x, g)
+    poison(device, x.shape, dtype, count=4)
+
+    def fn(x, g):
+        outs = []
+        for f in (js.softmax, js.log_softmax):
+            y, pull = jax.vjp(f, x)
+            outs += [y, pull(g)[0]]
+        return outs
+
+    outs = iter(np.asarray(o) for o in jax.jit(fn)(xd, gd))
+    refs = reference(x, g, None, dtype)
+    for log in (False, True):
+        ry, rdx, mag = refs[log]
+        what = f"N={n} rows={rows} {'log_softmax' if log else 'softmax'}"
+        assert_close(next(outs), ry, dtype, what="fwd " + what)
+        assert_close(next(outs), rdx, dtype, tol=GRAD_TOL, mag=mag, what="bwd " + what)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
 @pytest.mark.parametrize("s", [1, 33, 256, 1000])
 def test_causal_attention_sizes(backend, device, rng, dtype, s):
