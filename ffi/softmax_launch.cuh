@@ -34,6 +34,7 @@
 #include <climits>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "common.h"
@@ -186,14 +187,25 @@ inline bool PrefetchEnabled() {
   return enabled;
 }
 
-// Staged tiers (softmax_rows_staged_kernel) for plain rows on sm_90+; JAX_SOFTMAX_STAGED=0 runs
-// the register tiers instead, for tuning experiments (read once).
-inline bool StagedEnabled() {
-  static const bool enabled = [] {
+// Staged tiers (softmax_rows_staged_kernel) for plain rows on sm_90+. For tuning experiments
+// (read once): JAX_SOFTMAX_STAGED=0 runs the register tiers instead, =fwd / =bwd stages only that
+// direction; JAX_SOFTMAX_MAX_STAGES=2..4 caps the ring.
+inline bool StagedEnabled(bool bwd) {
+  static const int which = [] {  // bit 0: forward, bit 1: backward
     const char* env = std::getenv("JAX_SOFTMAX_STAGED");
-    return !(env && env[0] == '0');
+    if (!env) return 3;
+    const std::string v(env);
+    return v == "0" ? 0 : v == "fwd" ? 1 : v == "bwd" ? 2 : 3;
   }();
-  return enabled;
+  return which & (bwd ? 2 : 1);
+}
+inline int MaxStages() {
+  static const int stages = [] {
+    const char* env = std::getenv("JAX_SOFTMAX_MAX_STAGES");
+    const long v = env ? std::strtol(env, nullptr, 10) : kMaxStages;
+    return static_cast<int>(v < 2 ? 2 : v > kMaxStages ? kMaxStages : v);
+  }();
+  return stages;
 }
 
 // Blocks for `needed` units of work (CTAs, or clusters of kCluster CTAs) given `resident` that
@@ -221,7 +233,7 @@ inline StagePlan PlanStages(uint64_t tile_bytes, int reg_ctas, const DeviceInfo&
     int64_t budget = int64_t(dev.smem_per_sm) / r - dev.smem_reserved - kStaticSmemBound;
     if (budget > dev.smem_per_block - kStaticSmemBound) budget = dev.smem_per_block - kStaticSmemBound;
     if (budget < 2 * stride) continue;
-    const int stages = budget / stride < kMaxStages ? static_cast<int>(budget / stride) : kMaxStages;
+    const int stages = budget / stride < MaxStages() ? static_cast<int>(budget / stride) : MaxStages();
     plan.tiles = StagedTiles{stages, static_cast<uint32_t>(stride)};
     plan.ctas_per_sm = r;
     plan.smem = static_cast<size_t>(stages) * stride;
@@ -259,20 +271,6 @@ ffi::Error LaunchRows(const LaunchCtx& c) {
   constexpr int kBlock = BlockThreads(kGroup);
   constexpr int kRowsPerBlock = kBlock / kGroup * kRows;
   const int64_t needed = (c.p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  if constexpr (kStageable<T, kVec, kAccess>) {
-    if (c.dev.cc_major >= 9 && StagedEnabled()) {
-      constexpr auto staged = softmax_rows_staged_kernel<T, kGroup, kElems, kVec, 1, kBwd, kRows>;
-      auto reg = BlocksPerSm<staged, kBlock>(c.device);
-      if (reg.has_error()) return reg.error();
-      const uint64_t tile = uint64_t(kRowsPerBlock) * uint64_t(c.p.cols) * sizeof(T) * (kBwd ? 2 : 1);
-      const StagePlan plan = PlanStages(tile, *reg, c.dev);
-      if (plan.tiles.stages > 0 && AllowDynamicSmem<staged>(c.device, c.dev)) {
-        const int grid = GridUnits(needed, int64_t(plan.ctas_per_sm) * c.dev.sm_count);
-        staged<<<grid, kBlock, plan.smem, c.stream>>>(c.p, plan.tiles);
-        return CheckLaunch("softmax staged kernel");
-      }
-    }
-  }
   constexpr auto kernel = softmax_rows_kernel<T, kGroup, kElems, kVec, 1, kBwd, kAccess, kRows>;
   auto per_sm = BlocksPerSm<kernel, kBlock>(c.device);
   if (per_sm.has_error()) return per_sm.error();
@@ -297,30 +295,6 @@ ffi::Error LaunchTwoPass(const LaunchCtx& c) {
 // kernel where the GPU cannot schedule the cluster.
 template <typename T, int kBlock, int kElems, int kVec, int kCluster, bool kBwd, Access kAccess>
 ffi::Error LaunchCluster(const LaunchCtx& c) {
-  if constexpr (kStageable<T, kVec, kAccess>) {
-    if (StagedEnabled()) {
-      constexpr auto staged = softmax_rows_staged_kernel<T, kBlock, kElems, kVec, kCluster, kBwd>;
-      auto reg = BlocksPerSm<staged, kBlock>(c.device);
-      if (reg.has_error()) return reg.error();
-      // One row's chunk per CTA and tile: a size fixed by the kernel, so the plan and the
-      // cluster occupancy are too.
-      const uint64_t tile = uint64_t(kBlock) * kElems * sizeof(T) * (kBwd ? 2 : 1);
-      const StagePlan plan = PlanStages(tile, *reg, c.dev);
-      if (plan.tiles.stages > 0 && AllowDynamicSmem<staged>(c.device, c.dev)) {
-        const int active = ActiveClusters<staged, kBlock, kCluster>(c.device, plan.smem);
-        if (active > 0) {
-          const int64_t clusters = GridUnits(c.p.rows, active, kCluster);
-          const ClusterLaunch launch(kCluster, static_cast<unsigned>(clusters * kCluster), kBlock,
-                                     c.stream, plan.smem);
-          const cudaError_t e = cudaLaunchKernelEx(&launch.config, staged, c.p, plan.tiles);
-          if (e != cudaSuccess)
-            return Internal(std::string("softmax staged cluster kernel launch failed: ") +
-                            cudaGetErrorString(e));
-          return CheckLaunch("softmax staged cluster kernel");
-        }
-      }
-    }
-  }
   constexpr auto kernel = softmax_rows_kernel<T, kBlock, kElems, kVec, kCluster, kBwd, kAccess>;
   const int active = ActiveClusters<kernel, kBlock, kCluster>(c.device);
   if (active == 0) return LaunchTwoPass<T, kVec, kBwd, kAccess>(c);
@@ -332,11 +306,91 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
   return CheckLaunch("softmax cluster kernel");
 }
 
+// --- staged tiers (sm_90+, plain rows) -----------------------------------------------------------
+// nullopt: no ring fits (the caller uses the register tiers); otherwise the launch's outcome.
+using Launched = std::optional<ffi::Error>;
+
+template <typename T, int kGroup, int kElems, int kVec, bool kBwd, int kRows>
+Launched LaunchStagedRows(const LaunchCtx& c) {
+  constexpr int kBlock = BlockThreads(kGroup);
+  constexpr int kRowsPerBlock = kBlock / kGroup * kRows;
+  constexpr auto kernel = softmax_rows_staged_kernel<T, kGroup, kElems, kVec, 1, kBwd, kRows>;
+  auto reg = BlocksPerSm<kernel, kBlock>(c.device);
+  if (reg.has_error()) return reg.error();
+  const uint64_t tile = uint64_t(kRowsPerBlock) * uint64_t(c.p.cols) * sizeof(T) * (kBwd ? 2 : 1);
+  const StagePlan plan = PlanStages(tile, *reg, c.dev);
+  if (plan.tiles.stages == 0 || !AllowDynamicSmem<kernel>(c.device, c.dev)) return std::nullopt;
+  const int64_t needed = (c.p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int grid = GridUnits(needed, int64_t(plan.ctas_per_sm) * c.dev.sm_count);
+  kernel<<<grid, kBlock, plan.smem, c.stream>>>(c.p, plan.tiles);
+  return CheckLaunch("softmax staged kernel");
+}
+
+template <typename T, int kBlock, int kElems, int kVec, int kCluster, bool kBwd>
+Launched LaunchStagedCluster(const LaunchCtx& c) {
+  constexpr auto kernel = softmax_rows_staged_kernel<T, kBlock, kElems, kVec, kCluster, kBwd>;
+  auto reg = BlocksPerSm<kernel, kBlock>(c.device);
+  if (reg.has_error()) return reg.error();
+  // A tile is one row's chunk of kBlock * kElems elements per CTA: the plan and the cluster
+  // occupancy depend on the kernel only.
+  const uint64_t tile = uint64_t(kBlock) * kElems * sizeof(T) * (kBwd ? 2 : 1);
+  const StagePlan plan = PlanStages(tile, *reg, c.dev);
+  if (plan.tiles.stages == 0 || !AllowDynamicSmem<kernel>(c.device, c.dev)) return std::nullopt;
+  const int active = ActiveClusters<kernel, kBlock, kCluster>(c.device, plan.smem);
+  if (active == 0) return std::nullopt;
+  const int64_t clusters = GridUnits(c.p.rows, active, kCluster);
+  const ClusterLaunch launch(kCluster, static_cast<unsigned>(clusters * kCluster), kBlock, c.stream,
+                             plan.smem);
+  const cudaError_t e = cudaLaunchKernelEx(&launch.config, kernel, c.p, plan.tiles);
+  if (e != cudaSuccess)
+    return Internal(std::string("softmax staged cluster kernel launch failed: ") +
+                    cudaGetErrorString(e));
+  return CheckLaunch("softmax staged cluster kernel");
+}
+
+// The staged tier table. Bytes in flight no longer depend on how many values a thread holds, so
+// rows longer than 8 vectors go to 8, 16 or 32 lanes holding up to E values each (not one vector
+// per lane and several rows): fewer shuffle rounds and less per-row work per element. (Fewer than
+// 8 lanes per row would read shared memory with bank conflicts: a quarter warp's 16-byte reads
+// then lie a row apart.) Every thread holds kE values: tiles are 128 x kE elements up to 32 E.
+template <typename T, int kVec, bool kBwd>
+Launched LaunchStagedTier(const LaunchCtx& c) {
+  constexpr int kE = kBwd ? 16 : 32;  // as the register tiers, for 16-byte vectors of float/16-bit
+  constexpr int kRowsVec = kE / kVec;
+  const int64_t n = c.p.cols;
+#define JS_STAGED(G, E) return LaunchStagedRows<T, G, E, kVec, kBwd, kE / (E)>(c)
+  if (n <= 1 * kVec) JS_STAGED(1, kVec);
+  if (n <= 2 * kVec) JS_STAGED(2, kVec);
+  if (n <= 4 * kVec) JS_STAGED(4, kVec);
+  if (n <= 8 * kVec) JS_STAGED(8, kVec);
+  if constexpr (kRowsVec >= 4) if (n <= 8 * 2 * kVec) JS_STAGED(8, 2 * kVec);
+  if constexpr (kRowsVec >= 8) if (n <= 8 * 4 * kVec) JS_STAGED(8, 4 * kVec);
+  if (n <= 8 * kE) JS_STAGED(8, kE);
+  if (n <= 16 * kE) JS_STAGED(16, kE);
+  if (n <= 32 * kE) JS_STAGED(32, kE);
+  if (n <= 64 * kE) JS_STAGED(64, kE);
+  if (n <= 128 * kE) JS_STAGED(128, kE);
+  if (n <= 256 * kE) JS_STAGED(256, kE);
+  if (n <= 512 * kE) JS_STAGED(512, kE);
+#undef JS_STAGED
+  if (n <= 2 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 2, kBwd>(c);
+  if (n <= 4 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 4, kBwd>(c);
+  if (n <= 8 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 8, kBwd>(c);
+  if (n <= 16 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 16, kBwd>(c);
+  if (n <= 16 * 1024 * kE) return LaunchStagedCluster<T, 1024, kE, kVec, 16, kBwd>(c);
+  return std::nullopt;
+}
+
 // Picks the tier (see the table at the top) for one vector width and access mode.
 template <typename T, int kVec, bool kBwd, Access kAccess>
 ffi::Error LaunchTier(const LaunchCtx& c) {
   // Elements per thread held in registers.
   constexpr int kE = (kBwd ? 16 : 32) / (kVec == 1 ? 2 : 1) / (sizeof(acc_t<T>) / 4);
+  if constexpr (kStageable<T, kVec, kAccess>) {
+    if (c.dev.cc_major >= 9 && StagedEnabled(kBwd)) {
+      if (Launched launched = LaunchStagedTier<T, kVec, kBwd>(c)) return *launched;
+    }
+  }
   // A windowed row spans up to kVec - 1 more positions than it has columns.
   const int64_t n = c.p.cols + (kAccess == Access::kWindowed ? kVec - 1 : 0);
 #define JS_ROWS(G, E, R) return LaunchRows<T, G, E, kVec, kBwd, kAccess, R>(c)

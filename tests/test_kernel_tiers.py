@@ -165,18 +165,19 @@ def test_many_long_rows(backend, device, rng, dtype, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
-@pytest.mark.parametrize("tier", ["group4", "group32", "warp", "block", "cluster2", "cluster8"])
+@pytest.mark.parametrize("tier", ["4V", "16V", "32V", "64V", "1024", "4096", "32768", "131072"])
 def test_staged_ring_wraps(backend, device, rng, dtype, tier):
-    # The staged tiers (sm_90+, plain rows) keep a ring of 2-4 shared-memory stages per CTA and
-    # refill a stage as soon as it is read. 2^24 elements are more tiles than every CTA's ring
-    # holds (the largest ring of any tier covers 132 SMs x 8 CTAs x 3 stages x 8 KiB = 2^23.3
-    # bytes of bfloat16), so each CTA's barrier phases wrap several times; an odd row count
-    # leaves the last tile partial. Forward and backward of softmax and log_softmax (no mask:
-    # masked rows take the register tiers).
+    # The staged tiers (sm_90+, plain rows: ffi/softmax_launch.cuh, LaunchStagedTier) keep a ring
+    # of 2-4 shared-memory stages per CTA and refill a stage as soon as it is read. 64 MiB is
+    # several times what all CTAs' rings hold at once (at most 132 SMs x 8 CTAs x 3 stages x
+    # 8 KiB = 25 MiB, the 128-thread tiers in bfloat16), so each CTA's barrier phases
+    # wrap; an odd row count leaves the last tile partial. Sizes: lane groups with one vector
+    # (4V), 8 lanes with two or four (16V, 32V), 16 or 8 lanes with E values (64V), a warp (1024
+    # forward), a block, clusters of 2 and of 8 (float32) or 4 (bfloat16) CTAs. Forward and
+    # backward of softmax and log_softmax, no mask (masked rows take the register tiers).
     v = VEC[dtype]
-    n = {"group4": 4 * v, "group32": 32 * v, "warp": 64 * v, "block": 4096, "cluster2": 32768,
-         "cluster8": 131072}[tier]
-    rows = (2**24 // n) | 1
+    n = int(tier[:-1]) * v if tier.endswith("V") else int(tier)
+    rows = (2**26 // np.dtype(dtype).itemsize // n) | 1  # 64 MiB
     x = rounded(rng.standard_normal((rows, n)) * 3.0, dtype)
     g = rounded(rng.standard_normal((rows, n)), dtype)
     xd, gd = put(device, x, g)
