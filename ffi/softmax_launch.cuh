@@ -18,6 +18,12 @@
 //                           (then 16 x 1024 threads), reduced through distributed shared
 //                           memory: still one read of x. Before sm_90: one 1024-thread block.
 //   longer rows, or a cluster size the GPU cannot schedule: the two-pass streaming kernel.
+// Staged tiers (sm_90+, plain forward rows: cols % V == 0, aligned buffers, no mask/bias/causal):
+// the same shapes fed from a ring of shared-memory stages that cp.async.bulk fills ahead
+// (softmax_rows_staged_kernel), with their own short-row table (LaunchStagedTier): 16-bit rows of
+// cols <= 8 V on G = 1..8 lanes of one vector, then 8, 16, 32 lanes of up to E values (float32
+// rows of up to 32 V stay on the register lane groups), then blocks and clusters as above. Where
+// no ring of two stages fits, the register tiers run.
 // Access modes (softmax_kernels.cuh): plain rows (no bias/mask/causal) of cols % V != 0 are read
 // through 16-byte-aligned windows (kWindowed) instead of element by element; rows with a mask
 // or bias and cols % V != 0, or misaligned pointers, use V = 1.
@@ -187,17 +193,15 @@ inline bool PrefetchEnabled() {
   return enabled;
 }
 
-// Staged tiers (softmax_rows_staged_kernel) for plain rows on sm_90+. For tuning experiments
-// (read once): JAX_SOFTMAX_STAGED=0 runs the register tiers instead, =fwd / =bwd stages only that
-// direction; JAX_SOFTMAX_MAX_STAGES=2..4 caps the ring.
-inline bool StagedEnabled(bool bwd) {
-  static const int which = [] {  // bit 0: forward, bit 1: backward
+// Staged tiers (softmax_rows_staged_kernel) for plain forward rows on sm_90+. For tuning
+// experiments (read once): JAX_SOFTMAX_STAGED=0 runs the register tiers instead;
+// JAX_SOFTMAX_MAX_STAGES=2..4 caps the ring.
+inline bool StagedEnabled() {
+  static const bool enabled = [] {
     const char* env = std::getenv("JAX_SOFTMAX_STAGED");
-    if (!env) return 3;
-    const std::string v(env);
-    return v == "0" ? 0 : v == "fwd" ? 1 : v == "bwd" ? 2 : 3;
+    return !(env && env[0] == '0');
   }();
-  return which & (bwd ? 2 : 1);
+  return enabled;
 }
 inline int MaxStages() {
   static const int stages = [] {
@@ -353,18 +357,24 @@ Launched LaunchStagedCluster(const LaunchCtx& c) {
 // per lane and several rows): fewer shuffle rounds and less per-row work per element. (Fewer than
 // 8 lanes per row would read shared memory with bank conflicts: a quarter warp's 16-byte reads
 // then lie a row apart.) Every thread holds kE values: tiles are 128 x kE elements up to 32 E.
-template <typename T, int kVec, bool kBwd>
+// Measured against the register tiers (TUNING.md): forward 1.0-1.3x faster from N = 256 up.
+template <typename T, int kVec>
 Launched LaunchStagedTier(const LaunchCtx& c) {
-  constexpr int kE = kBwd ? 16 : 32;  // as the register tiers, for 16-byte vectors of float/16-bit
-  constexpr int kRowsVec = kE / kVec;
+  constexpr bool kBwd = false;  // forward only (see LaunchTier)
+  constexpr int kE = 32;        // as the register tiers' forward, for float and 16-bit types
   const int64_t n = c.p.cols;
 #define JS_STAGED(G, E) return LaunchStagedRows<T, G, E, kVec, kBwd, kE / (E)>(c)
-  if (n <= 1 * kVec) JS_STAGED(1, kVec);
-  if (n <= 2 * kVec) JS_STAGED(2, kVec);
-  if (n <= 4 * kVec) JS_STAGED(4, kVec);
-  if (n <= 8 * kVec) JS_STAGED(8, kVec);
-  if constexpr (kRowsVec >= 4) if (n <= 8 * 2 * kVec) JS_STAGED(8, 2 * kVec);
-  if constexpr (kRowsVec >= 8) if (n <= 8 * 4 * kVec) JS_STAGED(8, 4 * kVec);
+  if constexpr (sizeof(T) == 2) {
+    if (n <= 1 * kVec) JS_STAGED(1, kVec);
+    if (n <= 2 * kVec) JS_STAGED(2, kVec);
+    if (n <= 4 * kVec) JS_STAGED(4, kVec);
+    if (n <= 8 * kVec) JS_STAGED(8, kVec);
+    if (n <= 8 * 2 * kVec) JS_STAGED(8, 2 * kVec);
+  } else if (n <= 32 * kVec) {
+    // float32 rows of up to 32 vectors measured 3-6% faster on the register lane groups
+    // (TUNING.md).
+    return std::nullopt;
+  }
   if (n <= 8 * kE) JS_STAGED(8, kE);
   if (n <= 16 * kE) JS_STAGED(16, kE);
   if (n <= 32 * kE) JS_STAGED(32, kE);
@@ -386,9 +396,11 @@ template <typename T, int kVec, bool kBwd, Access kAccess>
 ffi::Error LaunchTier(const LaunchCtx& c) {
   // Elements per thread held in registers.
   constexpr int kE = (kBwd ? 16 : 32) / (kVec == 1 ? 2 : 1) / (sizeof(acc_t<T>) / 4);
-  if constexpr (kStageable<T, kVec, kAccess>) {
-    if (c.dev.cc_major >= 9 && StagedEnabled(kBwd)) {
-      if (Launched launched = LaunchStagedTier<T, kVec, kBwd>(c)) return *launched;
+  // Forward only: staged backward kernels (y and dy in each stage) measured 0-20% slower than the
+  // register ones (TUNING.md), whose rows already keep two operands' loads in flight.
+  if constexpr (!kBwd && kStageable<T, kVec, kAccess>) {
+    if (c.dev.cc_major >= 9 && StagedEnabled()) {
+      if (Launched launched = LaunchStagedTier<T, kVec>(c)) return *launched;
     }
   }
   // A windowed row spans up to kVec - 1 more positions than it has columns.

@@ -9,7 +9,7 @@
 # each variant in AB_VARIANTS (words of comma-separated VAR=value settings, default
 # "JAX_SOFTMAX_STAGED=1 JAX_SOFTMAX_STAGED=0"); ncu: Nsight Compute on NCU_CASES.
 # Env: JAX_SOFTMAX_CUDA_ARCHS (default 90a-real: the device is an H100/H200), BENCH_ARGS
-# (extra arguments for `python -m jax_softmax bench`), TEST_ARGS (extra pytest arguments), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), AB_CASES, NCU_CASES, *_TIMEOUT (seconds).
+# (extra arguments for `python -m jax_softmax bench`), TEST_ARGS (extra pytest arguments), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), AB_CASES, NCU_CASES, SANITIZE_COLS / RACECHECK_COLS (row lengths of scripts/sanitize_cases.py to run), *_TIMEOUT (seconds).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/jax_softmax_out}
@@ -54,7 +54,9 @@ fi
 
 if want sanitize; then
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
-    timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool $tool --error-exitcode 9 \
+    cols=${SANITIZE_COLS:-}
+    [ "$tool" = racecheck ] && cols=${RACECHECK_COLS:-$cols}
+    SANITIZE_COLS=$cols timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool $tool --error-exitcode 9 \
       "$PY" "$REPO/scripts/sanitize_cases.py" \
       >"$OUT/sanitizer_$tool.log" 2>&1
     rc=$?

@@ -8,8 +8,8 @@ lane groups <= 128, warp <= 1024 (backward 512), block <= 32768 (16384), cluster
 past the cluster tier) plus odd lengths for the scalar path. Few rows keep the sanitizer fast.
 
     SANITIZE_COLS=8192,131072,600000 ... runs only the cases of those row lengths, and only
-    softmax forward and backward without `where` (racecheck is slow; only the block, cluster and
-    two-pass tiers use shared memory).
+    softmax forward and backward without `where` (racecheck is slow; the block, cluster, staged
+    and two-pass tiers use shared memory).
 """
 
 import os
@@ -31,6 +31,10 @@ CASES = [  # (rows, cols, dtype)
     (2, 131072, jnp.float32),  # cluster of 4
     (1, 600000, jnp.float32),  # two-pass streaming kernel
     (3, 700, jnp.float64),
+    # Staged tiers (sm_90, plain forward rows) with more tiles than the CTAs' rings hold, so that
+    # stages are refilled while neighbours are read: 16 lanes per row, and a cluster of 2.
+    (49999, 512, jnp.bfloat16),
+    (1001, 32768, jnp.bfloat16),
 ]
 
 

@@ -171,10 +171,11 @@ def test_staged_ring_wraps(backend, device, rng, dtype, tier):
     # of 2-4 shared-memory stages per CTA and refill a stage as soon as it is read. 64 MiB is
     # several times what all CTAs' rings hold at once (at most 132 SMs x 8 CTAs x 3 stages x
     # 8 KiB = 25 MiB, the 128-thread tiers in bfloat16), so each CTA's barrier phases
-    # wrap; an odd row count leaves the last tile partial. Sizes: lane groups with one vector
-    # (4V), 8 lanes with two or four (16V, 32V), 16 or 8 lanes with E values (64V), a warp (1024
-    # forward), a block, clusters of 2 and of 8 (float32) or 4 (bfloat16) CTAs. Forward and
-    # backward of softmax and log_softmax, no mask (masked rows take the register tiers).
+    # wrap; an odd row count leaves the last tile partial. Sizes (bfloat16): lane groups of one
+    # vector (4V), 8 lanes of two vectors or 32 values (16V, 32V), 16 lanes (64V), a warp (1024);
+    # then, both dtypes, a block and clusters of 2 and of 8 (float32) or 4 (bfloat16) CTAs
+    # (float32 rows of up to 32V take the register lane groups). Softmax and log_softmax, with
+    # their backward (register tiers), no mask (masked rows take the register tiers).
     v = VEC[dtype]
     n = int(tier[:-1]) * v if tier.endswith("V") else int(tier)
     rows = (2**26 // np.dtype(dtype).itemsize // n) | 1  # 64 MiB
