@@ -100,10 +100,12 @@ struct RowLoader {
         ok[e] = true;
         v[e] = kBwd ? A(0) : neg_inf<A>();
         if (c + e >= 0 && c + e < cols) {
-          v[e] = to_acc(in[w + e]);
+          // Scaled here, not below: -inf * scale is +inf or NaN for a scale <= 0.
+          v[e] = kBwd ? to_acc(in[w + e]) : scale * to_acc(in[w + e]);
           if constexpr (kBwd) g[e] = to_acc(grad[w + e]);
         }
       }
+      return;  // a windowed row is plain: no bias or mask
     } else {
       load_vec<kVec>(in + w, xs);
       if constexpr (kBwd) load_vec<kVec>(grad + w, gs);
