@@ -9,6 +9,8 @@
 // r * kChunk + (k * kGroup + l) * kVec, so each pack index is one coalesced sweep of the group.
 #pragma once
 
+#include <algorithm>
+
 #include "device_utils.cuh"
 #include "row_params.h"
 
@@ -23,6 +25,18 @@ constexpr int BlockThreads(int group) { return group > 32 ? group : 128; }
 // at most 64 registers per thread. Left to itself ptxas gave some 512-thread kernels 94-127
 // registers, so one CTA per SM, whose loads then stall at every row's barrier.
 constexpr int MinBlocksPerSm(int block) { return block >= 1024 ? 1 : 1024 / block; }
+
+// The shape of a register tier (kGroup threads per row holding kElems values each in packs of kVec,
+// kRows rows per lane group and iteration), shared by the kernels that run it and their launchers.
+template <int kGroup, int kElems, int kVec, int kRows = 1>
+struct RowTier {
+  static constexpr int kBlock = BlockThreads(kGroup);
+  static constexpr int kRowsPerBlock = kBlock / kGroup * kRows;
+  static constexpr int kPacks = kElems / kVec;
+  static constexpr int64_t kChunk = int64_t(kGroup) * kElems;  // columns one CTA covers
+  static_assert(kElems % kVec == 0 && kBlock % kGroup == 0, "tier shape");
+  static_assert(kRows == 1 || kGroup <= 32, "only lane groups take several rows");
+};
 
 // --- loading one pack -----------------------------------------------------------------------------
 // How a kernel reads a row:
@@ -352,13 +366,10 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   using A = acc_t<T>;
   using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;
   using Loader = RowLoader<T, kVec, kBwd, kAccess>;
-  constexpr int kBlock = BlockThreads(kGroup);
-  constexpr int kRowsPerBlock = kBlock / kGroup * kRows;
-  constexpr int kPacks = kElems / kVec;
-  constexpr int64_t kChunk = int64_t(kGroup) * kElems;
-  static_assert(kElems % kVec == 0 && kBlock % kGroup == 0, "tier shape");
+  using Tier = RowTier<kGroup, kElems, kVec, kRows>;
+  constexpr int kBlock = Tier::kBlock, kRowsPerBlock = Tier::kRowsPerBlock, kPacks = Tier::kPacks;
+  constexpr int64_t kChunk = Tier::kChunk;
   static_assert(kCluster == 1 || kGroup == kBlock, "a cluster splits whole-block rows");
-  static_assert(kRows == 1 || kGroup <= 32, "only lane groups take several rows");
 
   __shared__ S block_slots[2][32];
   __shared__ S cluster_slots[2];
@@ -422,7 +433,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   if constexpr (kCluster > 1) cluster_sync_all();
 }
 
-// --- staged tiers (sm_90, plain rows): the register tiers fed through shared memory -------------
+// --- staged tiers (sm_90, plain forward rows): the register tiers fed through shared memory -------------
 // The register kernel has only what its registers hold in flight: a CTA loads a batch, then waits
 // for it, then reduces it, and DRAM idles unless other CTAs happen to be loading. The staged kernel
 // runs the same tiers (same threads per row, same values per thread, same reductions) but has one
@@ -431,9 +442,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
 // range (plain rows: cols % kVec == 0 and aligned buffers; a cluster CTA's chunk of one row), so
 // one copy per operand moves it. Tiles it + 1 .. it + stages - 1 are in flight while tile it is
 // reduced; a stage is refilled as soon as every thread has copied it into registers.
-// Shared memory per stage: the tile of x (forward) or of y and then dy (backward), kRowsPerBlock
-// rows of `span` elements (span = cols, or kChunk for a cluster CTA).
-// The launcher runs it for the forward only: with y and dy in each stage, the backward measured
+// Shared memory per stage: the tile of x, kRowsPerBlock rows of `span` elements (span = cols, or
+// kChunk for a cluster CTA). Forward only: a backward variant with y and dy in each stage measured
 // 0-20% slower than the register kernel (TUNING.md).
 struct StagedTiles {
   int stages;            // 2 .. kMaxStages buffers in the ring
@@ -441,18 +451,16 @@ struct StagedTiles {
 };
 constexpr int kMaxStages = 4;
 
-template <typename T, int kGroup, int kElems, int kVec, int kCluster, bool kBwd, int kRows = 1>
+template <typename T, int kGroup, int kElems, int kVec, int kCluster, int kRows = 1>
 __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThreads(kGroup)))
     softmax_rows_staged_kernel(const RowParams p, const StagedTiles tiles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
-  using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;
-  using Loader = RowLoader<T, kVec, kBwd, Access::kPlain>;
-  constexpr int kBlock = BlockThreads(kGroup);
-  constexpr int kRowsPerBlock = kBlock / kGroup * kRows;
-  constexpr int kPacks = kElems / kVec;
-  constexpr int64_t kChunk = int64_t(kGroup) * kElems;
-  static_assert(kElems % kVec == 0 && kBlock % kGroup == 0, "tier shape");
+  using S = MaxSum<A>;
+  using Loader = RowLoader<T, kVec, /*kBwd=*/false, Access::kPlain>;
+  using Tier = RowTier<kGroup, kElems, kVec, kRows>;
+  constexpr int kBlock = Tier::kBlock, kRowsPerBlock = Tier::kRowsPerBlock, kPacks = Tier::kPacks;
+  constexpr int64_t kChunk = Tier::kChunk;
   static_assert(kCluster == 1 || kGroup == kBlock, "a cluster splits whole-block rows");
 
   extern __shared__ __align__(128) unsigned char staged_smem[];
@@ -469,10 +477,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   // Elements per tile row in shared memory: whole rows, or this CTA's chunk of the row.
   const int64_t span = kCluster > 1 ? kChunk : p.cols;
   // This CTA's columns of a row: all of them, or its chunk (none for a rank past the row end).
-  const int64_t cta_cols = kCluster > 1 ? (p.cols - col_base < 0 ? 0
-                                           : p.cols - col_base < kChunk ? p.cols - col_base
-                                                                        : kChunk)
-                                        : p.cols;
+  const int64_t cta_cols =
+      kCluster > 1 ? std::min(std::max(p.cols - col_base, int64_t{0}), kChunk) : p.cols;
   const int stages = tiles.stages;
 
   // Thread 0 only: fill `stage` with tile `tile` (kRowsPerBlock rows, fewer at the end).
@@ -484,12 +490,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     // cluster CTA, nrows == 1 and the copy starts at its chunk).
     const int64_t first = row0 * p.cols + col_base;
     const uint32_t bytes = static_cast<uint32_t>((kCluster > 1 ? cta_cols : nrows * p.cols) * sizeof(T));
-    mbarrier_arrive_expect_tx(&full[stage], kBwd ? 2 * bytes : bytes);
-    if (bytes == 0) return;
-    bulk_load_shared(dst, static_cast<const T*>(p.in) + first, bytes, &full[stage]);
-    if constexpr (kBwd)
-      bulk_load_shared(dst + kRowsPerBlock * span, static_cast<const T*>(p.grad_in) + first, bytes,
-                       &full[stage]);
+    mbarrier_arrive_expect_tx(&full[stage], bytes);
+    if (bytes) bulk_load_shared(dst, static_cast<const T*>(p.in) + first, bytes, &full[stage]);
   };
 
   if (threadIdx.x == 0) {
@@ -513,7 +515,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     mbarrier_wait(&full[stage], phase);
     const T* stage_in = reinterpret_cast<const T*>(staged_smem + size_t(stage) * tiles.stage_bytes);
     A v[kRows][kPacks][kVec];
-    A g[kRows][kPacks][kVec];
+    A g[kRows][kPacks][kVec];  // the backward's dy: unused here
     bool ok[kRows][kPacks][kVec];
     Loader loaders[kRows];
 #pragma unroll
@@ -521,10 +523,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
       const int local = r * (kBlock / kGroup) + group;
       const int64_t row = row0 + local;
       loaders[r] = Loader(p, row, row < p.rows);
-      // Read the row from the stage instead of global memory: load(w) reads in[w] (and
-      // grad[w]) at column w, and the stage holds columns col_base.. of each tile row.
+      // Read the row from the stage instead of global memory: load(w) reads in[w] at column w,
+      // and the stage holds columns col_base.. of each tile row.
       loaders[r].in = stage_in + local * span - col_base;
-      if constexpr (kBwd) loaders[r].grad = loaders[r].in + kRowsPerBlock * span;
 #pragma unroll
       for (int k = 0; k < kPacks; ++k)
         loaders[r].load(first_col + k * kGroup * kVec, v[r][k], g[r][k], ok[r][k]);
@@ -535,8 +536,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
       fence_proxy_async_shared();
       fill(stage, tile + stages * num_ctas);
     }
-    finish_batch<kGroup, kCluster, kBwd>(p, loaders, row0, group, first_col, v, g, ok,
-                                         block_slots[parity], &cluster_slots[parity]);
+    finish_batch<kGroup, kCluster, false>(p, loaders, row0, group, first_col, v, g, ok,
+                                          block_slots[parity], &cluster_slots[parity]);
     if (++stage == stages) stage = 0, phase ^= 1;
   }
   // No CTA may leave while another still reads its shared memory.

@@ -272,8 +272,8 @@ struct LaunchCtx {
 
 template <typename T, int kGroup, int kElems, int kVec, bool kBwd, Access kAccess, int kRows = 1>
 ffi::Error LaunchRows(const LaunchCtx& c) {
-  constexpr int kBlock = BlockThreads(kGroup);
-  constexpr int kRowsPerBlock = kBlock / kGroup * kRows;
+  using Tier = RowTier<kGroup, kElems, kVec, kRows>;
+  constexpr int kBlock = Tier::kBlock, kRowsPerBlock = Tier::kRowsPerBlock;
   const int64_t needed = (c.p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   constexpr auto kernel = softmax_rows_kernel<T, kGroup, kElems, kVec, 1, kBwd, kAccess, kRows>;
   auto per_sm = BlocksPerSm<kernel, kBlock>(c.device);
@@ -314,14 +314,14 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
 // nullopt: no ring fits (the caller uses the register tiers); otherwise the launch's outcome.
 using Launched = std::optional<ffi::Error>;
 
-template <typename T, int kGroup, int kElems, int kVec, bool kBwd, int kRows>
+template <typename T, int kGroup, int kElems, int kVec, int kRows>
 Launched LaunchStagedRows(const LaunchCtx& c) {
-  constexpr int kBlock = BlockThreads(kGroup);
-  constexpr int kRowsPerBlock = kBlock / kGroup * kRows;
-  constexpr auto kernel = softmax_rows_staged_kernel<T, kGroup, kElems, kVec, 1, kBwd, kRows>;
+  using Tier = RowTier<kGroup, kElems, kVec, kRows>;
+  constexpr int kBlock = Tier::kBlock, kRowsPerBlock = Tier::kRowsPerBlock;
+  constexpr auto kernel = softmax_rows_staged_kernel<T, kGroup, kElems, kVec, 1, kRows>;
   auto reg = BlocksPerSm<kernel, kBlock>(c.device);
   if (reg.has_error()) return reg.error();
-  const uint64_t tile = uint64_t(kRowsPerBlock) * uint64_t(c.p.cols) * sizeof(T) * (kBwd ? 2 : 1);
+  const uint64_t tile = uint64_t(kRowsPerBlock) * uint64_t(c.p.cols) * sizeof(T);
   const StagePlan plan = PlanStages(tile, *reg, c.dev);
   if (plan.tiles.stages == 0 || !AllowDynamicSmem<kernel>(c.device, c.dev)) return std::nullopt;
   const int64_t needed = (c.p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
@@ -330,14 +330,14 @@ Launched LaunchStagedRows(const LaunchCtx& c) {
   return CheckLaunch("softmax staged kernel");
 }
 
-template <typename T, int kBlock, int kElems, int kVec, int kCluster, bool kBwd>
+template <typename T, int kBlock, int kElems, int kVec, int kCluster>
 Launched LaunchStagedCluster(const LaunchCtx& c) {
-  constexpr auto kernel = softmax_rows_staged_kernel<T, kBlock, kElems, kVec, kCluster, kBwd>;
+  constexpr auto kernel = softmax_rows_staged_kernel<T, kBlock, kElems, kVec, kCluster>;
   auto reg = BlocksPerSm<kernel, kBlock>(c.device);
   if (reg.has_error()) return reg.error();
   // A tile is one row's chunk of kBlock * kElems elements per CTA: the plan and the cluster
   // occupancy depend on the kernel only.
-  const uint64_t tile = uint64_t(kBlock) * kElems * sizeof(T) * (kBwd ? 2 : 1);
+  const uint64_t tile = uint64_t(kBlock) * kElems * sizeof(T);
   const StagePlan plan = PlanStages(tile, *reg, c.dev);
   if (plan.tiles.stages == 0 || !AllowDynamicSmem<kernel>(c.device, c.dev)) return std::nullopt;
   const int active = ActiveClusters<kernel, kBlock, kCluster>(c.device, plan.smem);
@@ -360,10 +360,9 @@ Launched LaunchStagedCluster(const LaunchCtx& c) {
 // Measured against the register tiers (TUNING.md): forward 1.0-1.3x faster from N = 256 up.
 template <typename T, int kVec>
 Launched LaunchStagedTier(const LaunchCtx& c) {
-  constexpr bool kBwd = false;  // forward only (see LaunchTier)
-  constexpr int kE = 32;        // as the register tiers' forward, for float and 16-bit types
+  constexpr int kE = 32;  // as the register tiers' forward, for float and 16-bit types
   const int64_t n = c.p.cols;
-#define JS_STAGED(G, E) return LaunchStagedRows<T, G, E, kVec, kBwd, kE / (E)>(c)
+#define JS_STAGED(G, E) return LaunchStagedRows<T, G, E, kVec, kE / (E)>(c)
   if constexpr (sizeof(T) == 2) {
     if (n <= 1 * kVec) JS_STAGED(1, kVec);
     if (n <= 2 * kVec) JS_STAGED(2, kVec);
@@ -383,11 +382,11 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   if (n <= 256 * kE) JS_STAGED(256, kE);
   if (n <= 512 * kE) JS_STAGED(512, kE);
 #undef JS_STAGED
-  if (n <= 2 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 2, kBwd>(c);
-  if (n <= 4 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 4, kBwd>(c);
-  if (n <= 8 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 8, kBwd>(c);
-  if (n <= 16 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 16, kBwd>(c);
-  if (n <= 16 * 1024 * kE) return LaunchStagedCluster<T, 1024, kE, kVec, 16, kBwd>(c);
+  if (n <= 2 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 2>(c);
+  if (n <= 4 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 4>(c);
+  if (n <= 8 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 8>(c);
+  if (n <= 16 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 16>(c);
+  if (n <= 16 * 1024 * kE) return LaunchStagedCluster<T, 1024, kE, kVec, 16>(c);
   return std::nullopt;
 }
 
