@@ -391,7 +391,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     // this batch's loads so that its address registers are dead before the loaded values live.
     // Only with 16-byte vectors, whose buffers are known to be aligned, and 16-bit types:
     // measured (TUNING.md), it helped them by 7-20% from N = 4096 and slowed float32 by 5-20%,
-    // whose batches are twice the bytes and whose loads then queue behind the prefetch.
+    // whose batches are twice the bytes and whose loads then queue behind the prefetch. Only
+    // CTAs with a next batch prefetch: those of the persistent (cluster) grids, see RowWaves.
     constexpr bool kPrefetch = kVec > 1 && sizeof(T) == 2;
     if (kPrefetch && p.prefetch && threadIdx.x < 32) {
       const int64_t next0 = row0 + num_ctas * kRowsPerBlock;
@@ -446,7 +447,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
 // kChunk for a cluster CTA). Forward only: a backward variant with y and dy in each stage measured
 // 0-20% slower than the register kernel (TUNING.md).
 struct StagedTiles {
-  int stages;            // 2 .. kMaxStages buffers in the ring
+  int stages;            // 1 .. kMaxStages buffers in the ring
   uint32_t stage_bytes;  // distance between stages in dynamic shared memory (multiple of 128)
 };
 constexpr int kMaxStages = 4;
@@ -530,11 +531,14 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
       for (int k = 0; k < kPacks; ++k)
         loaders[r].load(first_col + k * kGroup * kVec, v[r][k], g[r][k], ok[r][k]);
     }
-    // Every thread has its values: the stage can take the tile `stages` iterations ahead.
-    __syncthreads();
-    if (threadIdx.x == 0 && tile + stages * num_ctas < num_tiles) {
-      fence_proxy_async_shared();
-      fill(stage, tile + stages * num_ctas);
+    // Every thread has its values: the stage can take the tile `stages` iterations ahead (if there
+    // is one: the condition is uniform over the block, and a CTA with one tile never waits here).
+    if (tile + stages * num_ctas < num_tiles) {
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        fence_proxy_async_shared();
+        fill(stage, tile + stages * num_ctas);
+      }
     }
     finish_batch<kGroup, kCluster, false>(p, loaders, row0, group, first_col, v, g, ok,
                                           block_slots[parity], &cluster_slots[parity]);

@@ -19,19 +19,20 @@
 //                           memory: still one read of x. Before sm_90: one 1024-thread block.
 //   longer rows, or a cluster size the GPU cannot schedule: the two-pass streaming kernel.
 // Staged tiers (sm_90+, plain forward rows: cols % V == 0, aligned buffers, no mask/bias/causal):
-// the same shapes fed from a ring of shared-memory stages that cp.async.bulk fills ahead
-// (softmax_rows_staged_kernel), with their own short-row table (LaunchStagedTier): 16-bit rows of
-// cols <= 8 V on G = 1..8 lanes of one vector, then 8, 16, 32 lanes of up to E values (float32
-// rows of up to 32 V stay on the register lane groups), then blocks and clusters as above. Where
-// no ring of two stages fits, the register tiers run.
+// the same shapes fed through shared memory that cp.async.bulk fills (softmax_rows_staged_kernel):
+// one tile per CTA for the row tiers, a persistent ring of stages for the clusters; with their own
+// short-row table (LaunchStagedTier): rows of cols <= 8 V on G = 1..8 lanes of one vector, then
+// 8, 16, 32 lanes of up to E values, then blocks and clusters as above. (Float32 rows of up to
+// 32 V measured 1.0-1.15x faster there than on the register lane groups once each CTA takes one
+// tile.) Where no tile fits, the register tiers run.
 // Access modes (softmax_kernels.cuh): plain rows (no bias/mask/causal) of cols % V != 0 are read
 // through 16-byte-aligned windows (kWindowed) instead of element by element; rows with a mask
 // or bias and cols % V != 0, or misaligned pointers, use V = 1.
-// Grids: one persistent wave (kDefaultMaxWaves = 1) of the resident CTAs (clusters) the
-// occupancy calculator reports, read once per device and kernel; CTAs loop over rows and, on
-// sm_90 with 16-bit types, prefetch their next rows into L2 while the current ones are reduced
-// (softmax_rows_kernel says why 16-bit only). Measured
-// (TUNING.md): one CTA per batch of rows (no cap) was 2-10% slower than the persistent wave.
+// Grids (see RowWaves): one CTA per batch of rows for the row tiers; one persistent wave of the
+// resident clusters (CTAs) for the cluster (two-pass) kernels, read once per device and kernel
+// from the occupancy calculator, whose CTAs loop over rows and, on sm_90 with 16-bit types,
+// prefetch their next rows into L2 while the current ones are reduced (softmax_rows_kernel says
+// why 16-bit only).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -47,8 +48,6 @@
 #include "softmax_kernels.cuh"
 
 namespace jax_softmax {
-
-constexpr long kDefaultMaxWaves = 1;  // one persistent wave: measured faster than 0 (no cap)
 
 template <typename Tag>
 struct CudaStorage {
@@ -171,13 +170,19 @@ int ActiveClusters(int device, size_t smem = 0) {
   return n > 0 ? n : 0;
 }
 
-// Grid size: at most MaxWaves() x (resident CTAs or clusters) of the GPU; CTAs loop over the rows
-// beyond that. JAX_SOFTMAX_WAVES overrides the cap (read once; 1 = one persistent wave, 0 = no
-// cap), for tuning experiments.
-inline int64_t MaxWaves() {
+// Grids (measured, TUNING.md session 4): row kernels (a CTA per batch of rows, no cluster) get one
+// CTA per batch: the block scheduler starts a CTA wherever one finishes, so no CTA waits on its
+// own next batch and the last wave is not a whole batch long. That was 5-12% faster than one
+// persistent wave of CTAs looping over batches (forward, backward, masked). Cluster and two-pass
+// kernels keep one persistent wave (kPersistentWaves), which measured 6-20% faster for them: a
+// cluster is scheduled only where all its CTAs fit, and a two-pass CTA holds a whole long row.
+// JAX_SOFTMAX_WAVES caps the row kernels' grids at that many waves instead (read once; 0 or unset
+// = no cap), for tuning experiments.
+constexpr int64_t kPersistentWaves = 1;
+inline int64_t RowWaves() {
   static const int64_t waves = [] {
     const char* env = std::getenv("JAX_SOFTMAX_WAVES");
-    const long v = env ? std::strtol(env, nullptr, 10) : kDefaultMaxWaves;
+    const long v = env ? std::strtol(env, nullptr, 10) : 0;
     return v > 0 ? int64_t{v} : int64_t{INT_MAX};
   }();
   return waves;
@@ -212,17 +217,32 @@ inline int MaxStages() {
   return stages;
 }
 
-// Blocks for `needed` units of work (CTAs, or clusters of kCluster CTAs) given `resident` that
-// fit the GPU at once.
-inline int GridUnits(int64_t needed, int64_t resident, int cluster = 1) {
-  int64_t cap = resident * MaxWaves();
-  if (cap > INT_MAX / cluster) cap = INT_MAX / cluster;
+// Blocks for `needed` units of work (CTAs, or clusters of kCluster CTAs): at most `waves` times
+// the `resident` units that fit the GPU at once (the CTAs loop over the rest).
+inline int GridUnits(int64_t needed, int64_t resident, int64_t waves, int cluster = 1) {
+  const int64_t cap = resident < (INT_MAX / cluster) / waves ? resident * waves : INT_MAX / cluster;
   return static_cast<int>(needed < cap ? needed : cap);
 }
 
-// The ring of a staged kernel (softmax_rows_staged_kernel): as many CTAs per SM as registers
-// allow, each with 2..kMaxStages tiles of shared memory; fewer CTAs per SM where a ring of two does
-// not fit; stages == 0 where not even one CTA's does (the register kernel runs instead).
+// The ring of a staged kernel (softmax_rows_staged_kernel). Row tiers take TilesPerCta() = T tiles
+// per CTA, through a ring of min(T, kMaxStages) stages; T = 1 (the default): one tile per CTA and
+// no ring, so the block scheduler balances the CTAs and the SM's other CTAs overlap one's
+// reduction (measured 1.0-1.15x faster than a persistent ring, TUNING.md session 4). T = 0, and
+// the cluster tiers always: one persistent wave with a ring of 1..kMaxStages stages per CTA. As
+// many CTAs per SM as registers allow, then as many stages as fit: with one stage the registers
+// hold the tile being reduced while the next one loads (float32 clusters: two CTAs per SM with one
+// stage each measured 4-8% faster than one CTA with three). stages == 0 where not even one CTA's
+// tile fits (the register kernel runs instead). JAX_SOFTMAX_TILES_PER_CTA sets T (read once), for
+// tuning experiments.
+inline int TilesPerCta() {
+  static const int t = [] {
+    const char* env = std::getenv("JAX_SOFTMAX_TILES_PER_CTA");
+    const long v = env ? std::strtol(env, nullptr, 10) : 1;
+    return static_cast<int>(v < 0 ? 0 : v > 64 ? 64 : v);
+  }();
+  return t;
+}
+
 struct StagePlan {
   StagedTiles tiles{0, 0};
   int ctas_per_sm = 0;
@@ -230,14 +250,17 @@ struct StagePlan {
 };
 constexpr int64_t kStaticSmemBound = 1024;  // a staged kernel's own __shared__ arrays fit in this
 
-inline StagePlan PlanStages(uint64_t tile_bytes, int reg_ctas, const DeviceInfo& dev) {
+// tiles_per_cta: T as above (0 = persistent).
+inline StagePlan PlanStages(uint64_t tile_bytes, int reg_ctas, const DeviceInfo& dev,
+                            int tiles_per_cta) {
   const int64_t stride = static_cast<int64_t>((tile_bytes + 127) / 128 * 128);
+  const int want = tiles_per_cta > 0 ? std::min(tiles_per_cta, MaxStages()) : MaxStages();
   StagePlan plan;
   for (int r = reg_ctas; r >= 1; --r) {
     int64_t budget = int64_t(dev.smem_per_sm) / r - dev.smem_reserved - kStaticSmemBound;
     if (budget > dev.smem_per_block - kStaticSmemBound) budget = dev.smem_per_block - kStaticSmemBound;
-    if (budget < 2 * stride) continue;
-    const int stages = budget / stride < MaxStages() ? static_cast<int>(budget / stride) : MaxStages();
+    if (budget < stride) continue;
+    const int stages = budget / stride < want ? static_cast<int>(budget / stride) : want;
     plan.tiles = StagedTiles{stages, static_cast<uint32_t>(stride)};
     plan.ctas_per_sm = r;
     plan.smem = static_cast<size_t>(stages) * stride;
@@ -278,7 +301,7 @@ ffi::Error LaunchRows(const LaunchCtx& c) {
   constexpr auto kernel = softmax_rows_kernel<T, kGroup, kElems, kVec, 1, kBwd, kAccess, kRows>;
   auto per_sm = BlocksPerSm<kernel, kBlock>(c.device);
   if (per_sm.has_error()) return per_sm.error();
-  const int grid = GridUnits(needed, int64_t(*per_sm) * c.dev.sm_count);
+  const int grid = GridUnits(needed, int64_t(*per_sm) * c.dev.sm_count, RowWaves());
   kernel<<<grid, kBlock, 0, c.stream>>>(c.p);
   return CheckLaunch("softmax row kernel");
 }
@@ -290,7 +313,7 @@ ffi::Error LaunchTwoPass(const LaunchCtx& c) {
   constexpr auto kernel = softmax_rows_twopass_kernel<T, kBlock, kVec, kUnroll, kBwd, kAccess>;
   auto per_sm = BlocksPerSm<kernel, kBlock>(c.device);
   if (per_sm.has_error()) return per_sm.error();
-  const int grid = GridUnits(c.p.rows, int64_t(*per_sm) * c.dev.sm_count);
+  const int grid = GridUnits(c.p.rows, int64_t(*per_sm) * c.dev.sm_count, kPersistentWaves);
   kernel<<<grid, kBlock, 0, c.stream>>>(c.p);
   return CheckLaunch("softmax two-pass kernel");
 }
@@ -302,7 +325,7 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
   constexpr auto kernel = softmax_rows_kernel<T, kBlock, kElems, kVec, kCluster, kBwd, kAccess>;
   const int active = ActiveClusters<kernel, kBlock, kCluster>(c.device);
   if (active == 0) return LaunchTwoPass<T, kVec, kBwd, kAccess>(c);
-  const int64_t clusters = GridUnits(c.p.rows, active, kCluster);
+  const int64_t clusters = GridUnits(c.p.rows, active, kPersistentWaves, kCluster);
   const ClusterLaunch launch(kCluster, static_cast<unsigned>(clusters * kCluster), kBlock, c.stream);
   const cudaError_t e = cudaLaunchKernelEx(&launch.config, kernel, c.p);
   if (e != cudaSuccess)
@@ -322,10 +345,14 @@ Launched LaunchStagedRows(const LaunchCtx& c) {
   auto reg = BlocksPerSm<kernel, kBlock>(c.device);
   if (reg.has_error()) return reg.error();
   const uint64_t tile = uint64_t(kRowsPerBlock) * uint64_t(c.p.cols) * sizeof(T);
-  const StagePlan plan = PlanStages(tile, *reg, c.dev);
+  const int tiles_per_cta = TilesPerCta();
+  const StagePlan plan = PlanStages(tile, *reg, c.dev, tiles_per_cta);
   if (plan.tiles.stages == 0 || !AllowDynamicSmem<kernel>(c.device, c.dev)) return std::nullopt;
   const int64_t needed = (c.p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  const int grid = GridUnits(needed, int64_t(plan.ctas_per_sm) * c.dev.sm_count);
+  const int grid =
+      tiles_per_cta > 0
+          ? static_cast<int>(std::min<int64_t>((needed + tiles_per_cta - 1) / tiles_per_cta, INT_MAX))
+          : GridUnits(needed, int64_t(plan.ctas_per_sm) * c.dev.sm_count, kPersistentWaves);
   kernel<<<grid, kBlock, plan.smem, c.stream>>>(c.p, plan.tiles);
   return CheckLaunch("softmax staged kernel");
 }
@@ -338,11 +365,11 @@ Launched LaunchStagedCluster(const LaunchCtx& c) {
   // A tile is one row's chunk of kBlock * kElems elements per CTA: the plan and the cluster
   // occupancy depend on the kernel only.
   const uint64_t tile = uint64_t(kBlock) * kElems * sizeof(T);
-  const StagePlan plan = PlanStages(tile, *reg, c.dev);
+  const StagePlan plan = PlanStages(tile, *reg, c.dev, /*tiles_per_cta=*/0);
   if (plan.tiles.stages == 0 || !AllowDynamicSmem<kernel>(c.device, c.dev)) return std::nullopt;
   const int active = ActiveClusters<kernel, kBlock, kCluster>(c.device, plan.smem);
   if (active == 0) return std::nullopt;
-  const int64_t clusters = GridUnits(c.p.rows, active, kCluster);
+  const int64_t clusters = GridUnits(c.p.rows, active, kPersistentWaves, kCluster);
   const ClusterLaunch launch(kCluster, static_cast<unsigned>(clusters * kCluster), kBlock, c.stream,
                              plan.smem);
   const cudaError_t e = cudaLaunchKernelEx(&launch.config, kernel, c.p, plan.tiles);
@@ -363,17 +390,11 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   constexpr int kE = 32;  // as the register tiers' forward, for float and 16-bit types
   const int64_t n = c.p.cols;
 #define JS_STAGED(G, E) return LaunchStagedRows<T, G, E, kVec, kE / (E)>(c)
-  if constexpr (sizeof(T) == 2) {
-    if (n <= 1 * kVec) JS_STAGED(1, kVec);
-    if (n <= 2 * kVec) JS_STAGED(2, kVec);
-    if (n <= 4 * kVec) JS_STAGED(4, kVec);
-    if (n <= 8 * kVec) JS_STAGED(8, kVec);
-    if (n <= 8 * 2 * kVec) JS_STAGED(8, 2 * kVec);
-  } else if (n <= 32 * kVec) {
-    // float32 rows of up to 32 vectors measured 3-6% faster on the register lane groups
-    // (TUNING.md).
-    return std::nullopt;
-  }
+  if (n <= 1 * kVec) JS_STAGED(1, kVec);
+  if (n <= 2 * kVec) JS_STAGED(2, kVec);
+  if (n <= 4 * kVec) JS_STAGED(4, kVec);
+  if (n <= 8 * kVec) JS_STAGED(8, kVec);
+  if (n <= 8 * 2 * kVec) JS_STAGED(8, 2 * kVec);
   if (n <= 8 * kE) JS_STAGED(8, kE);
   if (n <= 16 * kE) JS_STAGED(16, kE);
   if (n <= 32 * kE) JS_STAGED(32, kE);

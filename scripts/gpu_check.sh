@@ -9,7 +9,8 @@
 # each variant in AB_VARIANTS (words of comma-separated VAR=value settings, default
 # "JAX_SOFTMAX_STAGED=1 JAX_SOFTMAX_STAGED=0"); ncu: Nsight Compute on NCU_CASES.
 # Env: JAX_SOFTMAX_CUDA_ARCHS (default 90a-real: the device is an H100/H200), BENCH_ARGS
-# (extra arguments for `python -m jax_softmax bench`), TEST_ARGS (extra pytest arguments), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), AB_CASES, NCU_CASES, SANITIZE_COLS / RACECHECK_COLS (row lengths of scripts/sanitize_cases.py to run), *_TIMEOUT (seconds).
+# (extra arguments for `python -m jax_softmax bench`), REGISTER_SUBSET=0 (skip the test step's
+# JAX_SOFTMAX_STAGED=0 rerun), NCU_REGEX / NCU_SECTIONS / NCU_METRICS (kernels, ncu sections, extra metrics), TEST_ARGS (extra pytest arguments), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), AB_CASES, NCU_CASES, SANITIZE_COLS / RACECHECK_COLS (row lengths of scripts/sanitize_cases.py to run), *_TIMEOUT (seconds).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/jax_softmax_out}
@@ -46,10 +47,18 @@ if want test; then
     -rf --junitxml="$OUT/pytest.xml" ${TEST_K:+-k "$TEST_K"} ${TEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -25
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   # The register tiers for plain rows, which sm_90 replaces by the staged ones (older GPUs run them).
-  echo "register tiers for plain rows (JAX_SOFTMAX_STAGED=0):"
+  # REGISTER_SUBSET=0 skips this and the ring run below (2.5 min each).
+  [ "${REGISTER_SUBSET:-1}" = 0 ] || { echo "register tiers for plain rows (JAX_SOFTMAX_STAGED=0):"
   JAX_SOFTMAX_STAGED=0 timeout "${TEST_TIMEOUT:-1800}" "$PY" -m pytest "$REPO/tests/test_kernel_tiers.py" -q \
     -p no:cacheprovider -rf -k "gpu and (many_long_rows or staged_ring)" 2>&1 | tee "$OUT/pytest_register.log" | tail -5
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  # Staged row tiers with a ring (3 tiles per CTA; by default each CTA reduces one tile) and
+  # persistent register row grids (by default one CTA per batch).
+  echo "staged rings and persistent row grids (JAX_SOFTMAX_TILES_PER_CTA=3 JAX_SOFTMAX_WAVES=1):"
+  JAX_SOFTMAX_TILES_PER_CTA=3 JAX_SOFTMAX_WAVES=1 timeout "${TEST_TIMEOUT:-1800}" "$PY" -m pytest \
+    "$REPO/tests/test_kernel_tiers.py" -q -p no:cacheprovider -rf -k "gpu and (many_long_rows or staged_ring)" \
+    2>&1 | tee "$OUT/pytest_ring.log" | tail -5
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1; }
 fi
 
 if want sanitize; then
@@ -87,10 +96,11 @@ fi
 if want ncu; then
   # No preallocation and 128 MiB tensors: ncu saves and restores device memory on every replay.
   XLA_PYTHON_CLIENT_PREALLOCATE=false PROFILE_MIB=128 timeout "${NCU_TIMEOUT:-300}" \
-    ncu --clock-control none -k regex:softmax_rows \
-    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    ncu --clock-control none -k "regex:${NCU_REGEX:-softmax_rows|fwd_tile|fwd_loop}" \
+    $(for s in ${NCU_SECTIONS:-SpeedOfLight Occupancy LaunchStats WarpStateStats}; do echo --section $s; done) \
+    ${NCU_METRICS:+--metrics "$NCU_METRICS"} \
     "$PY" "$REPO/scripts/profile_cases.py" ncu ${NCU_CASES:-} >"$OUT/ncu.log" 2>&1 || status=1
-  grep -E "profiled|softmax_rows|Duration|DRAM Throughput|Achieved Occupancy|Registers Per Thread|Block Limit Registers|No Eligible|Issued Warp Per|L2 Hit Rate  " \
+  grep -E "profiled|softmax_rows|fwd_tile|fwd_loop|Duration|DRAM Throughput|Achieved Occupancy|Registers Per Thread|Block Limit Registers|No Eligible|Issued Warp Per|L2 Hit Rate  |Mem Busy|Max Bandwidth|Eligible Warps|Active Warps Per|Waves Per SM|Grid Size|Block Size|Dynamic Shared|Stall|stalled|Memory Throughput" \
     "$OUT/ncu.log" | sed -E 's/\(jax_softmax::RowParams\)//; s/jax_softmax:://g' >"$OUT/ncu_summary.log"
 fi
 

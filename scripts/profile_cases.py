@@ -3,8 +3,8 @@
     python3 scripts/profile_cases.py time [CASE ...]   # one line per case: % of copy, x XLA
     python3 scripts/profile_cases.py ncu  [CASE ...]   # each case once, for `ncu -k regex:softmax`
 
-`time` keeps the GPU queue full with back-to-back asynchronous calls on 256 MiB tensors (a call
-takes >= 60 us against ~22 us of dispatch), so wall time per call is kernel time; it is a quick
+`time` times 256 MiB tensors the benchmark's way (K = 4 calls chained in one jit, executions
+pipelined), so per-call dispatch stays out of the figure; it is a quick
 probe for comparing kernel variants in one session (tier knobs such as JAX_SOFTMAX_STAGED are read
 once per process, so run one process per variant). The committed figures come from
 `python -m jax_softmax bench`, which also checks the dispatch residual.
@@ -17,12 +17,15 @@ import os
 import sys
 import time
 
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch (Triton cases) shares the GPU
+
 import numpy as np
 
 import jax
 import jax.numpy as jnp
 
 import jax_softmax
+from jax_softmax import _bench
 from jax_softmax._bench import xla_attention_softmax
 from jax_softmax.primitives import softmax_bwd_p
 
@@ -74,12 +77,23 @@ def _row_case(dtype, n, bwd=False):
     return _bwd, _xla_bwd, [y, x], 3 * x.nbytes
 
 
+def _triton_case(dtype, n):
+    """The benchmark's Triton tutorial-style kernel (jax_softmax._bench) on a torch tensor, for
+    comparing its counters and timing with ours in one process. Marked by TORCH in the tuple."""
+    torch = _bench.torch_cuda()
+    x = torch.randn(_rows(n, jnp.dtype(dtype)), n, device="cuda").to(getattr(torch, dtype))
+    return _bench.triton_softmax_fwd, None, [x], 2 * x.numel() * x.element_size()
+
+
 CASES = {}
 for _dt, _name in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16")):
     for _n in (32, 128, 256, 1000, 1024, 2048, 4096, 8192, 16384, 32768, 50257, 65536, 262144):
         CASES[f"{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n))
     for _n in (128, 4096, 32768, 262144):
         CASES[f"{_name}_bwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n, bwd=True))
+for _n in (1024, 4096, 8192, 16384, 32768):
+    for _dt, _name in (("float32", "f32"), ("bfloat16", "bf16")):
+        CASES[f"triton_{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _triton_case(dt, n))
 for _kind in ("pad", "bias", "causal"):
     for _s in (256, 1024, 4096):
         CASES[f"attn_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_case(k, s))
@@ -88,22 +102,36 @@ NCU_DEFAULT = ["bf16_fwd_32", "bf16_fwd_256", "f32_fwd_4096", "f32_fwd_16384", "
                "f32_fwd_65536", "f32_fwd_262144", "attn_pad_1024", "attn_causal_1024"]
 
 
-def timeit(fn, args, k=20, reps=5):
-    fn = jax.jit(fn)
-    fn(*args).block_until_ready()
-    times = []
+def _sync(r):
+    if hasattr(r, "block_until_ready"):
+        r.block_until_ready()
+    else:  # a torch tensor
+        import torch
+        torch.cuda.synchronize()
+
+
+def timeit(fn, args, k=4, reps=5, jit=True):
+    """Seconds per call. JAX: the benchmark's method (jax_softmax._bench.time_jax: K calls chained
+    in one jit on K distinct input copies, executions pipelined), so per-call dispatch stays out.
+    Not jitted (Triton, launched from Python): back-to-back asynchronous launches."""
+    if jit:
+        sets = tuple(tuple(a if i == 0 else jnp.copy(a) for a in args) for i in range(k))
+        times, _, _ = _bench.time_jax(fn, sets, k, reps, warmup=2, pipeline=10)
+        return sorted(times)[len(times) // 2] * 1e-6
+    _sync(fn(*args))
+    samples = []
     for _ in range(reps):
         t = time.perf_counter()
-        for _ in range(k):
+        for _ in range(20):
             r = fn(*args)
-        r.block_until_ready()
-        times.append((time.perf_counter() - t) / k)
-    return sorted(times)[len(times) // 2]
+        _sync(r)
+        samples.append((time.perf_counter() - t) / 20)
+    return sorted(samples)[len(samples) // 2]
 
 
 def copy_bandwidth():
     x = jnp.ones((TENSOR_BYTES // 4,), jnp.float32)
-    return 2 * x.nbytes / timeit(lambda v: v * 1.0000001, [x])
+    return 2 * x.nbytes / timeit(lambda a, s: a + s, [x, jnp.float32(1)])
 
 
 def main(argv):
@@ -114,8 +142,8 @@ def main(argv):
         raise SystemExit(f"unknown cases {unknown}; known: {list(CASES)}")
     if mode == "ncu":
         for name in names:
-            ours, _, args, _ = CASES[name]()
-            jax.jit(ours)(*args).block_until_ready()
+            ours, xla, args, _ = CASES[name]()
+            _sync((jax.jit(ours) if xla else ours)(*args))
             print(f"profiled {name}", flush=True)
         return
     bw = copy_bandwidth()
@@ -123,6 +151,11 @@ def main(argv):
     print(f"copy {bw / 1e9:.0f} GB/s  ({knobs or 'default knobs'})", flush=True)
     for name in names:
         ours, xla, args, nbytes = CASES[name]()
+        if xla is None:  # Triton: launched from Python, back to back like ours
+            t_o = timeit(ours, args, jit=False)
+            print(f"{name:22s} ours {100 * nbytes / t_o / bw:5.1f}%  ({t_o * 1e6:.0f} us)", flush=True)
+            del args
+            continue
         t_o = timeit(ours, args)
         t_x = timeit(xla, args)
         print(f"{name:22s} ours {100 * nbytes / t_o / bw:5.1f}%  xla {100 * nbytes / t_x / bw:5.1f}%"

@@ -167,15 +167,17 @@ def test_many_long_rows(backend, device, rng, dtype, n):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 @pytest.mark.parametrize("tier", ["4V", "16V", "32V", "64V", "1024", "4096", "32768", "131072"])
 def test_staged_ring_wraps(backend, device, rng, dtype, tier):
-    # The staged tiers (sm_90+, plain rows: ffi/softmax_launch.cuh, LaunchStagedTier) keep a ring
-    # of 2-4 shared-memory stages per CTA and refill a stage as soon as it is read. 64 MiB is
-    # several times what all CTAs' rings hold at once (at most 132 SMs x 8 CTAs x 3 stages x
-    # 8 KiB = 25 MiB, the 128-thread tiers in bfloat16), so each CTA's barrier phases
-    # wrap; an odd row count leaves the last tile partial. Sizes (bfloat16): lane groups of one
-    # vector (4V), 8 lanes of two vectors or 32 values (16V, 32V), 16 lanes (64V), a warp (1024);
-    # then, both dtypes, a block and clusters of 2 and of 8 (float32) or 4 (bfloat16) CTAs
-    # (float32 rows of up to 32V take the register lane groups). Softmax and log_softmax, with
-    # their backward (register tiers), no mask (masked rows take the register tiers).
+    # The staged tiers (sm_90+, plain rows: ffi/softmax_launch.cuh, LaunchStagedTier) feed each
+    # CTA through shared memory: one tile per CTA for the row tiers by default, and a persistent
+    # ring of 2-4 stages per CTA, refilled as soon as a stage is read, for the clusters (and for
+    # the row tiers under JAX_SOFTMAX_TILES_PER_CTA >= 2, which scripts/gpu_check.sh also runs).
+    # 64 MiB is several times what all CTAs' rings hold at once (at most 132 SMs x 8 CTAs x 3
+    # stages x 8 KiB = 25 MiB, the 128-thread tiers in bfloat16), so each CTA's barrier phases
+    # wrap; an odd row count leaves the last tile partial. Sizes: lane groups of one vector (4V),
+    # 8 lanes of two vectors or 32 values (16V, 32V), 16 lanes (64V), a warp (1024 bfloat16,
+    # 32 lanes float32), a block, and clusters of 2 and of 8 (float32) or 4 (bfloat16) CTAs.
+    # Softmax and log_softmax, with their backward (register tiers), no mask (masked rows take
+    # the register tiers).
     v = VEC[dtype]
     n = int(tier[:-1]) * v if tier.endswith("V") else int(tier)
     rows = (2**26 // np.dtype(dtype).itemsize // n) | 1  # 64 MiB
