@@ -312,6 +312,19 @@ def test_hlo_one_fused_backward(backend, device, rng):
     assert count_custom_calls(hlo, BWD_TARGET) == 1
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("scale", [0.0, -2.0, 0.5], ids=str)
+def test_scale_without_mask_or_bias(backend, device, rng, dtype, scale):
+    # No bias, mask or causal limit: the plain kernels, and for rows whose length is not a
+    # multiple of the vector width, the windowed ones, which read each row through an aligned
+    # window: its positions outside the row must stay out under any scale (-inf times a scale
+    # <= 0 is not -inf).
+    for k in (5, 7, 37):
+        s = rounded(rng.standard_normal((3, k)), dtype)
+        y = run(device, lambda s: js.attention_softmax(s, scale=scale), s)
+        assert_close(y, np_attention(s, scale, None, None, False), dtype, what=f"Sk={k}")
+
+
 @pytest.mark.parametrize(
     "causal,q,k", [(False, 1, 1), (True, 1, 1), (True, 2, 130), (True, 130, 2), (False, 3, 1000)]
 )
