@@ -61,6 +61,17 @@ __device__ __forceinline__ double rcp_acc(double x) { return 1.0 / x; }
 __device__ __forceinline__ float log_acc(float x) { return logf(x); }
 __device__ __forceinline__ double log_acc(double x) { return log(x); }
 
+// x, made opaque to the compiler by an empty asm statement that claims to change it (nothing is
+// emitted): code computed from the result cannot be merged with the same code computed from x.
+__device__ __forceinline__ float opaque(float x) {
+  asm volatile("" : "+f"(x));
+  return x;
+}
+__device__ __forceinline__ double opaque(double x) {
+  asm volatile("" : "+d"(x));
+  return x;
+}
+
 // Row max. fmax drops NaN, which is fine here: a NaN still reaches the row sum through
 // exp(NaN - max) = NaN, and from there every output, as jax.nn.softmax's NaN rows do. One
 // FMNMX instead of a NaN-propagating compare-and-select per element.
@@ -90,6 +101,16 @@ template <int N, typename T>
 __device__ __forceinline__ void store_vec(T* dst, const T (&src)[N]) {
   using W = typename VecWord<N * sizeof(T)>::type;
   *reinterpret_cast<W*>(dst) = *reinterpret_cast<const W*>(src);
+}
+
+// N bytes (1, 2, 4 or 8) in one access, as one integer whose byte i (from the least significant)
+// is byte i in memory; the caller guarantees the alignment. A per-byte test is then one LOP3.
+template <int N>
+__device__ __forceinline__ std::conditional_t<(N > 4), uint64_t, uint32_t> load_bytes(
+    const uint8_t* src) {
+  using W = std::conditional_t<N == 8, uint64_t, typename VecWord<N>::type>;
+  static_assert(sizeof(W) == N, "byte count");
+  return *reinterpret_cast<const W*>(src);
 }
 
 // Converts N accumulator values to storage and stores them as one vector. 16-bit types convert
@@ -204,11 +225,17 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
 // Running (max, sum of exp(z - max)) of part of a row. Merging rescales each sum to the common
 // max; a part with max == the common max (including both -inf) keeps its sum as is, so an all
 // -inf or fully masked part contributes 0, and a NaN sum stays NaN.
+// The sign of a zero sum survives merging: the forward marks a part of which no position takes
+// part with s = -0 (all -inf parts have +0), and IEEE round-to-nearest gives -0 + -0 = -0 but
+// -0 + +0 = +0, (-0) * (+0 or 1) = -0, and fma(-0, f, -0) = -0 for f >= 0 (the rescale factors
+// are exp() values or 1, never negative). So a row's merged sum is -0 exactly when none of its
+// parts had a position taking part. Hence the identity's -0, the additive identity of IEEE
+// (x + -0 = x for every x, +0 included): it pads the lanes of block and cluster reductions.
 template <typename A>
 struct MaxSum {
   A m;
   A s;
-  static __device__ __forceinline__ MaxSum identity() { return {neg_inf<A>(), A(0)}; }
+  static __device__ __forceinline__ MaxSum identity() { return {neg_inf<A>(), -A(0)}; }
 };
 
 template <typename A>

@@ -40,7 +40,8 @@ struct RowTier {
 
 // --- loading one pack -----------------------------------------------------------------------------
 // How a kernel reads a row:
-//   kGeneral:  any bias / mask / causal limit; validity per element.
+//   kGeneral:  any bias / mask / causal limit; validity per element, which the forward applies
+//              once, at load time (-inf where a position does not take part).
 //   kPlain:    no bias, mask or causal limit, cols % kVec == 0: validity per vector, and the
 //              per-element mask/bias code is not compiled in (the forward's per-element work is
 //              what limits it once loads are 16 bytes wide; bfloat16 moves twice the elements per
@@ -51,11 +52,16 @@ struct RowTier {
 enum class Access { kGeneral, kPlain, kWindowed };
 
 // Per-row state for reading x (or y and dy) plus the optional bias and mask of a row. Positions
-// passed to load() are window offsets: column = w - shift (shift is 0 unless kWindowed).
+// passed to load_fwd() and load_bwd() are window offsets: column = w - shift (shift is 0 unless
+// kWindowed).
 template <typename T, int kVec, bool kBwd, Access kAccess>
 struct RowLoader {
   using A = acc_t<T>;
   static constexpr bool kPlain = kAccess != Access::kGeneral;
+  // One byte per position of a vector, byte e (from the least significant) for column c + e:
+  // the mask bytes as loaded, so that testing a position is one LOP3 on the word.
+  using Bytes = std::conditional_t<(kVec > 4), uint64_t, uint32_t>;
+  static constexpr Bytes kAllBytes = ~Bytes(0) >> (8 * (sizeof(Bytes) - kVec));
   const T* in;    // window start: the row's first element minus shift
   const T* grad;  // likewise for dy
   const T* bias;
@@ -95,14 +101,108 @@ struct RowLoader {
     scale = static_cast<A>(p.scale);
   }
 
-  // Loads the vector at window offset w (a multiple of kVec). Forward: v = scale * x + bias.
-  // Backward: v = y, g = dy. ok[e] says whether column w - shift + e takes part in the row.
-  // Plain and windowed rows keep ok uniform over a vector: the partial vectors at a windowed
-  // row's ends load positions outside the row as values that drop out of the reductions (-inf
-  // for the forward's max and sum, 0 for the backward's dot) and are never stored. (Per-element
-  // flags there cost ~40 registers: 103 vs 64 at 512 threads, bfloat16.) A masked row cannot
-  // do this: a fully masked row must give zeros, an all -inf one NaN.
-  __device__ __forceinline__ void load(int w, A (&v)[kVec], A (&g)[kVec], bool (&ok)[kVec]) const {
+  static __device__ __forceinline__ bool takes_part(Bytes bytes, int e) {
+    return (bytes & (Bytes(0xff) << (8 * e))) != 0;
+  }
+
+  // The positions of the (general-access) vector at window offset w that take part in the row:
+  // byte e is nonzero iff column w + e is unmasked and at most `limit` (the causal limit, or -1
+  // for a row past the end, for which nothing is read).
+  __device__ __forceinline__ Bytes valid_bytes(int w) const {
+    static_assert(!kPlain, "plain rows have no mask or causal limit");
+    const int c = w;  // shift == 0
+    if (c > limit) return 0;
+    Bytes bytes = kAllBytes;
+    if (mask) {
+      if (mask_cs) {
+        bytes = load_bytes<kVec>(mask + c);
+      } else {
+        bytes = mask[0] ? kAllBytes : 0;
+      }
+    }
+    if constexpr (kVec > 1) {
+      // Keep the bytes of columns c .. limit (at least column c: c <= limit here).
+      const int last = limit - c < kVec - 1 ? limit - c : kVec - 1;
+      bytes &= kAllBytes >> (8 * (kVec - 1 - last));
+    }
+    return bytes;
+  }
+
+  // Forward: v = scale * x + bias at the positions that take part in the row and -inf at all
+  // others (masked, past the causal limit or the row's end, outside a windowed row); returns
+  // whether any position of the vector takes part. -inf drops out of the max and adds
+  // exp(-inf - max) = +0 to the sum, so neither the reductions nor the epilogue need flags per
+  // position, except in the rare rows whose sum is not positive (FwdStats::sum). The -inf is
+  // selected after the arithmetic, so that a NaN or inf in x or bias at an excluded position, or
+  // -inf times a scale <= 0, never reaches the row.
+  __device__ __forceinline__ bool load_fwd(int w, A (&v)[kVec]) const {
+    static_assert(!kBwd, "forward rows");
+    const int c = w - shift;
+    if constexpr (!kPlain) {
+      // No early return: the loads are predicated, and everything after them is the same code
+      // for every vector (a vector past the limit has no valid bytes), so nothing but loads waits
+      // in the branch and no value has two definitions to merge. All three loads are in flight
+      // before the first use.
+      T xs[kVec], bs[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) xs[e] = bs[e] = T(0);
+      if (c <= limit) {
+        load_vec<kVec>(in + w, xs);
+        if (bias) {
+          if (bias_cs) {
+            load_vec<kVec>(bias + c, bs);
+          } else {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) bs[e] = bias[0];
+          }
+        }
+      }
+      const Bytes bytes = valid_bytes(w);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        // One FFMA: scale * x + 0 without a bias. (Contracted, as nvcc does by default: one
+        // rounding where the two separate steps before had two.)
+        const A z = scale * to_acc(xs[e]) + to_acc(bs[e]);
+        v[e] = takes_part(bytes, e) ? z : neg_inf<A>();
+      }
+      // Some byte nonzero; folded to 32 bits first (fewer instructions than a 64-bit compare).
+      if constexpr (sizeof(Bytes) > 4)
+        return (static_cast<uint32_t>(bytes) | static_cast<uint32_t>(bytes >> 32)) != 0;
+      else
+        return bytes != 0;
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) v[e] = neg_inf<A>();
+      if (c > limit) return false;
+      if constexpr (kAccess == Access::kWindowed) {
+        if (c < 0 || c + kVec > cols) {  // the partial vectors at the ends of the row
+          // Only the loaded values are scaled: -inf * scale is +inf or NaN for a scale <= 0.
+#pragma unroll
+          for (int e = 0; e < kVec; ++e)
+            if (c + e >= 0 && c + e < cols) v[e] = scale * to_acc(in[w + e]);
+          return true;
+        }
+      }
+      T xs[kVec];
+      load_vec<kVec>(in + w, xs);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) v[e] = to_acc(xs[e]);
+      if (scale != A(1)) {  // uniform: plain softmax skips a multiply per element
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[e] *= scale;
+      }
+      return true;
+    }
+  }
+
+  // Backward: v = y, g = dy. ok[e] says whether column w - shift + e takes part in the row; dx
+  // must be 0 there whatever dy holds, so the flags stay per position. Plain and windowed rows
+  // keep ok uniform over a vector: the partial vectors at a windowed row's ends load positions
+  // outside the row as 0, which drops out of the dot product, and are never stored. (Per-element
+  // flags there cost ~40 registers: 103 vs 64 at 512 threads, bfloat16.)
+  __device__ __forceinline__ void load_bwd(int w, A (&v)[kVec], A (&g)[kVec],
+                                           bool (&ok)[kVec]) const {
+    static_assert(kBwd, "backward rows");
     const int c = w - shift;
 #pragma unroll
     for (int e = 0; e < kVec; ++e) ok[e] = false, v[e] = A(0), g[e] = A(0);
@@ -112,40 +212,21 @@ struct RowLoader {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         ok[e] = true;
-        v[e] = kBwd ? A(0) : neg_inf<A>();
         if (c + e >= 0 && c + e < cols) {
-          // Scaled here, not below: -inf * scale is +inf or NaN for a scale <= 0.
-          v[e] = kBwd ? to_acc(in[w + e]) : scale * to_acc(in[w + e]);
-          if constexpr (kBwd) g[e] = to_acc(grad[w + e]);
+          v[e] = to_acc(in[w + e]);
+          g[e] = to_acc(grad[w + e]);
         }
       }
       return;  // a windowed row is plain: no bias or mask
     } else {
       load_vec<kVec>(in + w, xs);
-      if constexpr (kBwd) load_vec<kVec>(grad + w, gs);
+      load_vec<kVec>(grad + w, gs);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         v[e] = to_acc(xs[e]);
-        if constexpr (kBwd) g[e] = to_acc(gs[e]);
+        g[e] = to_acc(gs[e]);
         // A vector never straddles the row end unless windowed (handled above).
         ok[e] = kPlain ? true : c + e <= limit;
-      }
-    }
-    if constexpr (!kBwd) {
-      if (scale != A(1)) {  // uniform: plain softmax skips a multiply per element
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) v[e] *= scale;
-      }
-      if (!kPlain && bias) {
-        T bs[kVec];
-        if (bias_cs) {
-          load_vec<kVec>(bias + c, bs);
-        } else {
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) bs[e] = bias[0];
-        }
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) v[e] += to_acc(bs[e]);
       }
     }
     if (!kPlain && mask) {
@@ -184,49 +265,63 @@ struct RowLoader {
 // Row statistics after the reduction, turned into the per-element output.
 template <typename A>
 struct FwdStats {
-  A max;      // row max over valid positions
+  A max;      // row max over the positions that take part
   A factor;   // softmax: exp(thread max - row max) / row sum, applied to stored exp(z - thread max)
   A log_sum;  // log-softmax: log(row sum)
+  // Row sum of exp(z - max). Positive (at least about 1, the max's own term) when the row max is
+  // finite, and only then are factor and log_sum finite. NaN when a position taking part holds
+  // NaN (exp(NaN - max)) or +inf (exp(inf - inf)); +0 when every position taking part holds
+  // -inf; -0 when no position takes part (exp_sum, MaxSum). The -0 is a shortcut, not needed for
+  // the result: such a row with a sum of +0 would be taken for a NaN row and, its mask read
+  // again, get 0 / -inf everywhere all the same (nan_row_output).
+  A sum;
 };
 
 // The forward's per-thread passes over its values: thread_max, then exp_sum (the lane groups
 // reduce the max over the group in between; wider tiers merge (max, sum) pairs, thread_maxsum).
+// Positions that do not take part hold -inf (RowLoader::load_fwd): no flags per position.
 template <typename A, int N>
-__device__ __forceinline__ A thread_max(const A (&v)[N], const bool (&ok)[N]) {
+__device__ __forceinline__ A thread_max(const A (&v)[N]) {
   A m = neg_inf<A>();
 #pragma unroll
-  for (int i = 0; i < N; ++i)
-    if (ok[i]) m = row_max(m, v[i]);
+  for (int i = 0; i < N; ++i) m = row_max(m, v[i]);
   return m;
 }
 
-// Sum of exp(z - shift) over the valid values, shift = m unless m is -inf (then nothing valid is
-// finite, and 0 avoids -inf - -inf). Softmax keeps exp(z - shift) in v; log-softmax keeps z.
+// Sum of exp(z - shift), shift = m unless m is -inf (then no value is finite, and 0 avoids -inf -
+// -inf). Softmax keeps exp(z - shift) in v; log-softmax keeps z. `any`: some position of this
+// thread takes part. A thread with none (all its values are the -inf of excluded positions, whose
+// exps add +0) reports -0 instead, which the row reduction keeps only if every thread does: so
+// the row's sum tells "nothing takes part" (-0) from "all -inf" (+0).
 template <typename A, int N>
-__device__ __forceinline__ A exp_sum(A (&v)[N], const bool (&ok)[N], A m, bool log) {
-  const A shift = m == neg_inf<A>() ? A(0) : m;
+__device__ __forceinline__ A exp_sum(A (&v)[N], A m, bool any, bool log) {
+  A shift = m == neg_inf<A>() ? A(0) : m;
+  // The kernels branch on log once per row, and both sides start with these same exps; left
+  // alone, the compiler merges them ahead of the branch, and then z (for log-softmax) and
+  // exp(z - shift) (for softmax) are both live through the row's reduction (24 bytes of spills
+  // at 512 threads, plain bfloat16). An opaque shift on one side keeps the two apart.
+  if (log) shift = opaque(shift);
   A s = A(0);
 #pragma unroll
   for (int i = 0; i < N; ++i) {
-    if (ok[i]) {
-      const A e = exp_acc(v[i] - shift);
-      s += e;
-      if (!log) v[i] = e;
-    }
+    const A e = exp_acc(v[i] - shift);
+    s += e;
+    if (!log) v[i] = e;
   }
-  return s;
+  return any ? s : -A(0);
 }
 
 template <typename A, int N>
-__device__ __forceinline__ MaxSum<A> thread_maxsum(A (&v)[N], const bool (&ok)[N], bool log) {
-  const A m = thread_max(v, ok);
-  return {m, exp_sum(v, ok, m, log)};
+__device__ __forceinline__ MaxSum<A> thread_maxsum(A (&v)[N], bool any, bool log) {
+  const A m = thread_max(v);
+  return {m, exp_sum(v, m, any, log)};
 }
 
 template <typename A>
 __device__ __forceinline__ FwdStats<A> fwd_stats(A thread_max, MaxSum<A> row, bool log) {
   FwdStats<A> st;
   st.max = row.m;
+  st.sum = row.s;
   if (log) {
     st.log_sum = log_acc(row.s);
     st.factor = A(0);
@@ -240,22 +335,49 @@ __device__ __forceinline__ FwdStats<A> fwd_stats(A thread_max, MaxSum<A> row, bo
 }
 
 // A lane group's statistics: group max, then the group sum of exp(z - max); v keeps exp(z - max)
-// for softmax, z for log-softmax. A row with no finite valid value shifts by 0 (see exp_sum).
+// for softmax, z for log-softmax. A row with no finite value shifts by 0 (see exp_sum).
 template <int kGroup, typename A, int N>
-__device__ __forceinline__ FwdStats<A> group_fwd_stats(A (&v)[N], const bool (&ok)[N], bool log) {
-  const A m = group_allreduce<kGroup>(Max<A>{thread_max(v, ok)}).m;
-  const A s = group_allreduce<kGroup>(Sum<A>{exp_sum(v, ok, m, log)}).s;
+__device__ __forceinline__ FwdStats<A> group_fwd_stats(A (&v)[N], bool any, bool log) {
+  const A m = group_allreduce<kGroup>(Max<A>{thread_max(v)}).m;
+  const A s = group_allreduce<kGroup>(Sum<A>{exp_sum(v, m, any, log)}).s;
   FwdStats<A> st;
   st.max = m;
+  st.sum = s;
   st.log_sum = log ? log_acc(s) : A(0);
   st.factor = log ? A(0) : rcp_acc(s);
   return st;
 }
 
+// Whether a row's sum says that nothing of the row takes part: -0 exactly. (Not the sign bit
+// alone: a NaN sum may carry one, from a negative NaN in x.)
 template <typename A>
-__device__ __forceinline__ A fwd_output(A v, bool ok, const FwdStats<A>& st, bool log) {
-  if (log) return ok ? (v - st.max) - st.log_sum : neg_inf<A>();
-  return ok ? v * st.factor : A(0);
+__device__ __forceinline__ bool none_take_part(A sum) {
+  return sum == A(0) && signbit(sum);
+}
+
+// Output of a row whose sum is positive, and of every plain row. A position that does not take
+// part holds -inf: exp(-inf - max) = +0 times a finite factor is 0, and (-inf - max) - log_sum
+// is -inf, with max and log_sum finite. (A plain row with a NaN, +inf or all -inf gets NaN
+// everywhere from the same formula, which is right: all its positions take part.)
+template <typename A>
+__device__ __forceinline__ A fwd_output(A v, const FwdStats<A>& st, bool log) {
+  return log ? (v - st.max) - st.log_sum : v * st.factor;
+}
+
+// Output of a general row with positions that take part but a sum of +0 or NaN: as
+// jax.nn.softmax, NaN at those positions and 0 / -inf at the others, for the vectors at window
+// offsets first + k * stride. Such rows are rare, so which positions take part is read again
+// here rather than carried through the reductions.
+template <typename Loader, typename A, int kPacks, int kVec>
+__device__ __forceinline__ void nan_row_output(const Loader& loader, int first, int stride,
+                                               bool log, A (&o)[kPacks][kVec]) {
+  const A fill = log ? neg_inf<A>() : A(0);
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const typename Loader::Bytes bytes = loader.valid_bytes(first + k * stride);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) o[k][e] = Loader::takes_part(bytes, e) ? A(NAN) : fill;
+  }
 }
 
 // Backward: softmax: dx = scale * y * (dy - sum(y * dy)); log-softmax: dx = scale * (dy -
@@ -287,72 +409,131 @@ __device__ __forceinline__ S row_allreduce(S v, S* block_slots, S* cluster_slot)
 // shuffles only: the max first, then the sum of exp(z - row max); two short shuffle chains cost
 // less than one chain of (max, sum) merges, each of which rescales by an exp. Wider tiers reduce
 // (max, sum) pairs in one pass, so that a block needs one barrier (and a cluster one sync).
-template <bool kLog, int kGroup, int kCluster, typename S, typename A, int kPacks, int kVec>
-__device__ __forceinline__ void forward_row(A (&v)[kPacks][kVec], const bool (&ok)[kPacks][kVec],
+// `any`: some position of this thread's part of the row takes part. Returns whether the row is
+// a NaN row (nan_row_output), whose output the caller must write again once it has the loader.
+template <bool kLog, int kGroup, int kCluster, typename Loader, typename S, typename A, int kPacks,
+          int kVec>
+__device__ __forceinline__ bool forward_row(A (&v)[kPacks][kVec], bool any,
                                             A (&out)[kPacks][kVec], S* block_slots,
                                             S* cluster_slot) {
   constexpr int kElems = kPacks * kVec;
   auto& vr = *reinterpret_cast<A(*)[kElems]>(&v[0][0]);
-  const auto& okr = *reinterpret_cast<const bool(*)[kElems]>(&ok[0][0]);
+  // Every position of a plain row takes part (a row past the end is never stored).
+  any = Loader::kPlain || any;
   FwdStats<A> st;
   if constexpr (kGroup <= 32) {
-    st = group_fwd_stats<kGroup>(vr, okr, kLog);
+    st = group_fwd_stats<kGroup>(vr, any, kLog);
   } else {
-    const MaxSum<A> mine = thread_maxsum(vr, okr, kLog);
+    const MaxSum<A> mine = thread_maxsum(vr, any, kLog);
     const MaxSum<A> total = row_allreduce<S, kGroup, kCluster>(mine, block_slots, cluster_slot);
     st = fwd_stats(mine.m, total, kLog);
+  }
+  if constexpr (!Loader::kPlain) {
+    if (!(st.sum > A(0))) {
+      // Nothing takes part (sum -0): 0 / -inf everywhere, final. Otherwise (+0 or NaN) the same
+      // for now; the NaNs at the positions that take part come later.
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) out[k][e] = kLog ? neg_inf<A>() : A(0);
+      return !none_take_part(st.sum);
+    }
   }
 #pragma unroll
   for (int k = 0; k < kPacks; ++k)
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) out[k][e] = fwd_output(v[k][e], ok[k][e], st, kLog);
+    for (int e = 0; e < kVec; ++e) out[k][e] = fwd_output(v[k][e], st, kLog);
+  return false;
 }
 
-// A batch after its loads (each lane group's kRows rows, values in v and g): statistics, outputs,
-// stores. Shared by the register kernel, which loads from global memory, and the staged kernel,
-// which loads from shared memory.
-template <int kGroup, int kCluster, bool kBwd, int kRows, typename Loader, typename S, typename A,
-          int kPacks, int kVec>
+// Stores a row's values (out[k]: the vector at window offset first_col + k * kGroup * kVec).
+template <int kGroup, typename Loader, typename A, int kPacks, int kVec>
+__device__ __forceinline__ void store_row(const RowParams& p, const Loader& loader, int64_t row,
+                                          int first_col, const A (&out)[kPacks][kVec]) {
+  auto* dst = loader.out_row(p, row);
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) loader.store(dst, first_col + k * kGroup * kVec, out[k]);
+}
+
+// A batch after its loads (each lane group's kRows rows): statistics, outputs, stores. Row r of a
+// group's batch is row0 + r * (groups per block) + group. Two overloads: the forward, shared by
+// the register kernel, which loads from global memory, and the staged kernel, which loads from
+// shared memory; and the backward (register kernel only).
+//
+// Forward: v holds each row's values (-inf where a position does not take part) and any[r]
+// whether any of this thread's positions of row r takes part (unused for plain rows).
+template <int kGroup, int kCluster, int kRows, typename Loader, typename S, typename A, int kPacks,
+          int kVec>
 __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&loaders)[kRows],
                                              int64_t row0, int group, int first_col,
                                              A (&v)[kRows][kPacks][kVec],
-                                             const A (&g)[kRows][kPacks][kVec],
-                                             const bool (&ok)[kRows][kPacks][kVec], S* block_slots,
+                                             const bool (&any)[kRows], S* block_slots,
                                              S* cluster_slot) {
-  using T = std::remove_cv_t<std::remove_pointer_t<decltype(Loader::in)>>;
   constexpr int kBlock = BlockThreads(kGroup);
   const bool log = p.log;
+  unsigned nan_rows = 0;  // bit r set for a NaN row (forward_row)
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int64_t row = row0 + r * (kBlock / kGroup) + group;
     A out[kPacks][kVec];
-    if constexpr (!kBwd) {
-      // Branch once per row on log, so that neither epilogue carries the other's per-element
-      // selects.
-      if (log)
-        forward_row<true, kGroup, kCluster>(v[r], ok[r], out, block_slots, cluster_slot);
-      else
-        forward_row<false, kGroup, kCluster>(v[r], ok[r], out, block_slots, cluster_slot);
-    } else {
-      const A scale = static_cast<A>(p.scale);
-      Sum<A> mine{A(0)};
-#pragma unroll
-      for (int k = 0; k < kPacks; ++k)
-#pragma unroll
-        for (int e = 0; e < kVec; ++e)
-          if (ok[r][k][e]) mine.s += bwd_term(v[r][k][e], g[r][k][e], log);
-      const A dot = row_allreduce<S, kGroup, kCluster>(mine, block_slots, cluster_slot).s;
-#pragma unroll
-      for (int k = 0; k < kPacks; ++k)
-#pragma unroll
-        for (int e = 0; e < kVec; ++e)
-          out[k][e] = bwd_output(v[r][k][e], g[r][k][e], ok[r][k][e], dot, scale, log);
+    // Branch once per row on log, so that neither epilogue carries the other's per-element
+    // selects.
+    const bool nan_row =
+        log ? forward_row<true, kGroup, kCluster, Loader>(v[r], any[r], out, block_slots,
+                                                          cluster_slot)
+            : forward_row<false, kGroup, kCluster, Loader>(v[r], any[r], out, block_slots,
+                                                           cluster_slot);
+    nan_rows |= unsigned(nan_row) << r;
+    if (row < p.rows) store_row<kGroup>(p, loaders[r], row, first_col, out);
+  }
+  // NaN rows are written again here, after the batch: with a loader built anew, whose index
+  // math (and its out-of-line 64-bit divisions) would otherwise run while the values of the
+  // batch's other rows are live. The same thread rewrites the same addresses, in order. A NaN
+  // row is never past the end: such a row has nothing taking part. Plain rows have none.
+  if constexpr (!Loader::kPlain) {
+    if (nan_rows) {
+#pragma unroll 1  // one copy of the loader's index math: this code is cold
+      for (int r = 0; r < kRows; ++r) {
+        if (!(nan_rows >> r & 1)) continue;
+        const int64_t row = row0 + r * (kBlock / kGroup) + group;
+        const Loader loader(p, row, true);
+        A out[kPacks][kVec];
+        nan_row_output(loader, first_col, kGroup * kVec, log, out);
+        store_row<kGroup>(p, loader, row, first_col, out);
+      }
     }
-    if (row < p.rows) {
-      T* dst = loaders[r].out_row(p, row);
+  }
+}
+
+// Backward: v holds y, g dy, and ok which positions take part.
+template <int kGroup, int kCluster, int kRows, typename Loader, typename S, typename A, int kPacks,
+          int kVec>
+__device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&loaders)[kRows],
+                                             int64_t row0, int group, int first_col,
+                                             const A (&v)[kRows][kPacks][kVec],
+                                             const A (&g)[kRows][kPacks][kVec],
+                                             const bool (&ok)[kRows][kPacks][kVec], S* block_slots,
+                                             S* cluster_slot) {
+  constexpr int kBlock = BlockThreads(kGroup);
+  const bool log = p.log;
+  const A scale = static_cast<A>(p.scale);
 #pragma unroll
-      for (int k = 0; k < kPacks; ++k) loaders[r].store(dst, first_col + k * kGroup * kVec, out[k]);
-    }
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t row = row0 + r * (kBlock / kGroup) + group;
+    A out[kPacks][kVec];
+    Sum<A> mine{A(0)};
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e)
+        if (ok[r][k][e]) mine.s += bwd_term(v[r][k][e], g[r][k][e], log);
+    const A dot = row_allreduce<S, kGroup, kCluster>(mine, block_slots, cluster_slot).s;
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e)
+        out[k][e] = bwd_output(v[r][k][e], g[r][k][e], ok[r][k][e], dot, scale, log);
+    if (row < p.rows) store_row<kGroup>(p, loaders[r], row, first_col, out);
   }
 }
 
@@ -415,20 +596,31 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     }
 
     A v[kRows][kPacks][kVec];
-    A g[kRows][kPacks][kVec];
-    bool ok[kRows][kPacks][kVec];
+    A g[kRows][kPacks][kVec];      // backward: dy
+    bool ok[kRows][kPacks][kVec];  // backward: which positions take part
+    bool any[kRows];               // forward: whether any of this thread's positions takes part
     // Built once per row: its bias/mask offsets and causal limit cost integer divisions.
     Loader loaders[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int64_t row = row0 + r * (kBlock / kGroup) + group;
       loaders[r] = Loader(p, row, row < p.rows);
+      any[r] = false;
 #pragma unroll
-      for (int k = 0; k < kPacks; ++k)
-        loaders[r].load(first_col + k * kGroup * kVec, v[r][k], g[r][k], ok[r][k]);
+      for (int k = 0; k < kPacks; ++k) {
+        const int w = first_col + k * kGroup * kVec;
+        if constexpr (kBwd)
+          loaders[r].load_bwd(w, v[r][k], g[r][k], ok[r][k]);
+        else
+          any[r] |= loaders[r].load_fwd(w, v[r][k]);
+      }
     }
-    finish_batch<kGroup, kCluster, kBwd>(p, loaders, row0, group, first_col, v, g, ok,
-                                         block_slots[parity], &cluster_slots[parity]);
+    if constexpr (kBwd)
+      finish_batch<kGroup, kCluster>(p, loaders, row0, group, first_col, v, g, ok,
+                                     block_slots[parity], &cluster_slots[parity]);
+    else
+      finish_batch<kGroup, kCluster>(p, loaders, row0, group, first_col, v, any,
+                                     block_slots[parity], &cluster_slots[parity]);
   }
   // No CTA may leave while another still reads its shared memory.
   if constexpr (kCluster > 1) cluster_sync_all();
@@ -516,20 +708,21 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     mbarrier_wait(&full[stage], phase);
     const T* stage_in = reinterpret_cast<const T*>(staged_smem + size_t(stage) * tiles.stage_bytes);
     A v[kRows][kPacks][kVec];
-    A g[kRows][kPacks][kVec];  // the backward's dy: unused here
-    bool ok[kRows][kPacks][kVec];
+    // Every position of a plain row takes part: forward_row does not look at these (nor at what
+    // load_fwd returns, whether a position of the vector takes part).
+    bool any[kRows];
     Loader loaders[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int local = r * (kBlock / kGroup) + group;
       const int64_t row = row0 + local;
       loaders[r] = Loader(p, row, row < p.rows);
-      // Read the row from the stage instead of global memory: load(w) reads in[w] at column w,
-      // and the stage holds columns col_base.. of each tile row.
+      // Read the row from the stage instead of global memory: load_fwd(w) reads in[w] at column
+      // w, and the stage holds columns col_base.. of each tile row.
       loaders[r].in = stage_in + local * span - col_base;
+      any[r] = true;
 #pragma unroll
-      for (int k = 0; k < kPacks; ++k)
-        loaders[r].load(first_col + k * kGroup * kVec, v[r][k], g[r][k], ok[r][k]);
+      for (int k = 0; k < kPacks; ++k) loaders[r].load_fwd(first_col + k * kGroup * kVec, v[r][k]);
     }
     // Every thread has its values: the stage can take the tile `stages` iterations ahead (if there
     // is one: the condition is uniform over the block, and a CTA with one tile never waits here).
@@ -540,8 +733,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
         fill(stage, tile + stages * num_ctas);
       }
     }
-    finish_batch<kGroup, kCluster, false>(p, loaders, row0, group, first_col, v, g, ok,
-                                          block_slots[parity], &cluster_slots[parity]);
+    finish_batch<kGroup, kCluster>(p, loaders, row0, group, first_col, v, any, block_slots[parity],
+                                   &cluster_slots[parity]);
     if (++stage == stages) stage = 0, phase ^= 1;
   }
   // No CTA may leave while another still reads its shared memory.
@@ -559,26 +752,35 @@ template <typename T, int kBlock, int kVec, int kUnroll, bool kBwd, Access kAcce
 __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowParams p) {
   using A = acc_t<T>;
   using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;
+  using Loader = RowLoader<T, kVec, kBwd, kAccess>;
   constexpr int kTile = kBlock * kVec * kUnroll;
   __shared__ S block_slots[2][32];
   const bool log = p.log;
   const A scale = static_cast<A>(p.scale);
   int parity = 0;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x, parity ^= 1) {
-    const RowLoader<T, kVec, kBwd, kAccess> loader(p, row, true);
+    const Loader loader(p, row, true);
     const int end = loader.limit + 1 + loader.shift;  // window offsets past it are not read
+    // Forward: a thread that reads no tile keeps the identity's -0 sum: nothing of its part takes
+    // part (FwdStats::sum).
     S mine = S::identity();
     for (int t0 = 0; t0 < end; t0 += kTile) {
       A v[kUnroll][kVec], g[kUnroll][kVec];
       bool ok[kUnroll][kVec];
+      bool any = false;
 #pragma unroll
-      for (int k = 0; k < kUnroll; ++k)
-        loader.load(t0 + (k * kBlock + int(threadIdx.x)) * kVec, v[k], g[k], ok[k]);
+      for (int k = 0; k < kUnroll; ++k) {
+        const int w = t0 + (k * kBlock + int(threadIdx.x)) * kVec;
+        if constexpr (kBwd)
+          loader.load_bwd(w, v[k], g[k], ok[k]);
+        else
+          any |= loader.load_fwd(w, v[k]);
+      }
       if constexpr (!kBwd) {
-        // log=true keeps v: the sums are all this pass needs.
+        // log=true keeps v: the sums are all this pass needs. A tile with nothing taking part
+        // merges as (-inf, -0), which leaves mine as it is, the sign of a zero sum included.
         mine = combine(mine, thread_maxsum(reinterpret_cast<A(&)[kUnroll * kVec]>(v),
-                                           reinterpret_cast<const bool(&)[kUnroll * kVec]>(ok),
-                                           true));
+                                           Loader::kPlain || any, true));
       } else {
 #pragma unroll
         for (int k = 0; k < kUnroll; ++k)
@@ -593,28 +795,53 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
     if constexpr (!kBwd) {
       // Every element is recomputed from z, so the stored-exp rescale does not apply.
       st.max = total.m;
+      st.sum = total.s;
       st.log_sum = log ? log_acc(total.s) : A(0);
       st.factor = log ? A(0) : rcp_acc(total.s);
     }
     for (int t0 = 0; t0 < loader.cols + loader.shift; t0 += kTile) {
       A v[kUnroll][kVec], g[kUnroll][kVec];
       bool ok[kUnroll][kVec];
+      if constexpr (!kBwd) {
+        // As forward_row: the formula unless a general row's sum is not positive.
+        if (Loader::kPlain || st.sum > A(0)) {
 #pragma unroll
-      for (int k = 0; k < kUnroll; ++k)
-        loader.load(t0 + (k * kBlock + int(threadIdx.x)) * kVec, v[k], g[k], ok[k]);
+          for (int k = 0; k < kUnroll; ++k)
+            loader.load_fwd(t0 + (k * kBlock + int(threadIdx.x)) * kVec, v[k]);
 #pragma unroll
-      for (int k = 0; k < kUnroll; ++k) {
-        A o[kVec];
+          for (int k = 0; k < kUnroll; ++k) {
+            A o[kVec];
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-          if constexpr (!kBwd) {
-            o[e] = log ? fwd_output(v[k][e], ok[k][e], st, true)
-                       : (ok[k][e] ? exp_acc(v[k][e] - st.max) * st.factor : A(0));
-          } else {
-            o[e] = bwd_output(v[k][e], g[k][e], ok[k][e], total.s, scale, log);
+            for (int e = 0; e < kVec; ++e)
+              o[e] = log ? fwd_output(v[k][e], st, true) : exp_acc(v[k][e] - st.max) * st.factor;
+            loader.store(dst, t0 + (k * kBlock + int(threadIdx.x)) * kVec, o);
           }
+        } else if constexpr (!Loader::kPlain) {
+          A o[kUnroll][kVec];
+          if (none_take_part(st.sum)) {
+#pragma unroll
+            for (int k = 0; k < kUnroll; ++k)
+#pragma unroll
+              for (int e = 0; e < kVec; ++e) o[k][e] = log ? neg_inf<A>() : A(0);
+          } else {
+            nan_row_output(loader, t0 + int(threadIdx.x) * kVec, kBlock * kVec, log, o);
+          }
+#pragma unroll
+          for (int k = 0; k < kUnroll; ++k)
+            loader.store(dst, t0 + (k * kBlock + int(threadIdx.x)) * kVec, o[k]);
         }
-        loader.store(dst, t0 + (k * kBlock + int(threadIdx.x)) * kVec, o);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k)
+          loader.load_bwd(t0 + (k * kBlock + int(threadIdx.x)) * kVec, v[k], g[k], ok[k]);
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k) {
+          A o[kVec];
+#pragma unroll
+          for (int e = 0; e < kVec; ++e)
+            o[e] = bwd_output(v[k][e], g[k][e], ok[k][e], total.s, scale, log);
+          loader.store(dst, t0 + (k * kBlock + int(threadIdx.x)) * kVec, o);
+        }
       }
     }
   }
