@@ -633,8 +633,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
 // thread of each CTA copy whole tiles (the CTA's batch of rows, or its chunk of a cluster's row)
 // into a ring of `stages` shared-memory buffers with cp.async.bulk. A tile is one contiguous byte
 // range (plain rows: cols % kVec == 0 and aligned buffers; a cluster CTA's chunk of one row), so
-// one copy per operand moves it. Tiles it + 1 .. it + stages - 1 are in flight while tile it is
-// reduced; a stage is refilled as soon as every thread has copied it into registers.
+// one copy per operand moves it. A stage is refilled as soon as every thread has copied it into
+// registers, before the reduction: tiles it + 1 .. it + stages are in flight while tile it is
+// reduced (one stage suffices for that; a CTA with a single tile has no refill at all).
 // Shared memory per stage: the tile of x, kRowsPerBlock rows of `span` elements (span = cols, or
 // kChunk for a cluster CTA). Forward only: a backward variant with y and dy in each stage measured
 // 0-20% slower than the register kernel (TUNING.md).

@@ -10,7 +10,7 @@
 # "JAX_SOFTMAX_STAGED=1 JAX_SOFTMAX_STAGED=0"); ncu: Nsight Compute on NCU_CASES.
 # Env: JAX_SOFTMAX_CUDA_ARCHS (default 90a-real: the device is an H100/H200), BENCH_ARGS
 # (extra arguments for `python -m jax_softmax bench`), REGISTER_SUBSET=0 (skip the test step's
-# JAX_SOFTMAX_STAGED=0 rerun), NCU_REGEX / NCU_SECTIONS / NCU_METRICS (kernels, ncu sections, extra metrics), TEST_ARGS (extra pytest arguments), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), AB_CASES, NCU_CASES, SANITIZE_COLS / RACECHECK_COLS (row lengths of scripts/sanitize_cases.py to run), *_TIMEOUT (seconds).
+# reruns under non-default knobs), NCU_REGEX / NCU_SECTIONS / NCU_METRICS (kernels, ncu sections, extra metrics), TEST_ARGS (extra pytest arguments), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), AB_CASES, NCU_CASES, SANITIZE_COLS / RACECHECK_COLS (row lengths of scripts/sanitize_cases.py to run), *_TIMEOUT (seconds).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/jax_softmax_out}
@@ -46,19 +46,19 @@ if want test; then
   timeout "${TEST_TIMEOUT:-1800}" "$PY" -m pytest "$REPO/tests" -q --maxfail=25 -p no:cacheprovider \
     -rf --junitxml="$OUT/pytest.xml" ${TEST_K:+-k "$TEST_K"} ${TEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -25
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  # The register tiers for plain rows, which sm_90 replaces by the staged ones (older GPUs run them).
-  # REGISTER_SUBSET=0 skips this and the ring run below (2.5 min each).
-  [ "${REGISTER_SUBSET:-1}" = 0 ] || { echo "register tiers for plain rows (JAX_SOFTMAX_STAGED=0):"
-  JAX_SOFTMAX_STAGED=0 timeout "${TEST_TIMEOUT:-1800}" "$PY" -m pytest "$REPO/tests/test_kernel_tiers.py" -q \
-    -p no:cacheprovider -rf -k "gpu and (many_long_rows or staged_ring)" 2>&1 | tee "$OUT/pytest_register.log" | tail -5
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  # Staged row tiers with a ring (3 tiles per CTA; by default each CTA reduces one tile) and
-  # persistent register row grids (by default one CTA per batch).
-  echo "staged rings and persistent row grids (JAX_SOFTMAX_TILES_PER_CTA=3 JAX_SOFTMAX_WAVES=1):"
-  JAX_SOFTMAX_TILES_PER_CTA=3 JAX_SOFTMAX_WAVES=1 timeout "${TEST_TIMEOUT:-1800}" "$PY" -m pytest \
-    "$REPO/tests/test_kernel_tiers.py" -q -p no:cacheprovider -rf -k "gpu and (many_long_rows or staged_ring)" \
-    2>&1 | tee "$OUT/pytest_ring.log" | tail -5
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1; }
+  # The kernel-tier tests again under non-default knobs (REGISTER_SUBSET=0 skips them, 2.5 min
+  # each): the register tiers for plain rows, which sm_90 replaces by the staged ones (older GPUs
+  # run them); staged row tiers with a ring (3 tiles per CTA; by default each CTA reduces one tile)
+  # and persistent register row grids (by default one CTA per batch).
+  if [ "${REGISTER_SUBSET:-1}" != 0 ]; then
+    for knobs in JAX_SOFTMAX_STAGED=0 JAX_SOFTMAX_TILES_PER_CTA=3,JAX_SOFTMAX_WAVES=1; do
+      echo "kernel tiers under ${knobs//,/ }:"
+      (export ${knobs//,/ }; timeout "${TEST_TIMEOUT:-1800}" "$PY" -m pytest "$REPO/tests/test_kernel_tiers.py" \
+         -q -p no:cacheprovider -rf -k "gpu and (many_long_rows or staged_ring)") \
+        2>&1 | tee "$OUT/pytest_${knobs//[=,]/_}.log" | tail -5
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    done
+  fi
 fi
 
 if want sanitize; then

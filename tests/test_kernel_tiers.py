@@ -169,7 +169,7 @@ def test_many_long_rows(backend, device, rng, dtype, n):
 def test_staged_ring_wraps(backend, device, rng, dtype, tier):
     # The staged tiers (sm_90+, plain rows: ffi/softmax_launch.cuh, LaunchStagedTier) feed each
     # CTA through shared memory: one tile per CTA for the row tiers by default, and a persistent
-    # ring of 2-4 stages per CTA, refilled as soon as a stage is read, for the clusters (and for
+    # ring of 1-4 stages per CTA, refilled as soon as a stage is read, for the clusters (and for
     # the row tiers under JAX_SOFTMAX_TILES_PER_CTA >= 2, which scripts/gpu_check.sh also runs).
     # 64 MiB is several times what all CTAs' rings hold at once (at most 132 SMs x 8 CTAs x 3
     # stages x 8 KiB = 25 MiB, the 128-thread tiers in bfloat16), so each CTA's barrier phases
