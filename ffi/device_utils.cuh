@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 namespace jax_softmax {
@@ -307,23 +308,98 @@ __device__ __forceinline__ S block_allreduce(S v, S* slots) {
   return v;
 }
 
-// All-reduce over the CTAs of a cluster through distributed shared memory, after each CTA holds
-// its block-wide value. `slot` is one state of shared memory per buffer parity (as above).
-template <int kCluster, typename S>
-__device__ __forceinline__ S cluster_allreduce(S v, S* slot) {
+// --- the cluster step of a row reduction (sm_90+) ------------------------------------------------
+// Each CTA sends its block-wide value to every CTA of the cluster with st.async, which counts the
+// bytes on the receiver's mbarrier, and then waits on its own mbarrier only. It replaced a cluster
+// barrier per row (thread 0 writes its slot; barrier.cluster.arrive.release + wait by every thread
+// of every CTA; read the others' slots), whose release orders each thread's earlier global stores
+// (the previous row's output) before its arrival: 16-CTA clusters ran 1.3-1.6x faster with the
+// exchange (TUNING.md, session 5). Two buffers alternate by row, as block_allreduce's: buffer b
+// receives row i + 2's values only from CTAs that hold this CTA's value of row i + 1, which it
+// sends after reading buffer b for row i; and the phase of row i + 2 cannot begin on b's barrier
+// before row i's completed.
+
+// Address of the same shared-memory variable in the CTA of cluster rank `rank`.
+__device__ __forceinline__ uint32_t cluster_map(uint32_t local, uint32_t rank) {
+  uint32_t remote = local;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  if (threadIdx.x == 0) *slot = v;
-  cluster.sync();  // release our slot, acquire everyone's
-  const int lane = threadIdx.x % 32;
-  S r = S::identity();
-  if (lane < kCluster) r = *cluster.map_shared_rank(slot, lane);
-  return group_allreduce<32>(r);
-#else
-  __trap();  // cluster kernels are launched on sm_90+ only
-  return v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
 #endif
+  return remote;
+}
+
+// Writes v into the CTA of rank `rank` at the address of `slot`, counting its bytes on that CTA's
+// `bar` (both given as this CTA's addresses of the same variables).
+template <typename S>
+__device__ __forceinline__ void send_to_rank(S* slot, const S& v, uint64_t* bar, uint32_t rank) {
+  static_assert(sizeof(S) % 4 == 0, "st.async writes 32-bit words");
+  uint32_t words[sizeof(S) / 4];
+  memcpy(words, &v, sizeof(S));
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t dst = cluster_map(smem_addr(slot), rank);
+  const uint32_t remote_bar = cluster_map(smem_addr(bar), rank);
+#pragma unroll
+  for (int i = 0; i < int(sizeof(S) / 4); ++i)
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
+                     dst + 4 * i),
+                 "r"(words[i]), "r"(remote_bar)
+                 : "memory");
+#endif
+}
+
+// As mbarrier_wait, and acquires at cluster scope what other CTAs' st.async released.
+__device__ __forceinline__ void mbarrier_wait_cluster(uint64_t* bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+#endif
+}
+
+// One row's buffer of a ClusterExchange.
+template <typename S>
+struct ClusterSlots {
+  S* slots;        // one state per cluster rank, in this CTA's shared memory
+  uint64_t* full;  // counts the bytes that arrive in `slots`
+  uint32_t phase;  // parity of the barrier phase this row waits for
+};
+
+// Shared memory of the cluster step: two buffers of kCluster states, each with its mbarrier.
+template <typename S, int kCluster>
+struct ClusterExchange {
+  S slots[2][kCluster];
+  uint64_t full[2];
+  // Thread 0, once; the cluster must then sync (cluster_sync_all) before any CTA sends.
+  __device__ __forceinline__ void init() {
+    mbarrier_init(&full[0], 1);
+    mbarrier_init(&full[1], 1);
+    fence_mbarrier_init();
+  }
+  // The buffer of a CTA's use-th row (counted from 0).
+  __device__ __forceinline__ ClusterSlots<S> buffer(uint32_t use) {
+    const uint32_t b = use & 1;
+    return {slots[b], &full[b], (use >> 1) & 1};
+  }
+};
+
+__device__ __forceinline__ unsigned cluster_rank();
+
+// All-reduce over the CTAs of a cluster, after each CTA holds its block-wide value (every thread
+// of every CTA calls it once per row, with that row's buffer).
+template <int kCluster, typename S>
+__device__ __forceinline__ S cluster_allreduce(S v, ClusterSlots<S> x) {
+  if (threadIdx.x == 0) mbarrier_arrive_expect_tx(x.full, kCluster * sizeof(S));
+  if (threadIdx.x < kCluster) send_to_rank(&x.slots[cluster_rank()], v, x.full, threadIdx.x);
+  mbarrier_wait_cluster(x.full, x.phase);
+  const int lane = threadIdx.x % 32;
+  S r = lane < kCluster ? x.slots[lane] : S::identity();
+  return group_allreduce<32>(r);
 }
 
 __device__ __forceinline__ unsigned cluster_rank() {

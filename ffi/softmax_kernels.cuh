@@ -394,13 +394,13 @@ __device__ __forceinline__ A bwd_output(A y, A g, bool ok, A dot, A scale, bool 
 
 // --- register tiers ---------------------------------------------------------------------------------
 template <typename S, int kGroup, int kCluster>
-__device__ __forceinline__ S row_allreduce(S v, S* block_slots, S* cluster_slot) {
+__device__ __forceinline__ S row_allreduce(S v, S* block_slots, ClusterSlots<S> cluster) {
   constexpr int kBlock = BlockThreads(kGroup);
   if constexpr (kGroup <= 32) {
     return group_allreduce<kGroup>(v);
   } else {
     v = block_allreduce<kBlock>(v, block_slots);
-    if constexpr (kCluster > 1) v = cluster_allreduce<kCluster>(v, cluster_slot);
+    if constexpr (kCluster > 1) v = cluster_allreduce<kCluster>(v, cluster);
     return v;
   }
 }
@@ -408,14 +408,14 @@ __device__ __forceinline__ S row_allreduce(S v, S* block_slots, S* cluster_slot)
 // One row's forward after its loads: statistics, then the output values. kGroup <= 32 reduces with
 // shuffles only: the max first, then the sum of exp(z - row max); two short shuffle chains cost
 // less than one chain of (max, sum) merges, each of which rescales by an exp. Wider tiers reduce
-// (max, sum) pairs in one pass, so that a block needs one barrier (and a cluster one sync).
+// (max, sum) pairs in one pass, so that a block needs one barrier (and a cluster one exchange).
 // `any`: some position of this thread's part of the row takes part. Returns whether the row is
 // a NaN row (nan_row_output), whose output the caller must write again once it has the loader.
 template <bool kLog, int kGroup, int kCluster, typename Loader, typename S, typename A, int kPacks,
           int kVec>
 __device__ __forceinline__ bool forward_row(A (&v)[kPacks][kVec], bool any,
                                             A (&out)[kPacks][kVec], S* block_slots,
-                                            S* cluster_slot) {
+                                            ClusterSlots<S> cluster) {
   constexpr int kElems = kPacks * kVec;
   auto& vr = *reinterpret_cast<A(*)[kElems]>(&v[0][0]);
   // Every position of a plain row takes part (a row past the end is never stored).
@@ -425,7 +425,7 @@ __device__ __forceinline__ bool forward_row(A (&v)[kPacks][kVec], bool any,
     st = group_fwd_stats<kGroup>(vr, any, kLog);
   } else {
     const MaxSum<A> mine = thread_maxsum(vr, any, kLog);
-    const MaxSum<A> total = row_allreduce<S, kGroup, kCluster>(mine, block_slots, cluster_slot);
+    const MaxSum<A> total = row_allreduce<S, kGroup, kCluster>(mine, block_slots, cluster);
     st = fwd_stats(mine.m, total, kLog);
   }
   if constexpr (!Loader::kPlain) {
@@ -468,7 +468,7 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
                                              int64_t row0, int group, int first_col,
                                              A (&v)[kRows][kPacks][kVec],
                                              const bool (&any)[kRows], S* block_slots,
-                                             S* cluster_slot) {
+                                             ClusterSlots<S> cluster) {
   constexpr int kBlock = BlockThreads(kGroup);
   const bool log = p.log;
   unsigned nan_rows = 0;  // bit r set for a NaN row (forward_row)
@@ -479,10 +479,8 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
     // Branch once per row on log, so that neither epilogue carries the other's per-element
     // selects.
     const bool nan_row =
-        log ? forward_row<true, kGroup, kCluster, Loader>(v[r], any[r], out, block_slots,
-                                                          cluster_slot)
-            : forward_row<false, kGroup, kCluster, Loader>(v[r], any[r], out, block_slots,
-                                                           cluster_slot);
+        log ? forward_row<true, kGroup, kCluster, Loader>(v[r], any[r], out, block_slots, cluster)
+            : forward_row<false, kGroup, kCluster, Loader>(v[r], any[r], out, block_slots, cluster);
     nan_rows |= unsigned(nan_row) << r;
     if (row < p.rows) store_row<kGroup>(p, loaders[r], row, first_col, out);
   }
@@ -513,7 +511,7 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
                                              const A (&v)[kRows][kPacks][kVec],
                                              const A (&g)[kRows][kPacks][kVec],
                                              const bool (&ok)[kRows][kPacks][kVec], S* block_slots,
-                                             S* cluster_slot) {
+                                             ClusterSlots<S> cluster) {
   constexpr int kBlock = BlockThreads(kGroup);
   const bool log = p.log;
   const A scale = static_cast<A>(p.scale);
@@ -527,7 +525,7 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
 #pragma unroll
       for (int e = 0; e < kVec; ++e)
         if (ok[r][k][e]) mine.s += bwd_term(v[r][k][e], g[r][k][e], log);
-    const A dot = row_allreduce<S, kGroup, kCluster>(mine, block_slots, cluster_slot).s;
+    const A dot = row_allreduce<S, kGroup, kCluster>(mine, block_slots, cluster).s;
 #pragma unroll
     for (int k = 0; k < kPacks; ++k)
 #pragma unroll
@@ -553,20 +551,24 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   static_assert(kCluster == 1 || kGroup == kBlock, "a cluster splits whole-block rows");
 
   __shared__ S block_slots[2][32];
-  __shared__ S cluster_slots[2];
+  __shared__ ClusterExchange<S, kCluster> exchange;
+  if constexpr (kCluster > 1) {
+    if (threadIdx.x == 0) exchange.init();
+    cluster_sync_all();  // every CTA's barriers are ready before any CTA sends
+  }
 
   const int lane = threadIdx.x % kGroup;
   const int group = threadIdx.x / kGroup;
   const int first_col = static_cast<int>((kCluster > 1 ? cluster_rank() : 0) * kChunk) + lane * kVec;
   const int64_t num_ctas = gridDim.x / kCluster;
 
-  int parity = 0;
+  uint32_t use = 0;  // rows (batches) this CTA has reduced: picks the reduction buffers
   // The loop bound is uniform over the block (and cluster): lane groups past the last row still
   // take part in the shuffles, with nothing loaded or stored. Row r of a group's batch is
   // row0 + r * (groups per block) + group, so each load instruction of a warp covers
   // neighbouring rows.
   for (int64_t row0 = int64_t(blockIdx.x / kCluster) * kRowsPerBlock; row0 < p.rows;
-       row0 += num_ctas * kRowsPerBlock, parity ^= 1) {
+       row0 += num_ctas * kRowsPerBlock, ++use) {
     // Ask L2 for this CTA's next batch (this batch was asked for one iteration ago): its loads
     // then wait for L2, not DRAM, and DRAM stays busy while this batch is reduced. Issued before
     // this batch's loads so that its address registers are dead before the loaded values live.
@@ -617,12 +619,13 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     }
     if constexpr (kBwd)
       finish_batch<kGroup, kCluster>(p, loaders, row0, group, first_col, v, g, ok,
-                                     block_slots[parity], &cluster_slots[parity]);
+                                     block_slots[use & 1], exchange.buffer(use));
     else
       finish_batch<kGroup, kCluster>(p, loaders, row0, group, first_col, v, any,
-                                     block_slots[parity], &cluster_slots[parity]);
+                                     block_slots[use & 1], exchange.buffer(use));
   }
-  // No CTA may leave while another still reads its shared memory.
+  // The CTAs of a cluster leave together: no value may be sent to, or be on its way from, a CTA
+  // that has exited.
   if constexpr (kCluster > 1) cluster_sync_all();
 }
 
@@ -660,7 +663,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   extern __shared__ __align__(128) unsigned char staged_smem[];
   __shared__ uint64_t full[kMaxStages];
   __shared__ S block_slots[2][32];
-  __shared__ S cluster_slots[2];
+  __shared__ ClusterExchange<S, kCluster> exchange;
 
   const int lane = threadIdx.x % kGroup;
   const int group = threadIdx.x / kGroup;
@@ -690,9 +693,14 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) mbarrier_init(&full[s], 1);
+    if constexpr (kCluster > 1) exchange.init();
     fence_mbarrier_init();
   }
-  __syncthreads();
+  // Every CTA's barriers are ready before any thread (or, in a cluster, any CTA) uses them.
+  if constexpr (kCluster > 1)
+    cluster_sync_all();
+  else
+    __syncthreads();
   const int64_t first_tile = blockIdx.x / kCluster;
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s)
@@ -701,10 +709,10 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
 
   int stage = 0;
   uint32_t phase = 0;
-  int parity = 0;
+  uint32_t use = 0;  // tiles this CTA has reduced: picks the reduction buffers
   // The loop bound is uniform over the block and the cluster (the CTAs of a cluster share
   // blockIdx.x / kCluster), as the reductions need.
-  for (int64_t tile = first_tile; tile < num_tiles; tile += num_ctas, parity ^= 1) {
+  for (int64_t tile = first_tile; tile < num_tiles; tile += num_ctas, ++use) {
     const int64_t row0 = tile * kRowsPerBlock;
     mbarrier_wait(&full[stage], phase);
     const T* stage_in = reinterpret_cast<const T*>(staged_smem + size_t(stage) * tiles.stage_bytes);
@@ -734,11 +742,12 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
         fill(stage, tile + stages * num_ctas);
       }
     }
-    finish_batch<kGroup, kCluster>(p, loaders, row0, group, first_col, v, any, block_slots[parity],
-                                   &cluster_slots[parity]);
+    finish_batch<kGroup, kCluster>(p, loaders, row0, group, first_col, v, any, block_slots[use & 1],
+                                   exchange.buffer(use));
     if (++stage == stages) stage = 0, phase ^= 1;
   }
-  // No CTA may leave while another still reads its shared memory.
+  // The CTAs of a cluster leave together: no value may be sent to, or be on its way from, a CTA
+  // that has exited.
   if constexpr (kCluster > 1) cluster_sync_all();
 #else
   __trap();  // launched on sm_90+ only

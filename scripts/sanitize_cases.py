@@ -29,6 +29,7 @@ CASES = [  # (rows, cols, dtype)
     (2, 20000, jnp.bfloat16),  # block (backward: cluster)
     (2, 50257, jnp.float32),  # cluster, scalar path
     (2, 131072, jnp.float32),  # cluster of 4
+    (33, 262144, jnp.float32),  # clusters of 16, more rows than clusters: exchange buffers reused
     (1, 600000, jnp.float32),  # two-pass streaming kernel
     (3, 700, jnp.float64),
     # Staged tiers (sm_90, plain forward rows) with more tiles than the CTAs' rings hold, so that
