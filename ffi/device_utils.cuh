@@ -207,18 +207,25 @@ __device__ __forceinline__ void bulk_load_shared(void* dst, const void* src, uin
 #endif
 }
 
-// Waits until the phase with parity `parity` of `bar` has completed.
+// Waits until the phase with parity `parity` of `bar` has completed. kClusterScope: the wait also
+// acquires, at cluster scope, what other CTAs' st.async released into this CTA (cluster_allreduce).
+template <bool kClusterScope = false>
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define JS_TRY_WAIT(SEM)                                                        \
+  asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity" SEM             \
+               ".shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"     \
+               : "=r"(done)                                                    \
+               : "r"(smem_addr(bar)), "r"(parity)                              \
+               : "memory")
   uint32_t done = 0;
   do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
+    if constexpr (kClusterScope)
+      JS_TRY_WAIT(".acquire.cluster");
+    else
+      JS_TRY_WAIT("");
   } while (!done);
+#undef JS_TRY_WAIT
 #endif
 }
 
@@ -347,21 +354,6 @@ __device__ __forceinline__ void send_to_rank(S* slot, const S& v, uint64_t* bar,
 #endif
 }
 
-// As mbarrier_wait, and acquires at cluster scope what other CTAs' st.async released.
-__device__ __forceinline__ void mbarrier_wait_cluster(uint64_t* bar, uint32_t parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
-  } while (!done);
-#endif
-}
-
 // One row's buffer of a ClusterExchange.
 template <typename S>
 struct ClusterSlots {
@@ -396,7 +388,7 @@ template <int kCluster, typename S>
 __device__ __forceinline__ S cluster_allreduce(S v, ClusterSlots<S> x) {
   if (threadIdx.x == 0) mbarrier_arrive_expect_tx(x.full, kCluster * sizeof(S));
   if (threadIdx.x < kCluster) send_to_rank(&x.slots[cluster_rank()], v, x.full, threadIdx.x);
-  mbarrier_wait_cluster(x.full, x.phase);
+  mbarrier_wait</*kClusterScope=*/true>(x.full, x.phase);
   const int lane = threadIdx.x % 32;
   S r = lane < kCluster ? x.slots[lane] : S::identity();
   return group_allreduce<32>(r);
