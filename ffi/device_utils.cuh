@@ -386,6 +386,7 @@ __device__ __forceinline__ unsigned cluster_rank();
 // of every CTA calls it once per row, with that row's buffer).
 template <int kCluster, typename S>
 __device__ __forceinline__ S cluster_allreduce(S v, ClusterSlots<S> x) {
+  static_assert(kCluster <= 32, "one lane of warp 0 sends to each CTA, one lane reads each slot");
   if (threadIdx.x == 0) mbarrier_arrive_expect_tx(x.full, kCluster * sizeof(S));
   if (threadIdx.x < kCluster) send_to_rank(&x.slots[cluster_rank()], v, x.full, threadIdx.x);
   mbarrier_wait</*kClusterScope=*/true>(x.full, x.phase);
