@@ -326,6 +326,22 @@ __device__ __forceinline__ S block_allreduce(S v, S* slots) {
 // sends after reading buffer b for row i; and the phase of row i + 2 cannot begin on b's barrier
 // before row i's completed.
 
+// This CTA's rank in its cluster (0 outside one).
+__device__ __forceinline__ unsigned cluster_rank() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return cooperative_groups::this_cluster().block_rank();
+#else
+  return 0;
+#endif
+}
+
+// A barrier over every thread of every CTA of the cluster.
+__device__ __forceinline__ void cluster_sync_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cooperative_groups::this_cluster().sync();
+#endif
+}
+
 // Address of the same shared-memory variable in the CTA of cluster rank `rank`.
 __device__ __forceinline__ uint32_t cluster_map(uint32_t local, uint32_t rank) {
   uint32_t remote = local;
@@ -380,8 +396,6 @@ struct ClusterExchange {
   }
 };
 
-__device__ __forceinline__ unsigned cluster_rank();
-
 // All-reduce over the CTAs of a cluster, after each CTA holds its block-wide value (every thread
 // of every CTA calls it once per row, with that row's buffer).
 template <int kCluster, typename S>
@@ -393,20 +407,6 @@ __device__ __forceinline__ S cluster_allreduce(S v, ClusterSlots<S> x) {
   const int lane = threadIdx.x % 32;
   S r = lane < kCluster ? x.slots[lane] : S::identity();
   return group_allreduce<32>(r);
-}
-
-__device__ __forceinline__ unsigned cluster_rank() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  return cooperative_groups::this_cluster().block_rank();
-#else
-  return 0;
-#endif
-}
-
-__device__ __forceinline__ void cluster_sync_all() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  cooperative_groups::this_cluster().sync();
-#endif
 }
 
 }  // namespace jax_softmax

@@ -170,6 +170,16 @@ int ActiveClusters(int device, size_t smem = 0) {
   return n > 0 ? n : 0;
 }
 
+// A tuning knob: the integer that environment variable `name` starts with, or `fallback` where it
+// is unset or does not start with one. Each knob reads it once (a function-local static).
+inline long EnvKnob(const char* name, long fallback) {
+  const char* env = std::getenv(name);
+  if (!env) return fallback;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  return end == env ? fallback : v;
+}
+
 // Grids (measured, TUNING.md session 4): row kernels (a CTA per batch of rows, no cluster) get one
 // CTA per batch: the block scheduler starts a CTA wherever one finishes, so no CTA waits on its
 // own next batch and the last wave is not a whole batch long. That was up to 12% faster than one
@@ -180,10 +190,10 @@ int ActiveClusters(int device, size_t smem = 0) {
 // JAX_SOFTMAX_WAVES caps the row kernels' grids at that many waves instead (read once; 0 or unset
 // = no cap), for tuning experiments.
 constexpr int64_t kPersistentWaves = 1;
+
 inline int64_t RowWaves() {
   static const int64_t waves = [] {
-    const char* env = std::getenv("JAX_SOFTMAX_WAVES");
-    const long v = env ? std::strtol(env, nullptr, 10) : 0;
+    const long v = EnvKnob("JAX_SOFTMAX_WAVES", 0);
     return v > 0 ? int64_t{v} : int64_t{INT_MAX};
   }();
   return waves;
@@ -192,10 +202,7 @@ inline int64_t RowWaves() {
 // L2 prefetch of each CTA's next rows (RowParams::prefetch); JAX_SOFTMAX_PREFETCH=0 turns it off
 // for tuning experiments (read once).
 inline bool PrefetchEnabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("JAX_SOFTMAX_PREFETCH");
-    return !(env && env[0] == '0');
-  }();
+  static const bool enabled = EnvKnob("JAX_SOFTMAX_PREFETCH", 1) != 0;
   return enabled;
 }
 
@@ -203,16 +210,12 @@ inline bool PrefetchEnabled() {
 // experiments (read once): JAX_SOFTMAX_STAGED=0 runs the register tiers instead;
 // JAX_SOFTMAX_MAX_STAGES=2..4 caps the ring.
 inline bool StagedEnabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("JAX_SOFTMAX_STAGED");
-    return !(env && env[0] == '0');
-  }();
+  static const bool enabled = EnvKnob("JAX_SOFTMAX_STAGED", 1) != 0;
   return enabled;
 }
 inline int MaxStages() {
   static const int stages = [] {
-    const char* env = std::getenv("JAX_SOFTMAX_MAX_STAGES");
-    const long v = env ? std::strtol(env, nullptr, 10) : kMaxStages;
+    const long v = EnvKnob("JAX_SOFTMAX_MAX_STAGES", kMaxStages);
     return static_cast<int>(v < 2 ? 2 : v > kMaxStages ? kMaxStages : v);
   }();
   return stages;
@@ -237,8 +240,7 @@ inline int GridUnits(int64_t needed, int64_t resident, int64_t waves, int cluste
 // tuning experiments.
 inline int TilesPerCta() {
   static const int t = [] {
-    const char* env = std::getenv("JAX_SOFTMAX_TILES_PER_CTA");
-    const long v = env ? std::strtol(env, nullptr, 10) : 1;
+    const long v = EnvKnob("JAX_SOFTMAX_TILES_PER_CTA", 1);
     return static_cast<int>(v < 0 ? 0 : v > 64 ? 64 : v);
   }();
   return t;

@@ -79,7 +79,8 @@ def _row_case(dtype, n, bwd=False):
 
 def _triton_case(dtype, n):
     """The benchmark's Triton tutorial-style kernel (jax_softmax._bench) on a torch tensor, for
-    comparing its counters and timing with ours in one process. Marked by TORCH in the tuple."""
+    comparing its counters and timing with ours in one process. Its case has no XLA function
+    (None): main() times it as launched from Python."""
     torch = _bench.torch_cuda()
     x = torch.randn(_rows(n, jnp.dtype(dtype)), n, device="cuda").to(getattr(torch, dtype))
     return _bench.triton_softmax_fwd, None, [x], 2 * x.numel() * x.element_size()
