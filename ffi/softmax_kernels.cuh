@@ -629,14 +629,15 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   if constexpr (kCluster > 1) cluster_sync_all();
 }
 
-// --- staged tiers (sm_90, plain forward rows): the register tiers fed through shared memory -------------
+// --- staged tiers (sm_90, forward rows of whole vectors): the register tiers fed through shared memory
 // The register kernel has only what its registers hold in flight: a CTA loads a batch, then waits
 // for it, then reduces it, and DRAM idles unless other CTAs happen to be loading. The staged kernel
 // runs the same tiers (same threads per row, same values per thread, same reductions) but has one
 // thread of each CTA copy whole tiles (the CTA's batch of rows, or its chunk of a cluster's row)
 // into a ring of `stages` shared-memory buffers with cp.async.bulk. A tile is one contiguous byte
-// range (plain rows: cols % kVec == 0 and aligned buffers; a cluster CTA's chunk of one row), so
-// one copy per operand moves it. A stage is refilled as soon as every thread has copied it into
+// range (cols % kVec == 0 and aligned buffers; a cluster CTA's chunk of one row), so one copy
+// moves it. Rows with a mask, bias or causal limit (kGeneral) stage x only: their bias and mask
+// are broadcast operands, read from global memory (mostly L2) as the register tiers read them. A stage is refilled as soon as every thread has copied it into
 // registers, before the reduction: tiles it + 1 .. it + stages are in flight while tile it is
 // reduced (one stage suffices for that; a CTA with a single tile has no refill at all).
 // Shared memory per stage: the tile of x, kRowsPerBlock rows of `span` elements (span = cols, or
@@ -648,13 +649,14 @@ struct StagedTiles {
 };
 constexpr int kMaxStages = 4;
 
-template <typename T, int kGroup, int kElems, int kVec, int kCluster, int kRows = 1>
+template <typename T, int kGroup, int kElems, int kVec, int kCluster, Access kAccess, int kRows = 1>
 __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThreads(kGroup)))
     softmax_rows_staged_kernel(const RowParams p, const StagedTiles tiles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
   using S = MaxSum<A>;
-  using Loader = RowLoader<T, kVec, /*kBwd=*/false, Access::kPlain>;
+  using Loader = RowLoader<T, kVec, /*kBwd=*/false, kAccess>;
+  static_assert(kAccess != Access::kWindowed && kVec > 1, "tiles are whole 16-byte vectors");
   using Tier = RowTier<kGroup, kElems, kVec, kRows>;
   constexpr int kBlock = Tier::kBlock, kRowsPerBlock = Tier::kRowsPerBlock, kPacks = Tier::kPacks;
   constexpr int64_t kChunk = Tier::kChunk;
@@ -686,7 +688,14 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     // Tile rows are contiguous in memory: nrows * cols elements from row0's first column (for a
     // cluster CTA, nrows == 1 and the copy starts at its chunk).
     const int64_t first = row0 * p.cols + col_base;
-    const uint32_t bytes = static_cast<uint32_t>((kCluster > 1 ? cta_cols : nrows * p.cols) * sizeof(T));
+    int64_t elems = kCluster > 1 ? cta_cols : nrows * p.cols;
+    if constexpr (kAccess == Access::kGeneral && kRowsPerBlock == 1) {
+      // A one-row tile stops at the causal limit's vector, as the register tiers' loads do
+      // (causal rows skip the half of the score matrix they never read).
+      const int64_t valid = (p.causal_limit(row0) + kVec) / kVec * kVec - col_base;
+      elems = std::min(elems, std::max(valid, int64_t{0}));
+    }
+    const uint32_t bytes = static_cast<uint32_t>(elems * sizeof(T));
     mbarrier_arrive_expect_tx(&full[stage], bytes);
     if (bytes) bulk_load_shared(dst, static_cast<const T*>(p.in) + first, bytes, &full[stage]);
   };
@@ -717,8 +726,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     mbarrier_wait(&full[stage], phase);
     const T* stage_in = reinterpret_cast<const T*>(staged_smem + size_t(stage) * tiles.stage_bytes);
     A v[kRows][kPacks][kVec];
-    // Every position of a plain row takes part: forward_row does not look at these (nor at what
-    // load_fwd returns, whether a position of the vector takes part).
+    // Whether any of this thread's positions of row r takes part (forward_row ignores it for
+    // plain rows, where every position does).
     bool any[kRows];
     Loader loaders[kRows];
 #pragma unroll
@@ -726,12 +735,15 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
       const int local = r * (kBlock / kGroup) + group;
       const int64_t row = row0 + local;
       loaders[r] = Loader(p, row, row < p.rows);
-      // Read the row from the stage instead of global memory: load_fwd(w) reads in[w] at column
-      // w, and the stage holds columns col_base.. of each tile row.
+      // Read x from the stage instead of global memory (bias and mask still come from global
+      // memory, usually L2: they are broadcast): load_fwd(w) reads in[w] at column w, and the
+      // stage holds columns col_base.. of each tile row. It reads no vector past the causal limit,
+      // where a one-row tile's copy stopped.
       loaders[r].in = stage_in + local * span - col_base;
-      any[r] = true;
+      any[r] = false;
 #pragma unroll
-      for (int k = 0; k < kPacks; ++k) loaders[r].load_fwd(first_col + k * kGroup * kVec, v[r][k]);
+      for (int k = 0; k < kPacks; ++k)
+        any[r] |= loaders[r].load_fwd(first_col + k * kGroup * kVec, v[r][k]);
     }
     // Every thread has its values: the stage can take the tile `stages` iterations ahead (if there
     // is one: the condition is uniform over the block, and a CTA with one tile never waits here).

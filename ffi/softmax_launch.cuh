@@ -18,8 +18,9 @@
 //                           (then 16 x 1024 threads), reduced through distributed shared
 //                           memory: still one read of x. Before sm_90: one 1024-thread block.
 //   longer rows, or a cluster size the GPU cannot schedule: the two-pass streaming kernel.
-// Staged tiers (sm_90+, plain forward rows: cols % V == 0, aligned buffers, no mask/bias/causal):
-// the same shapes fed through shared memory that cp.async.bulk fills (softmax_rows_staged_kernel):
+// Staged tiers (sm_90+, forward rows of cols % V == 0 in aligned buffers, with or without a mask,
+// bias or causal limit; only x is staged): the same shapes fed through shared memory that
+// cp.async.bulk fills (softmax_rows_staged_kernel):
 // one tile per CTA for the row tiers, a persistent ring of stages for the clusters; with their own
 // short-row table (LaunchStagedTier): rows of cols <= 8 V on G = 1..8 lanes of one vector, then
 // 8, 16, 32 lanes of up to E values, then blocks and clusters as above. (Float32 rows of up to
@@ -285,9 +286,31 @@ bool AllowDynamicSmem(int device, const DeviceInfo& dev) {
   return ok[device];
 }
 
-// The staged kernels take plain rows of 16-byte vectors (one contiguous copy per tile), on sm_90+.
+// The staged kernels take rows of whole 16-byte vectors from aligned buffers (one contiguous copy
+// per tile), on sm_90+: plain rows, and rows with a mask, bias or causal limit (kGeneral with
+// kVec > 1) where StageGeneralRows says so.
 template <typename T, int kVec, Access kAccess>
-constexpr bool kStageable = kAccess == Access::kPlain && kVec > 1 && sizeof(T) <= 4;
+constexpr bool kStageable = kAccess != Access::kWindowed && kVec > 1 && sizeof(T) <= 4;
+
+// Whether rows with a mask, bias or causal limit take the staged tiers (x staged; bias and mask
+// read from global memory by every thread, as in the register tiers). Measured on bfloat16
+// attention (TUNING.md session 6, staged vs register): rows of S = 128-256, tiles of several rows
+// on 1-8 lanes, 1.2-1.4x faster with a padding mask, full mask, bias or causal limit; from
+// S = 1024 the staged tiers won only with a padding mask (1.05-1.1x) and lost 2-12% otherwise:
+// a full mask or bias row is new at every row (L2 latency after the stage's wait, where the
+// register tiers have it in flight with x), and a causal row on a tile of several rows is
+// copied whole where the register tiers skip the excluded half. So: short rows (cols <=
+// short_cols, the tiers of up to 16 lanes), and longer rows whose only operand is a mask that
+// consecutive rows share (innermost row stride 0: a (B, 1, 1, Sk) padding mask).
+// JAX_SOFTMAX_STAGED_GENERAL (read once; tuning): 0 never, 2 always, anything else this rule.
+inline bool StageGeneralRows(const RowParams& p, int64_t short_cols) {
+  static const long knob = EnvKnob("JAX_SOFTMAX_STAGED_GENERAL", 1);
+  if (knob == 0 || knob == 2) return knob == 2;
+  if (p.cols <= short_cols) return true;
+  const bool shared_mask =
+      p.mask.data && (p.mask.ndims == 0 || p.mask.strides[p.mask.ndims - 1] == 0);
+  return shared_mask && !p.bias.data && p.causal.d == 0;
+}
 
 struct LaunchCtx {
   const RowParams& p;
@@ -340,11 +363,11 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
 // nullopt: no ring fits (the caller uses the register tiers); otherwise the launch's outcome.
 using Launched = std::optional<ffi::Error>;
 
-template <typename T, int kGroup, int kElems, int kVec, int kRows>
+template <typename T, int kGroup, int kElems, int kVec, Access kAccess, int kRows>
 Launched LaunchStagedRows(const LaunchCtx& c) {
   using Tier = RowTier<kGroup, kElems, kVec, kRows>;
   constexpr int kBlock = Tier::kBlock, kRowsPerBlock = Tier::kRowsPerBlock;
-  constexpr auto kernel = softmax_rows_staged_kernel<T, kGroup, kElems, kVec, 1, kRows>;
+  constexpr auto kernel = softmax_rows_staged_kernel<T, kGroup, kElems, kVec, 1, kAccess, kRows>;
   auto reg = BlocksPerSm<kernel, kBlock>(c.device);
   if (reg.has_error()) return reg.error();
   const uint64_t tile = uint64_t(kRowsPerBlock) * uint64_t(c.p.cols) * sizeof(T);
@@ -360,9 +383,9 @@ Launched LaunchStagedRows(const LaunchCtx& c) {
   return CheckLaunch("softmax staged kernel");
 }
 
-template <typename T, int kBlock, int kElems, int kVec, int kCluster>
+template <typename T, int kBlock, int kElems, int kVec, int kCluster, Access kAccess>
 Launched LaunchStagedCluster(const LaunchCtx& c) {
-  constexpr auto kernel = softmax_rows_staged_kernel<T, kBlock, kElems, kVec, kCluster>;
+  constexpr auto kernel = softmax_rows_staged_kernel<T, kBlock, kElems, kVec, kCluster, kAccess>;
   auto reg = BlocksPerSm<kernel, kBlock>(c.device);
   if (reg.has_error()) return reg.error();
   // A tile is one row's chunk of kBlock * kElems elements per CTA: the plan and the cluster
@@ -388,11 +411,11 @@ Launched LaunchStagedCluster(const LaunchCtx& c) {
 // 8 lanes per row would read shared memory with bank conflicts: a quarter warp's 16-byte reads
 // then lie a row apart.) Every thread holds kE values: tiles are 128 x kE elements up to 32 E.
 // Measured against the register tiers (TUNING.md): forward 1.0-1.3x faster from N = 256 up.
-template <typename T, int kVec>
+template <typename T, int kVec, Access kAccess>
 Launched LaunchStagedTier(const LaunchCtx& c) {
   constexpr int kE = 32;  // as the register tiers' forward, for float and 16-bit types
   const int64_t n = c.p.cols;
-#define JS_STAGED(G, E) return LaunchStagedRows<T, G, E, kVec, kE / (E)>(c)
+#define JS_STAGED(G, E) return LaunchStagedRows<T, G, E, kVec, kAccess, kE / (E)>(c)
   if (n <= 1 * kVec) JS_STAGED(1, kVec);
   if (n <= 2 * kVec) JS_STAGED(2, kVec);
   if (n <= 4 * kVec) JS_STAGED(4, kVec);
@@ -406,11 +429,11 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   if (n <= 256 * kE) JS_STAGED(256, kE);
   if (n <= 512 * kE) JS_STAGED(512, kE);
 #undef JS_STAGED
-  if (n <= 2 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 2>(c);
-  if (n <= 4 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 4>(c);
-  if (n <= 8 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 8>(c);
-  if (n <= 16 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 16>(c);
-  if (n <= 16 * 1024 * kE) return LaunchStagedCluster<T, 1024, kE, kVec, 16>(c);
+  if (n <= 2 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 2, kAccess>(c);
+  if (n <= 4 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 4, kAccess>(c);
+  if (n <= 8 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 8, kAccess>(c);
+  if (n <= 16 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 16, kAccess>(c);
+  if (n <= 16 * 1024 * kE) return LaunchStagedCluster<T, 1024, kE, kVec, 16, kAccess>(c);
   return std::nullopt;
 }
 
@@ -422,8 +445,9 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // Forward only: staged backward kernels (y and dy in each stage) measured 0-20% slower than the
   // register ones (TUNING.md), whose rows already keep two operands' loads in flight.
   if constexpr (!kBwd && kStageable<T, kVec, kAccess>) {
-    if (c.dev.cc_major >= 9 && StagedEnabled()) {
-      if (Launched launched = LaunchStagedTier<T, kVec>(c)) return *launched;
+    if (c.dev.cc_major >= 9 && StagedEnabled() &&
+        (kAccess == Access::kPlain || StageGeneralRows(c.p, 16 * kE))) {
+      if (Launched launched = LaunchStagedTier<T, kVec, kAccess>(c)) return *launched;
     }
   }
   // A windowed row spans up to kVec - 1 more positions than it has columns.

@@ -176,30 +176,34 @@ def test_staged_ring_wraps(backend, device, rng, dtype, tier):
     # wrap; an odd row count leaves the last tile partial. Sizes: lane groups of one vector (4V),
     # 8 lanes of two vectors or 32 values (16V, 32V), 16 lanes (64V), a warp (1024 bfloat16,
     # 32 lanes float32), a block, and clusters of 2 and of 8 (float32) or 4 (bfloat16) CTAs.
-    # Softmax and log_softmax, with their backward (register tiers), no mask (masked rows take
-    # the register tiers).
+    # Softmax and log_softmax, with their backward (register tiers), without and with a `where`
+    # mask (masked rows are staged too: x in the stages, the mask read from global memory).
     v = VEC[dtype]
     n = int(tier[:-1]) * v if tier.endswith("V") else int(tier)
     rows = (2**26 // np.dtype(dtype).itemsize // n) | 1  # 64 MiB
     x = rounded(rng.standard_normal((rows, n)) * 3.0, dtype)
     g = rounded(rng.standard_normal((rows, n)), dtype)
-    xd, gd = put(device, x, g)
-    poison(device, x.shape, dtype, count=4)
+    mask = make_mask(rng, rows, n)
+    xd, gd, md = put(device, x, g, mask)
+    poison(device, x.shape, dtype, count=8)
 
-    def fn(x, g):
+    def fn(x, g, m):
         outs = []
-        for f in (js.softmax, js.log_softmax):
-            y, pull = jax.vjp(f, x)
-            outs += [y, pull(g)[0]]
+        for where in (None, m):
+            for f in (js.softmax, js.log_softmax):
+                y, pull = jax.vjp(lambda x: f(x, where=where), x)
+                outs += [y, pull(g)[0]]
         return outs
 
-    outs = iter(np.asarray(o) for o in jax.jit(fn)(xd, gd))
-    refs = reference(x, g, None, dtype)
-    for log in (False, True):
-        ry, rdx, mag = refs[log]
-        what = f"N={n} rows={rows} {'log_softmax' if log else 'softmax'}"
-        assert_close(next(outs), ry, dtype, what="fwd " + what)
-        assert_close(next(outs), rdx, dtype, tol=GRAD_TOL, mag=mag, what="bwd " + what)
+    outs = iter(np.asarray(o) for o in jax.jit(fn)(xd, gd, md))
+    for where in (None, mask):
+        refs = reference(x, g, where, dtype)
+        for log in (False, True):
+            ry, rdx, mag = refs[log]
+            what = f"N={n} rows={rows} {'log_softmax' if log else 'softmax'}"
+            what += " masked" if where is not None else ""
+            assert_close(next(outs), ry, dtype, what="fwd " + what)
+            assert_close(next(outs), rdx, dtype, tol=GRAD_TOL, mag=mag, what="bwd " + what)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
@@ -213,6 +217,34 @@ def test_causal_attention_sizes(backend, device, rng, dtype, s):
 @pytest.mark.parametrize("s", [2048, 4097])
 def test_causal_attention_large(backend, device, rng, dtype, s):
     check_attention(device, rng, dtype, s)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
+def test_causal_long_keys(backend, device, rng, dtype):
+    # Causal rows of cluster length (Sk = 2^15 + 2^14: clusters of 2 CTAs of 512 x 32 columns
+    # and more), whose staged copies stop at each row's causal limit: Sq = 16384 + 37 queries, so
+    # the limits of rows 16380-16390 cross the first CTA's chunk (16384 columns) and, with the
+    # bias, all limits lie inside the row. Only sampled rows are compared (the whole output is
+    # 1-2 GiB); the rows of each sample run in the same grid as all the others.
+    sq, sk = 2**14 + 37, 2**15 + 2**14
+    key = jax.random.key(int(rng.integers(2**31)))
+    with jax.default_device(device):
+        scores = jax.random.normal(key, (1, 1, sq, sk), dtype) * 2  # made on the device
+    bias = rounded(rng.standard_normal((1, 1, 1, sk)), dtype)
+    sample = np.r_[0:4, 16379:16391, sq - 3 : sq]
+    poison(device, scores.shape, dtype, count=2)
+
+    @jax.jit
+    def fn(s_, b_):
+        y = js.attention_softmax(s_, scale=0.5, bias=b_, is_causal=True)
+        return y[0, 0, sample], s_[0, 0, sample]
+
+    y, x = (np.asarray(o) for o in fn(scores, put(device, bias)))
+    z = x.astype(np.float64) * 0.5 + bias[0, 0].astype(np.float64)
+    valid = np.arange(sk)[None, :] <= sample[:, None]
+    expect = np_attention(z, 1.0, None, valid, False)
+    assert_close(y, expect, dtype, what=f"causal rows {sample.tolist()} of Sk={sk}")
 
 
 def check_attention(device, rng, dtype, s):
