@@ -295,13 +295,14 @@ constexpr bool kStageable = kAccess != Access::kWindowed && kVec > 1 && sizeof(T
 // Whether rows with a mask, bias or causal limit take the staged tiers (x staged; bias and mask
 // read from global memory by every thread, as in the register tiers). Measured on bfloat16
 // attention (TUNING.md session 6, staged vs register): rows of S = 128-256, tiles of several rows
-// on 1-8 lanes, 1.2-1.4x faster with a padding mask, full mask, bias or causal limit; from
-// S = 1024 the staged tiers won only with a padding mask (1.05-1.1x) and lost 2-12% otherwise:
+// on 1-8 lanes, 1.17-1.37x faster with a padding mask, full mask, bias or causal limit; from
+// S = 1024 the staged tiers won only with a padding mask (1.02-1.08x) and lost 2-15% otherwise:
 // a full mask or bias row is new at every row (L2 latency after the stage's wait, where the
 // register tiers have it in flight with x), and a causal row on a tile of several rows is
 // copied whole where the register tiers skip the excluded half. So: short rows (cols <=
-// short_cols, the tiers of up to 16 lanes), and longer rows whose only operand is a mask that
-// consecutive rows share (innermost row stride 0: a (B, 1, 1, Sk) padding mask).
+// short_cols, the tiers of up to 16 lanes; at S = 512 the bench then read -1 to +3 points against
+// session 5's register tiers), and longer rows whose only operand is a mask that consecutive rows
+// share (innermost row stride 0: a (B, 1, 1, Sk) padding mask).
 // JAX_SOFTMAX_STAGED_GENERAL (read once; tuning): 0 never, 2 always, anything else this rule.
 inline bool StageGeneralRows(const RowParams& p, int64_t short_cols) {
   static const long knob = EnvKnob("JAX_SOFTMAX_STAGED_GENERAL", 1);
