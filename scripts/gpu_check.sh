@@ -49,12 +49,14 @@ if want test; then
   # The kernel-tier tests again under non-default knobs (REGISTER_SUBSET=0 skips them, 2.5 min
   # each): the register tiers for plain rows, which sm_90 replaces by the staged ones (older GPUs
   # run them); staged row tiers with a ring (3 tiles per CTA; by default each CTA reduces one tile)
-  # and persistent register row grids (by default one CTA per batch).
+  # and persistent register row grids (by default one CTA per batch); every masked, biased or
+  # causal row staged (by default only short ones and padding-style masks), whose one-row tiles
+  # copy only up to the causal limit.
   if [ "${REGISTER_SUBSET:-1}" != 0 ]; then
-    for knobs in JAX_SOFTMAX_STAGED=0 JAX_SOFTMAX_TILES_PER_CTA=3,JAX_SOFTMAX_WAVES=1; do
+    for knobs in JAX_SOFTMAX_STAGED=0 JAX_SOFTMAX_TILES_PER_CTA=3,JAX_SOFTMAX_WAVES=1 JAX_SOFTMAX_STAGED_GENERAL=2; do
       echo "kernel tiers under ${knobs//,/ }:"
       (export ${knobs//,/ }; timeout "${TEST_TIMEOUT:-1800}" "$PY" -m pytest "$REPO/tests/test_kernel_tiers.py" \
-         -q -p no:cacheprovider -rf -k "gpu and (many_long_rows or staged_ring)") \
+         -q -p no:cacheprovider -rf -k "gpu and (many_long_rows or staged_ring or causal)") \
         2>&1 | tee "$OUT/pytest_${knobs//[=,]/_}.log" | tail -5
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     done
