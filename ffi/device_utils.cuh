@@ -383,11 +383,11 @@ template <typename S, int kCluster>
 struct ClusterExchange {
   S slots[2][kCluster];
   uint64_t full[2];
-  // Thread 0, once; the cluster must then sync (cluster_sync_all) before any CTA sends.
+  // Thread 0, once, followed by fence_mbarrier_init() (one fence for all of a kernel's barriers);
+  // the cluster must then sync (cluster_sync_all) before any CTA sends.
   __device__ __forceinline__ void init() {
     mbarrier_init(&full[0], 1);
     mbarrier_init(&full[1], 1);
-    fence_mbarrier_init();
   }
   // The buffer of a CTA's use-th row (counted from 0).
   __device__ __forceinline__ ClusterSlots<S> buffer(uint32_t use) {

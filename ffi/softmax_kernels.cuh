@@ -553,7 +553,10 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   __shared__ S block_slots[2][32];
   __shared__ ClusterExchange<S, kCluster> exchange;
   if constexpr (kCluster > 1) {
-    if (threadIdx.x == 0) exchange.init();
+    if (threadIdx.x == 0) {
+      exchange.init();
+      fence_mbarrier_init();
+    }
     cluster_sync_all();  // every CTA's barriers are ready before any CTA sends
   }
 
@@ -637,9 +640,10 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
 // into a ring of `stages` shared-memory buffers with cp.async.bulk. A tile is one contiguous byte
 // range (cols % kVec == 0 and aligned buffers; a cluster CTA's chunk of one row), so one copy
 // moves it. Rows with a mask, bias or causal limit (kGeneral) stage x only: their bias and mask
-// are broadcast operands, read from global memory (mostly L2) as the register tiers read them. A stage is refilled as soon as every thread has copied it into
-// registers, before the reduction: tiles it + 1 .. it + stages are in flight while tile it is
-// reduced (one stage suffices for that; a CTA with a single tile has no refill at all).
+// are broadcast operands, read from global memory (mostly L2) as the register tiers read them.
+// A stage is refilled as soon as every thread has copied it into registers, before the
+// reduction: tiles it + 1 .. it + stages are in flight while tile it is reduced (one stage
+// suffices for that; a CTA with a single tile has no refill at all).
 // Shared memory per stage: the tile of x, kRowsPerBlock rows of `span` elements (span = cols, or
 // kChunk for a cluster CTA). Forward only: a backward variant with y and dy in each stage measured
 // 0-20% slower than the register kernel (TUNING.md).

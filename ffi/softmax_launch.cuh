@@ -18,10 +18,10 @@
 //                           (then 16 x 1024 threads), reduced through distributed shared
 //                           memory: still one read of x. Before sm_90: one 1024-thread block.
 //   longer rows, or a cluster size the GPU cannot schedule: the two-pass streaming kernel.
-// Staged tiers (sm_90+, forward rows of cols % V == 0 in aligned buffers, with or without a mask,
-// bias or causal limit; only x is staged): the same shapes fed through shared memory that
-// cp.async.bulk fills (softmax_rows_staged_kernel):
-// one tile per CTA for the row tiers, a persistent ring of stages for the clusters; with their own
+// Staged tiers (sm_90+, forward rows of cols % V == 0 in aligned buffers; rows with a mask, bias
+// or causal limit where StageGeneralRows says so, with only x staged): the same shapes fed
+// through shared memory that cp.async.bulk fills (softmax_rows_staged_kernel): one tile per CTA
+// for the row tiers, a persistent ring of stages for the clusters; with their own
 // short-row table (LaunchStagedTier): rows of cols <= 8 V on G = 1..8 lanes of one vector, then
 // 8, 16, 32 lanes of up to E values, then blocks and clusters as above. (Float32 rows of up to
 // 32 V measured 1.0-1.15x faster there than on the register lane groups once each CTA takes one
@@ -300,9 +300,9 @@ constexpr bool kStageable = kAccess != Access::kWindowed && kVec > 1 && sizeof(T
 // a full mask or bias row is new at every row (L2 latency after the stage's wait, where the
 // register tiers have it in flight with x), and a causal row on a tile of several rows is
 // copied whole where the register tiers skip the excluded half. So: short rows (cols <=
-// short_cols, the tiers of up to 16 lanes; at S = 512 the bench then read -1 to +3 points against
-// session 5's register tiers), and longer rows whose only operand is a mask that consecutive rows
-// share (innermost row stride 0: a (B, 1, 1, Sk) padding mask).
+// short_cols, the staged tiers of up to 16 lanes; at S = 512 the bench then read -1 to +3 points
+// against session 5's register tiers), and longer rows whose only operand is a mask that
+// consecutive rows share (innermost row stride 0: a (B, 1, 1, Sk) padding mask).
 // JAX_SOFTMAX_STAGED_GENERAL (read once; tuning): 0 never, 2 always, anything else this rule.
 inline bool StageGeneralRows(const RowParams& p, int64_t short_cols) {
   static const long knob = EnvKnob("JAX_SOFTMAX_STAGED_GENERAL", 1);
@@ -360,8 +360,9 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
   return CheckLaunch("softmax cluster kernel");
 }
 
-// --- staged tiers (sm_90+, plain rows) -----------------------------------------------------------
-// nullopt: no ring fits (the caller uses the register tiers); otherwise the launch's outcome.
+// --- staged tiers (sm_90+, forward rows) ---------------------------------------------------------
+// nullopt: the staged tiers do not take the call (no ring fits, or StageGeneralRows declines; the
+// caller uses the register tiers); otherwise the launch's outcome.
 using Launched = std::optional<ffi::Error>;
 
 template <typename T, int kGroup, int kElems, int kVec, Access kAccess, int kRows>
@@ -412,9 +413,13 @@ Launched LaunchStagedCluster(const LaunchCtx& c) {
 // 8 lanes per row would read shared memory with bank conflicts: a quarter warp's 16-byte reads
 // then lie a row apart.) Every thread holds kE values: tiles are 128 x kE elements up to 32 E.
 // Measured against the register tiers (TUNING.md): forward 1.0-1.3x faster from N = 256 up.
+// Rows with a mask, bias or causal limit come here only where StageGeneralRows says so.
 template <typename T, int kVec, Access kAccess>
 Launched LaunchStagedTier(const LaunchCtx& c) {
   constexpr int kE = 32;  // as the register tiers' forward, for float and 16-bit types
+  if constexpr (kAccess == Access::kGeneral) {
+    if (!StageGeneralRows(c.p, 16 * kE)) return std::nullopt;
+  }
   const int64_t n = c.p.cols;
 #define JS_STAGED(G, E) return LaunchStagedRows<T, G, E, kVec, kAccess, kE / (E)>(c)
   if (n <= 1 * kVec) JS_STAGED(1, kVec);
@@ -446,8 +451,7 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // Forward only: staged backward kernels (y and dy in each stage) measured 0-20% slower than the
   // register ones (TUNING.md), whose rows already keep two operands' loads in flight.
   if constexpr (!kBwd && kStageable<T, kVec, kAccess>) {
-    if (c.dev.cc_major >= 9 && StagedEnabled() &&
-        (kAccess == Access::kPlain || StageGeneralRows(c.p, 16 * kE))) {
+    if (c.dev.cc_major >= 9 && StagedEnabled()) {
       if (Launched launched = LaunchStagedTier<T, kVec, kAccess>(c)) return *launched;
     }
   }

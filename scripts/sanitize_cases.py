@@ -32,10 +32,10 @@ CASES = [  # (rows, cols, dtype)
     (33, 262144, jnp.float32),  # clusters of 16, more rows than clusters: exchange buffers reused
     (1, 600000, jnp.float32),  # two-pass streaming kernel
     (3, 700, jnp.float64),
-    # Staged tiers (sm_90, forward rows; the `where` rows too, and the causal rows of up to
-    # 512 columns) with more tiles than the CTAs' rings hold, so that
-    # stages are refilled while neighbours are read: 16 lanes per row (a ring only under
-    # JAX_SOFTMAX_TILES_PER_CTA >= 2; by default one tile per CTA), and a cluster of 2.
+    # Staged tiers (sm_90, forward rows; the `where` rows too, and the causal rows of up to 512
+    # columns) with more tiles than the CTAs' rings hold, so that stages are refilled while
+    # neighbours are read: 16 lanes per row (a ring only under JAX_SOFTMAX_TILES_PER_CTA >= 2; by
+    # default one tile per CTA), and a cluster of 2.
     (49999, 512, jnp.bfloat16),
     (1001, 32768, jnp.bfloat16),
 ]

@@ -167,7 +167,7 @@ def test_many_long_rows(backend, device, rng, dtype, n):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 @pytest.mark.parametrize("tier", ["4V", "16V", "32V", "64V", "1024", "4096", "32768", "131072"])
 def test_staged_ring_wraps(backend, device, rng, dtype, tier):
-    # The staged tiers (sm_90+, plain rows: ffi/softmax_launch.cuh, LaunchStagedTier) feed each
+    # The staged tiers (sm_90+, forward rows: ffi/softmax_launch.cuh, LaunchStagedTier) feed each
     # CTA through shared memory: one tile per CTA for the row tiers by default, and a persistent
     # ring of 1-4 stages per CTA, refilled as soon as a stage is read, for the clusters (and for
     # the row tiers under JAX_SOFTMAX_TILES_PER_CTA >= 2, which scripts/gpu_check.sh also runs).
@@ -227,10 +227,10 @@ def test_causal_long_keys(backend, device, rng, dtype):
     # Causal rows of cluster length (Sk = 2^15 + 2^14: a cluster of 4 CTAs of 512 x 32 columns).
     # By default they run the register cluster kernel; under JAX_SOFTMAX_STAGED_GENERAL=2
     # (scripts/gpu_check.sh runs this file so) the staged one, whose copies stop at each row's
-    # causal limit. Sq = 16384 + 37 queries, so
-    # the limits of rows 16380-16390 cross the first CTA's chunk (16384 columns) and, with the
-    # bias, all limits lie inside the row. Only sampled rows are compared (the whole output is
-    # 1-2 GiB); the rows of each sample run in the same grid as all the others.
+    # causal limit. Sq = 16384 + 37 queries, so the limits of rows 16380-16390 cross the first
+    # CTA's chunk (16384 columns), and every limit lies inside the row (Sq < Sk): the later CTAs
+    # of a cluster get nothing to copy. Only sampled rows are compared (the whole output is
+    # 1-2 GiB); the sampled rows run in the same grid as all the others.
     sq, sk = 2**14 + 37, 2**15 + 2**14
     key = jax.random.key(int(rng.integers(2**31)))
     with jax.default_device(device):
