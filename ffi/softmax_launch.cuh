@@ -247,6 +247,13 @@ inline int TilesPerCta() {
   return t;
 }
 
+// Staged clusters of 1024-thread CTAs for plain rows (LaunchStagedTier), an experiment:
+// JAX_SOFTMAX_WIDE_CLUSTERS=1 (read once).
+inline bool WideClusters() {
+  static const bool wide = EnvKnob("JAX_SOFTMAX_WIDE_CLUSTERS", 0) == 1;
+  return wide;
+}
+
 struct StagePlan {
   StagedTiles tiles{0, 0};
   int ctas_per_sm = 0;
@@ -435,6 +442,16 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   if (n <= 256 * kE) JS_STAGED(256, kE);
   if (n <= 512 * kE) JS_STAGED(512, kE);
 #undef JS_STAGED
+  if constexpr (kAccess == Access::kPlain) {
+    if (WideClusters()) {
+      // Experiment (JAX_SOFTMAX_WIDE_CLUSTERS=1): 1024-thread CTAs, half the cluster size. One
+      // CTA per SM (63 registers x 1024 threads), but clusters of 8 fit twice per GPC where
+      // 16-CTA clusters of 512-thread CTAs fit 14 times on 132 SMs (TUNING.md session 5).
+      if (n <= 2 * 1024 * kE) return LaunchStagedCluster<T, 1024, kE, kVec, 2, kAccess>(c);
+      if (n <= 4 * 1024 * kE) return LaunchStagedCluster<T, 1024, kE, kVec, 4, kAccess>(c);
+      if (n <= 8 * 1024 * kE) return LaunchStagedCluster<T, 1024, kE, kVec, 8, kAccess>(c);
+    }
+  }
   if (n <= 2 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 2, kAccess>(c);
   if (n <= 4 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 4, kAccess>(c);
   if (n <= 8 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 8, kAccess>(c);

@@ -48,7 +48,7 @@ def _xla_bwd(y, g):
 
 def _attention_case(kind, s, dtype=jnp.bfloat16):
     """(B, 16, s, s) scores with a padding mask (B, 1, 1, s), a full mask (1, 1, s, s), a per-head
-    bias or the causal rule; the XLA side
+    bias, the causal rule or none of them (scale only); the XLA side
     is the benchmark's own expression (jax_softmax._bench.xla_attention_softmax)."""
     b, h = max(1, TENSOR_BYTES // (16 * s * s * jnp.dtype(dtype).itemsize)), 16
     rng = np.random.default_rng(1)
@@ -56,13 +56,13 @@ def _attention_case(kind, s, dtype=jnp.bfloat16):
     operand = {"pad": ("mask", lambda: jnp.asarray(rng.random((b, 1, 1, s)) > 0.1)),
                "full": ("mask", lambda: jnp.asarray(rng.random((1, 1, s, s)) > 0.1)),
                "bias": ("bias", lambda: jnp.asarray(rng.standard_normal((1, h, s, s)), dtype)),
-               "causal": (None, None)}[kind]
+               "causal": (None, None), "none": (None, None)}[kind]
     name, make = operand
     args = [scores] + ([make()] if make else [])
 
     def bind(fn):
         def call(x, *extra):
-            kw = {name: extra[0]} if name else {"is_causal": True}
+            kw = {name: extra[0]} if name else {"is_causal": kind == "causal"}
             return fn(x, scale=0.125, **kw)
         return call
 
@@ -98,7 +98,7 @@ for _dt, _name in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16")):
 for _n in (1024, 4096, 8192, 16384, 32768):
     for _dt, _name in (("float32", "f32"), ("bfloat16", "bf16")):
         CASES[f"triton_{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _triton_case(dt, n))
-for _kind in ("pad", "full", "bias", "causal"):
+for _kind in ("none", "pad", "full", "bias", "causal"):
     for _s in (128, 256, 1024, 4096, 8192):
         CASES[f"attn_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_case(k, s))
 
