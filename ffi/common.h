@@ -124,6 +124,7 @@ inline BroadcastView MakeView(const void* data, ffi::Span<const int64_t> op,
     // Axes in a group share one pattern, so the innermost axis's stride serves the group.
     v.strides[g] = IsBroadcastAxis(op, x, axes.last[g]) ? 0 : strides[axes.last[g]];
   }
+  v.Compact(rows_below_2_31, NumElements(op));
   return v;
 }
 

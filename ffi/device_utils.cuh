@@ -104,6 +104,14 @@ __device__ __forceinline__ void store_vec(T* dst, const T (&src)[N]) {
   *reinterpret_cast<W*>(dst) = *reinterpret_cast<const W*>(src);
 }
 
+// Zeros N consecutive elements as one word (a bfloat16 T(0) per element compiles to a convert and
+// a move each).
+template <int N, typename T>
+__device__ __forceinline__ void zero_vec(T (&dst)[N]) {
+  using W = typename VecWord<N * sizeof(T)>::type;
+  *reinterpret_cast<W*>(dst) = W{};
+}
+
 // N bytes (1, 2, 4 or 8) in one access, as one integer whose byte i (from the least significant)
 // is byte i in memory; the caller guarantees the alignment. A per-byte test is then one LOP3.
 template <int N>

@@ -57,6 +57,8 @@ enum class Access { kGeneral, kPlain, kWindowed };
 template <typename T, int kVec, bool kBwd, Access kAccess>
 struct RowLoader {
   using A = acc_t<T>;
+  using Elem = T;
+  static constexpr int kVecWidth = kVec;
   static constexpr bool kPlain = kAccess != Access::kGeneral;
   // One byte per position of a vector, byte e (from the least significant) for column c + e:
   // the mask bytes as loaded, so that testing a position is one LOP3 on the word.
@@ -105,21 +107,59 @@ struct RowLoader {
     return (bytes & (Bytes(0xff) << (8 * e))) != 0;
   }
 
-  // The positions of the (general-access) vector at window offset w that take part in the row:
-  // byte e is nonzero iff column w + e is unmasked and at most `limit` (the causal limit, or -1
-  // for a row past the end, for which nothing is read).
-  __device__ __forceinline__ Bytes valid_bytes(int w) const {
+  // --- forward: fetch, then compute ---
+  // A forward vector is read in two steps, so that a thread has every load of its batch in flight
+  // before it uses the first: fetch_x() and fetch_mask() only load (predicated, no branch around
+  // them), and load_fwd() turns what they fetched into values. Before this split each vector's
+  // load sat in its own basic block with its conversion (behind an early return, a partial-vector
+  // branch or a scale test), and the SASS reused one register quad for every pack: one 16-byte
+  // load in flight per thread and row, a full memory latency per pack (session 7, TUNING.md).
+
+  // x (or y): the vector at window offset w into xs if it lies wholly inside the row and at or
+  // before the limit; zeros otherwise (a windowed row's partial end vectors are read element by
+  // element in load_fwd; vectors past the limit are never read).
+  __device__ __forceinline__ void fetch_x(int w, T (&xs)[kVec]) const {
+    const int c = w - shift;
+    bool whole = c <= limit;
+    if constexpr (kAccess == Access::kWindowed) whole = whole && c >= 0 && c + kVec <= cols;
+    zero_vec(xs);
+    if (whole) load_vec<kVec>(in + w, xs);
+  }
+
+  // The mask bytes of the (general-access) vector at window offset w as stored: byte e nonzero
+  // iff column w + e is unmasked (all bytes set without a mask; not read past the limit, where
+  // limit_bytes() clears them all anyway).
+  __device__ __forceinline__ Bytes fetch_mask(int w) const {
+    static_assert(!kPlain, "plain rows have no mask");
+    Bytes bytes = kAllBytes;
+    if (mask && w <= limit) bytes = mask_cs ? load_bytes<kVec>(mask + w) : (mask[0] ? kAllBytes : 0);
+    return bytes;
+  }
+
+  // The bias of the (general-access) vector at window offset w into bs (zeros without a bias or
+  // past the limit). A batch fetches it ahead with x and the mask only for 16-bit types and one or
+  // two rows per thread (BatchOperands): a float32 bias would take 32 more registers per thread of
+  // a 32-value tier, and the four-row lane groups spilled; other rows load theirs in load_fwd,
+  // after the fetches.
+  __device__ __forceinline__ void fetch_bias(int w, T (&bs)[kVec]) const {
+    static_assert(!kPlain, "plain rows have no bias");
+    zero_vec(bs);
+    if (bias && w <= limit) {
+      if (bias_cs) {
+        load_vec<kVec>(bias + w, bs);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) bs[e] = bias[0];
+      }
+    }
+  }
+
+  // Mask bytes reduced to the positions that take part: byte e stays nonzero iff column w + e is
+  // unmasked and at most `limit` (the causal limit, or -1 for a row past the end).
+  __device__ __forceinline__ Bytes limit_bytes(int w, Bytes bytes) const {
     static_assert(!kPlain, "plain rows have no mask or causal limit");
     const int c = w;  // shift == 0
     if (c > limit) return 0;
-    Bytes bytes = kAllBytes;
-    if (mask) {
-      if (mask_cs) {
-        bytes = load_bytes<kVec>(mask + c);
-      } else {
-        bytes = mask[0] ? kAllBytes : 0;
-      }
-    }
     if constexpr (kVec > 1) {
       // Keep the bytes of columns c .. limit (at least column c: c <= limit here).
       const int last = limit - c < kVec - 1 ? limit - c : kVec - 1;
@@ -128,14 +168,80 @@ struct RowLoader {
     return bytes;
   }
 
-  // Forward: v = scale * x + bias at the positions that take part in the row and -inf at all
-  // others (masked, past the causal limit or the row's end, outside a windowed row); returns
-  // whether any position of the vector takes part. -inf drops out of the max and adds
-  // exp(-inf - max) = +0 to the sum, so neither the reductions nor the epilogue need flags per
-  // position, except in the rare rows whose sum is not positive (FwdStats::sum). The -inf is
-  // selected after the arithmetic, so that a NaN or inf in x or bias at an excluded position, or
-  // -inf times a scale <= 0, never reaches the row.
-  __device__ __forceinline__ bool load_fwd(int w, A (&v)[kVec]) const {
+  // The positions of the (general-access) vector at window offset w that take part in the row.
+  __device__ __forceinline__ Bytes valid_bytes(int w) const { return limit_bytes(w, fetch_mask(w)); }
+
+  // Forward: v = scale * x + bias from the fetched xs (and, general rows, the fetched mask bytes)
+  // at the positions that take part in the row and -inf at all others (masked, past the causal
+  // limit or the row's end, outside a windowed row); returns whether any position of the vector
+  // takes part. -inf drops out of the max and adds exp(-inf - max) = +0 to the sum, so neither
+  // the reductions nor the epilogue need flags per position, except in the rare rows whose sum is
+  // not positive (FwdStats::sum). The -inf is selected after the arithmetic, so that a NaN or inf
+  // in x or bias at an excluded position, or -inf times a scale <= 0, never reaches the row.
+  // fetched_bias: fetch_bias()'s kVec values where kBiasFetched (otherwise unused).
+  template <bool kBiasFetched>
+  __device__ __forceinline__ bool load_fwd(int w, const T (&xs)[kVec], Bytes mask_bytes,
+                                           const T* fetched_bias, A (&v)[kVec]) const {
+    static_assert(!kBwd, "forward rows");
+    const int c = w - shift;
+    if constexpr (!kPlain) {
+      const Bytes bytes = limit_bytes(w, mask_bytes);
+      A z[kVec];
+      // The bias branch is uniform over the grid: rows without a bias skip its conversions and
+      // adds.
+      if (bias) {
+        T bs[kVec];
+        if constexpr (kBiasFetched) {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) bs[e] = fetched_bias[e];
+        } else {
+          fetch_bias(w, bs);
+        }
+        // One FFMA each (contracted, as nvcc does by default: one rounding).
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) z[e] = scale * to_acc(xs[e]) + to_acc(bs[e]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) z[e] = scale * to_acc(xs[e]);
+      }
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) v[e] = takes_part(bytes, e) ? z[e] : neg_inf<A>();
+      // Some byte nonzero; folded to 32 bits first (fewer instructions than a 64-bit compare).
+      if constexpr (sizeof(Bytes) > 4)
+        return (static_cast<uint32_t>(bytes) | static_cast<uint32_t>(bytes >> 32)) != 0;
+      else
+        return bytes != 0;
+    } else {
+      if (c > limit) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[e] = neg_inf<A>();
+        return false;
+      }
+      if constexpr (kAccess == Access::kWindowed) {
+        if (c < 0 || c + kVec > cols) {  // the partial vectors at the ends of the row
+          // Only the loaded values are scaled: -inf * scale is +inf or NaN for a scale <= 0.
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            v[e] = neg_inf<A>();
+            if (c + e >= 0 && c + e < cols) v[e] = scale * to_acc(in[w + e]);
+          }
+          return true;
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) v[e] = to_acc(xs[e]);
+      if (scale != A(1)) {  // uniform: plain softmax skips a multiply per element
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[e] *= scale;
+      }
+      return true;
+    }
+  }
+
+  // Forward, one vector loaded and computed in one step, as before the fetch/compute split: kept
+  // for float32 and float64, where the split made ptxas spill (20-300 bytes at 64 registers) and
+  // whose rows move twice the bytes per element, so that one load in flight carries more.
+  __device__ __forceinline__ bool load_fwd_direct(int w, A (&v)[kVec]) const {
     static_assert(!kBwd, "forward rows");
     const int c = w - shift;
     if constexpr (!kPlain) {
@@ -144,8 +250,8 @@ struct RowLoader {
       // in the branch and no value has two definitions to merge. All three loads are in flight
       // before the first use.
       T xs[kVec], bs[kVec];
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) xs[e] = bs[e] = T(0);
+      zero_vec(xs);
+      zero_vec(bs);
       if (c <= limit) {
         load_vec<kVec>(in + w, xs);
         if (bias) {
@@ -260,6 +366,85 @@ struct RowLoader {
     return static_cast<T*>(p.out) + (row * p.cols - shift);
   }
 };
+
+// The forward's loads of a batch: kRows rows of kPacks vectors per thread, vector k of row r at
+// window offset first + k * stride. The operands first (mask bytes, and a 16-bit bias; the staged
+// kernel fetches them before it waits for its stage), then x, then the values (RowLoader::fetch_x
+// says why). Batches of more than two rows fetch their operands vector by vector instead, just
+// before the values: ahead, the eight float32 rows of a short staged tier spilled 112-140 bytes.
+template <typename Loader, int kRows, int kPacks, int kVec = Loader::kVecWidth>
+struct BatchOperands {
+  // The fetch/compute split for 16-bit types; wider ones load with load_fwd_direct().
+  static constexpr bool kSplit = sizeof(typename Loader::Elem) == 2;
+  static constexpr bool kAhead = kSplit && !Loader::kPlain && kRows <= 2;
+  static constexpr bool kFetchBias = kAhead && sizeof(typename Loader::Elem) == 2;  // see fetch_bias()
+  typename Loader::Bytes mask[kAhead ? kRows : 1][kAhead ? kPacks : 1];
+  typename Loader::Elem bias[kFetchBias ? kRows : 1][kFetchBias ? kPacks : 1][kFetchBias ? kVec : 1];
+};
+
+template <typename Loader, int kRows, int kPacks>
+__device__ __forceinline__ void fetch_batch_operands(const Loader (&loaders)[kRows], int first,
+                                                     int stride,
+                                                     BatchOperands<Loader, kRows, kPacks>& ops) {
+  using Ops = BatchOperands<Loader, kRows, kPacks>;
+  if constexpr (Ops::kAhead) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        ops.mask[r][k] = loaders[r].fetch_mask(first + k * stride);
+        if constexpr (Ops::kFetchBias) loaders[r].fetch_bias(first + k * stride, ops.bias[r][k]);
+      }
+  }
+}
+
+// kFetchX: x comes from global memory, so a 16-bit batch fetches it ahead, four vectors (64 bytes,
+// 16 registers) at a time: four loads in flight per thread where there was one. The staged kernels
+// (x from shared memory, whose latency is short) fetch each vector just before its values.
+template <bool kFetchX, typename Loader, int kRows, int kPacks, int kVec, typename A>
+__device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], int first, int stride,
+                                               const BatchOperands<Loader, kRows, kPacks>& ops,
+                                               A (&v)[kRows][kPacks][kVec], bool (&any)[kRows]) {
+  using T = typename Loader::Elem;
+  using Ops = BatchOperands<Loader, kRows, kPacks>;
+  if constexpr (!Ops::kSplit) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      any[r] = false;
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) any[r] |= loaders[r].load_fwd_direct(first + k * stride, v[r][k]);
+    }
+    return;
+  }
+  constexpr int kN = kRows * kPacks;  // vectors, row-major: i = r * kPacks + k
+  constexpr int kAtOnce = kFetchX ? (kN < 4 ? kN : 4) : 1;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) any[r] = false;
+#pragma unroll
+  for (int i0 = 0; i0 < kN; i0 += kAtOnce) {
+    T xs[kAtOnce][kVec];
+#pragma unroll
+    for (int j = 0; j < kAtOnce; ++j) {
+      const int i = i0 + j;
+      if (i < kN) loaders[i / kPacks].fetch_x(first + (i % kPacks) * stride, xs[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < kAtOnce; ++j) {
+      const int i = i0 + j, r = i / kPacks, k = i % kPacks;
+      if (i >= kN) break;
+      const int w = first + k * stride;
+      typename Loader::Bytes mask = Loader::kAllBytes;
+      if constexpr (Ops::kAhead) {
+        mask = ops.mask[r][k];
+      } else if constexpr (!Loader::kPlain) {
+        mask = loaders[r].fetch_mask(w);
+      }
+      const T* bias = nullptr;
+      if constexpr (Ops::kFetchBias) bias = ops.bias[r][k];
+      any[r] |= loaders[r].template load_fwd<Ops::kFetchBias>(w, xs[j], mask, bias, v[r][k]);
+    }
+  }
+}
 
 // --- epilogues ------------------------------------------------------------------------------------
 // Row statistics after the reduction, turned into the per-element output.
@@ -606,19 +791,37 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     bool any[kRows];               // forward: whether any of this thread's positions takes part
     // Built once per row: its bias/mask offsets and causal limit cost integer divisions.
     Loader loaders[kRows];
+    constexpr bool kSplit = !kBwd && BatchOperands<Loader, kRows, kPacks>::kSplit;
+    // Without the split, each row's loader is built just before its loads, as its index math's
+    // temporaries then die before the next row's (all built first, float32 spilled).
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int64_t row = row0 + r * (kBlock / kGroup) + group;
-      loaders[r] = Loader(p, row, row < p.rows);
-      any[r] = false;
+      if constexpr (kSplit) loaders[r] = Loader(p, row, row < p.rows);
+    }
+    if constexpr (kBwd) {
 #pragma unroll
-      for (int k = 0; k < kPacks; ++k) {
-        const int w = first_col + k * kGroup * kVec;
-        if constexpr (kBwd)
-          loaders[r].load_bwd(w, v[r][k], g[r][k], ok[r][k]);
-        else
-          any[r] |= loaders[r].load_fwd(w, v[r][k]);
+      for (int r = 0; r < kRows; ++r) {
+        loaders[r] = Loader(p, row0 + r * (kBlock / kGroup) + group, row0 + r * (kBlock / kGroup) + group < p.rows);
+#pragma unroll
+        for (int k = 0; k < kPacks; ++k)
+          loaders[r].load_bwd(first_col + k * kGroup * kVec, v[r][k], g[r][k], ok[r][k]);
       }
+    } else if constexpr (!BatchOperands<Loader, kRows, kPacks>::kSplit) {
+      // Float32 and float64: each vector loaded and computed in one step (load_fwd_direct).
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t row = row0 + r * (kBlock / kGroup) + group;
+        loaders[r] = Loader(p, row, row < p.rows);
+        any[r] = false;
+#pragma unroll
+        for (int k = 0; k < kPacks; ++k)
+          any[r] |= loaders[r].load_fwd_direct(first_col + k * kGroup * kVec, v[r][k]);
+      }
+    } else {
+      BatchOperands<Loader, kRows, kPacks> ops;
+      fetch_batch_operands(loaders, first_col, kGroup * kVec, ops);
+      load_batch_fwd<true>(loaders, first_col, kGroup * kVec, ops, v, any);
     }
     if constexpr (kBwd)
       finish_batch<kGroup, kCluster>(p, loaders, row0, group, first_col, v, g, ok,
@@ -727,27 +930,50 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   // blockIdx.x / kCluster), as the reductions need.
   for (int64_t tile = first_tile; tile < num_tiles; tile += num_ctas, ++use) {
     const int64_t row0 = tile * kRowsPerBlock;
-    mbarrier_wait(&full[stage], phase);
+    // The loaders and the operands do not depend on the stage: 16-bit tiles of one or two rows
+    // per thread with a mask, bias or causal limit build and fetch them while its copy may still
+    // be in flight (a mask row that misses L1 then waits with it); others after the wait, as
+    // before (8 rows' loaders live across it spilled, float32 with 1-8 lanes).
     const T* stage_in = reinterpret_cast<const T*>(staged_smem + size_t(stage) * tiles.stage_bytes);
+    Loader loaders[kRows];
+    BatchOperands<Loader, kRows, kPacks> ops;
+    auto prepare = [&] {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int local = r * (kBlock / kGroup) + group;
+        const int64_t row = row0 + local;
+        loaders[r] = Loader(p, row, row < p.rows);
+        // Read x from the stage instead of global memory (bias and mask still come from global
+        // memory, usually L2: they are broadcast): fetch_x(w) reads in[w] at column w, and the
+        // stage holds columns col_base.. of each tile row. It reads no vector past the causal
+        // limit, where a one-row tile's copy stopped.
+        loaders[r].in = stage_in + local * span - col_base;
+      }
+      fetch_batch_operands(loaders, first_col, kGroup * kVec, ops);
+    };
+    using Ops = BatchOperands<Loader, kRows, kPacks>;
+    if constexpr (Ops::kAhead) prepare();
+    mbarrier_wait(&full[stage], phase);
     A v[kRows][kPacks][kVec];
     // Whether any of this thread's positions of row r takes part (forward_row ignores it for
     // plain rows, where every position does).
     bool any[kRows];
-    Loader loaders[kRows];
+    if constexpr (Ops::kSplit) {
+      if constexpr (!Ops::kAhead) prepare();
+      load_batch_fwd<false>(loaders, first_col, kGroup * kVec, ops, v, any);
+    } else {
+      // Float32 and float64: each row's loader built just before its loads (as in
+      // softmax_rows_kernel), each vector loaded and computed in one step.
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int local = r * (kBlock / kGroup) + group;
-      const int64_t row = row0 + local;
-      loaders[r] = Loader(p, row, row < p.rows);
-      // Read x from the stage instead of global memory (bias and mask still come from global
-      // memory, usually L2: they are broadcast): load_fwd(w) reads in[w] at column w, and the
-      // stage holds columns col_base.. of each tile row. It reads no vector past the causal limit,
-      // where a one-row tile's copy stopped.
-      loaders[r].in = stage_in + local * span - col_base;
-      any[r] = false;
+      for (int r = 0; r < kRows; ++r) {
+        const int local = r * (kBlock / kGroup) + group;
+        loaders[r] = Loader(p, row0 + local, row0 + local < p.rows);
+        loaders[r].in = stage_in + local * span - col_base;
+        any[r] = false;
 #pragma unroll
-      for (int k = 0; k < kPacks; ++k)
-        any[r] |= loaders[r].load_fwd(first_col + k * kGroup * kVec, v[r][k]);
+        for (int k = 0; k < kPacks; ++k)
+          any[r] |= loaders[r].load_fwd_direct(first_col + k * kGroup * kVec, v[r][k]);
+      }
     }
     // Every thread has its values: the stage can take the tile `stages` iterations ahead (if there
     // is one: the condition is uniform over the block, and a CTA with one tile never waits here).
@@ -786,27 +1012,30 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
   int parity = 0;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x, parity ^= 1) {
     const Loader loader(p, row, true);
+    const Loader loaders[1] = {loader};  // a batch of one row, for the forward's batch loads
     const int end = loader.limit + 1 + loader.shift;  // window offsets past it are not read
     // Forward: a thread that reads no tile keeps the identity's -0 sum: nothing of its part takes
     // part (FwdStats::sum).
     S mine = S::identity();
     for (int t0 = 0; t0 < end; t0 += kTile) {
-      A v[kUnroll][kVec], g[kUnroll][kVec];
+      A vb[1][kUnroll][kVec], g[kUnroll][kVec];
+      A (&v)[kUnroll][kVec] = vb[0];
       bool ok[kUnroll][kVec];
-      bool any = false;
+      bool any[1] = {false};
+      const int first = t0 + int(threadIdx.x) * kVec;
+      if constexpr (kBwd) {
 #pragma unroll
-      for (int k = 0; k < kUnroll; ++k) {
-        const int w = t0 + (k * kBlock + int(threadIdx.x)) * kVec;
-        if constexpr (kBwd)
-          loader.load_bwd(w, v[k], g[k], ok[k]);
-        else
-          any |= loader.load_fwd(w, v[k]);
+        for (int k = 0; k < kUnroll; ++k) loader.load_bwd(first + k * kBlock * kVec, v[k], g[k], ok[k]);
+      } else {
+        BatchOperands<Loader, 1, kUnroll> ops;
+        fetch_batch_operands(loaders, first, kBlock * kVec, ops);
+        load_batch_fwd<true>(loaders, first, kBlock * kVec, ops, vb, any);
       }
       if constexpr (!kBwd) {
         // log=true keeps v: the sums are all this pass needs. A tile with nothing taking part
         // merges as (-inf, -0), which leaves mine as it is, the sign of a zero sum included.
         mine = combine(mine, thread_maxsum(reinterpret_cast<A(&)[kUnroll * kVec]>(v),
-                                           Loader::kPlain || any, true));
+                                           Loader::kPlain || any[0], true));
       } else {
 #pragma unroll
         for (int k = 0; k < kUnroll; ++k)
@@ -826,14 +1055,17 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
       st.factor = log ? A(0) : rcp_acc(total.s);
     }
     for (int t0 = 0; t0 < loader.cols + loader.shift; t0 += kTile) {
-      A v[kUnroll][kVec], g[kUnroll][kVec];
+      A vb[1][kUnroll][kVec], g[kUnroll][kVec];
+      A (&v)[kUnroll][kVec] = vb[0];
       bool ok[kUnroll][kVec];
       if constexpr (!kBwd) {
         // As forward_row: the formula unless a general row's sum is not positive.
         if (Loader::kPlain || st.sum > A(0)) {
-#pragma unroll
-          for (int k = 0; k < kUnroll; ++k)
-            loader.load_fwd(t0 + (k * kBlock + int(threadIdx.x)) * kVec, v[k]);
+          BatchOperands<Loader, 1, kUnroll> ops;
+          bool any[1];
+          const int first = t0 + int(threadIdx.x) * kVec;
+          fetch_batch_operands(loaders, first, kBlock * kVec, ops);
+          load_batch_fwd<true>(loaders, first, kBlock * kVec, ops, vb, any);
 #pragma unroll
           for (int k = 0; k < kUnroll; ++k) {
             A o[kVec];
