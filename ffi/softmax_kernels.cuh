@@ -168,6 +168,35 @@ struct RowLoader {
     return bytes;
   }
 
+  // Pieces the two forward loads (load_fwd, load_fwd_direct) share.
+  // Whether some position of a vector takes part: some byte nonzero, folded to 32 bits first
+  // (fewer instructions than a 64-bit compare).
+  static __device__ __forceinline__ bool any_byte(Bytes bytes) {
+    if constexpr (sizeof(Bytes) > 4)
+      return (static_cast<uint32_t>(bytes) | static_cast<uint32_t>(bytes >> 32)) != 0;
+    else
+      return bytes != 0;
+  }
+  // A plain vector's values: x, times the scale unless it is 1 (uniform: plain softmax skips a
+  // multiply per element).
+  __device__ __forceinline__ void plain_values(const T (&xs)[kVec], A (&v)[kVec]) const {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) v[e] = to_acc(xs[e]);
+    if (scale != A(1)) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) v[e] *= scale;
+    }
+  }
+  // A windowed row's partial end vector (column c = w - shift), element by element, -inf outside
+  // the row. Only the loaded values are scaled: -inf * scale is +inf or NaN for a scale <= 0.
+  __device__ __forceinline__ void partial_values(int w, int c, A (&v)[kVec]) const {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      v[e] = neg_inf<A>();
+      if (c + e >= 0 && c + e < cols) v[e] = scale * to_acc(in[w + e]);
+    }
+  }
+
   // The positions of the (general-access) vector at window offset w that take part in the row.
   __device__ __forceinline__ Bytes valid_bytes(int w) const { return limit_bytes(w, fetch_mask(w)); }
 
@@ -206,11 +235,7 @@ struct RowLoader {
       }
 #pragma unroll
       for (int e = 0; e < kVec; ++e) v[e] = takes_part(bytes, e) ? z[e] : neg_inf<A>();
-      // Some byte nonzero; folded to 32 bits first (fewer instructions than a 64-bit compare).
-      if constexpr (sizeof(Bytes) > 4)
-        return (static_cast<uint32_t>(bytes) | static_cast<uint32_t>(bytes >> 32)) != 0;
-      else
-        return bytes != 0;
+      return any_byte(bytes);
     } else {
       if (c > limit) {
 #pragma unroll
@@ -219,21 +244,11 @@ struct RowLoader {
       }
       if constexpr (kAccess == Access::kWindowed) {
         if (c < 0 || c + kVec > cols) {  // the partial vectors at the ends of the row
-          // Only the loaded values are scaled: -inf * scale is +inf or NaN for a scale <= 0.
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) {
-            v[e] = neg_inf<A>();
-            if (c + e >= 0 && c + e < cols) v[e] = scale * to_acc(in[w + e]);
-          }
+          partial_values(w, c, v);
           return true;
         }
       }
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) v[e] = to_acc(xs[e]);
-      if (scale != A(1)) {  // uniform: plain softmax skips a multiply per element
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) v[e] *= scale;
-      }
+      plain_values(xs, v);
       return true;
     }
   }
@@ -271,32 +286,20 @@ struct RowLoader {
         const A z = scale * to_acc(xs[e]) + to_acc(bs[e]);
         v[e] = takes_part(bytes, e) ? z : neg_inf<A>();
       }
-      // Some byte nonzero; folded to 32 bits first (fewer instructions than a 64-bit compare).
-      if constexpr (sizeof(Bytes) > 4)
-        return (static_cast<uint32_t>(bytes) | static_cast<uint32_t>(bytes >> 32)) != 0;
-      else
-        return bytes != 0;
+      return any_byte(bytes);
     } else {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) v[e] = neg_inf<A>();
       if (c > limit) return false;
       if constexpr (kAccess == Access::kWindowed) {
         if (c < 0 || c + kVec > cols) {  // the partial vectors at the ends of the row
-          // Only the loaded values are scaled: -inf * scale is +inf or NaN for a scale <= 0.
-#pragma unroll
-          for (int e = 0; e < kVec; ++e)
-            if (c + e >= 0 && c + e < cols) v[e] = scale * to_acc(in[w + e]);
+          partial_values(w, c, v);
           return true;
         }
       }
       T xs[kVec];
       load_vec<kVec>(in + w, xs);
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) v[e] = to_acc(xs[e]);
-      if (scale != A(1)) {  // uniform: plain softmax skips a multiply per element
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) v[e] *= scale;
-      }
+      plain_values(xs, v);
       return true;
     }
   }
@@ -791,37 +794,34 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     bool any[kRows];               // forward: whether any of this thread's positions takes part
     // Built once per row: its bias/mask offsets and causal limit cost integer divisions.
     Loader loaders[kRows];
-    constexpr bool kSplit = !kBwd && BatchOperands<Loader, kRows, kPacks>::kSplit;
-    // Without the split, each row's loader is built just before its loads, as its index math's
-    // temporaries then die before the next row's (all built first, float32 spilled).
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int64_t row = row0 + r * (kBlock / kGroup) + group;
-      if constexpr (kSplit) loaders[r] = Loader(p, row, row < p.rows);
-    }
-    if constexpr (kBwd) {
+    if constexpr (!kBwd && BatchOperands<Loader, kRows, kPacks>::kSplit) {
+      // 16-bit forward rows: every loader, then every fetch, then the values (load_batch_fwd).
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        loaders[r] = Loader(p, row0 + r * (kBlock / kGroup) + group, row0 + r * (kBlock / kGroup) + group < p.rows);
-#pragma unroll
-        for (int k = 0; k < kPacks; ++k)
-          loaders[r].load_bwd(first_col + k * kGroup * kVec, v[r][k], g[r][k], ok[r][k]);
+        const int64_t row = row0 + r * (kBlock / kGroup) + group;
+        loaders[r] = Loader(p, row, row < p.rows);
       }
-    } else if constexpr (!BatchOperands<Loader, kRows, kPacks>::kSplit) {
-      // Float32 and float64: each vector loaded and computed in one step (load_fwd_direct).
+      BatchOperands<Loader, kRows, kPacks> ops;
+      fetch_batch_operands(loaders, first_col, kGroup * kVec, ops);
+      load_batch_fwd<true>(loaders, first_col, kGroup * kVec, ops, v, any);
+    } else {
+      // Backward, and float32/float64 forward rows: each row's loader built just before its
+      // loads (its index math's temporaries then die before the next row's: built all first,
+      // float32 spilled), each vector loaded and computed in one step.
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int64_t row = row0 + r * (kBlock / kGroup) + group;
         loaders[r] = Loader(p, row, row < p.rows);
         any[r] = false;
 #pragma unroll
-        for (int k = 0; k < kPacks; ++k)
-          any[r] |= loaders[r].load_fwd_direct(first_col + k * kGroup * kVec, v[r][k]);
+        for (int k = 0; k < kPacks; ++k) {
+          const int w = first_col + k * kGroup * kVec;
+          if constexpr (kBwd)
+            loaders[r].load_bwd(w, v[r][k], g[r][k], ok[r][k]);
+          else
+            any[r] |= loaders[r].load_fwd_direct(w, v[r][k]);
+        }
       }
-    } else {
-      BatchOperands<Loader, kRows, kPacks> ops;
-      fetch_batch_operands(loaders, first_col, kGroup * kVec, ops);
-      load_batch_fwd<true>(loaders, first_col, kGroup * kVec, ops, v, any);
     }
     if constexpr (kBwd)
       finish_batch<kGroup, kCluster>(p, loaders, row0, group, first_col, v, g, ok,
@@ -937,18 +937,19 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     const T* stage_in = reinterpret_cast<const T*>(staged_smem + size_t(stage) * tiles.stage_bytes);
     Loader loaders[kRows];
     BatchOperands<Loader, kRows, kPacks> ops;
+    auto build_loader = [&](int r) {
+      const int local = r * (kBlock / kGroup) + group;
+      const int64_t row = row0 + local;
+      loaders[r] = Loader(p, row, row < p.rows);
+      // Read x from the stage instead of global memory (bias and mask still come from global
+      // memory, usually L2: they are broadcast): the loads read in[w] at column w, and the stage
+      // holds columns col_base.. of each tile row. They read no vector past the causal limit,
+      // where a one-row tile's copy stopped.
+      loaders[r].in = stage_in + local * span - col_base;
+    };
     auto prepare = [&] {
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const int local = r * (kBlock / kGroup) + group;
-        const int64_t row = row0 + local;
-        loaders[r] = Loader(p, row, row < p.rows);
-        // Read x from the stage instead of global memory (bias and mask still come from global
-        // memory, usually L2: they are broadcast): fetch_x(w) reads in[w] at column w, and the
-        // stage holds columns col_base.. of each tile row. It reads no vector past the causal
-        // limit, where a one-row tile's copy stopped.
-        loaders[r].in = stage_in + local * span - col_base;
-      }
+      for (int r = 0; r < kRows; ++r) build_loader(r);
       fetch_batch_operands(loaders, first_col, kGroup * kVec, ops);
     };
     using Ops = BatchOperands<Loader, kRows, kPacks>;
@@ -966,9 +967,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
       // softmax_rows_kernel), each vector loaded and computed in one step.
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        const int local = r * (kBlock / kGroup) + group;
-        loaders[r] = Loader(p, row0 + local, row0 + local < p.rows);
-        loaders[r].in = stage_in + local * span - col_base;
+        build_loader(r);
         any[r] = false;
 #pragma unroll
         for (int k = 0; k < kPacks; ++k)
