@@ -217,14 +217,18 @@ __device__ __forceinline__ void bulk_load_shared(void* dst, const void* src, uin
 
 // Waits until the phase with parity `parity` of `bar` has completed. kClusterScope: the wait also
 // acquires, at cluster scope, what other CTAs' st.async released into this CTA (cluster_allreduce).
+// The suspend-time hint lets the thread sleep in try_wait until the phase completes (or the hint's
+// time passes) instead of returning at once: without it, a cluster row's exchange wait spun ~19
+// times per row (ncu source counters, session 8), 75 issued instructions per warp and row.
+constexpr uint32_t kMbarrierSuspendNs = 1000000;
 template <bool kClusterScope = false>
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define JS_TRY_WAIT(SEM)                                                        \
   asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity" SEM             \
-               ".shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"     \
+               ".shared::cta.b64 p, [%1], %2, %3;\n selp.u32 %0, 1, 0, p;\n}" \
                : "=r"(done)                                                    \
-               : "r"(smem_addr(bar)), "r"(parity)                              \
+               : "r"(smem_addr(bar)), "r"(parity), "r"(kMbarrierSuspendNs)     \
                : "memory")
   uint32_t done = 0;
   do {
@@ -246,7 +250,7 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
 // -0 + +0 = +0, (-0) * (+0 or 1) = -0, and fma(-0, f, -0) = -0 for f >= 0 (the rescale factors
 // are exp() values or 1, never negative). So a row's merged sum is -0 exactly when none of its
 // parts had a position taking part. Hence the identity's -0, the additive identity of IEEE
-// (x + -0 = x for every x, +0 included): it pads the lanes of block and cluster reductions.
+// (x + -0 = x for every x, +0 included): it starts the two-pass kernel's running state.
 template <typename A>
 struct MaxSum {
   A m;
@@ -254,12 +258,18 @@ struct MaxSum {
   static __device__ __forceinline__ MaxSum identity() { return {neg_inf<A>(), -A(0)}; }
 };
 
+// One exp per merge: the part with the larger max keeps its sum, the other's is rescaled by
+// exp(-|a.m - b.m|) (1 where the maxima are equal, both -inf included, which would give NaN).
+// Every lane of a butterfly gets the same bits whichever operand it holds (the FFMA's operands
+// do not depend on the order). Maxima are never NaN (row_max drops NaN; a NaN value shows in the
+// sum), so an infinite difference gives exp = 0 and the smaller part drops out, NaN sums included.
 template <typename A>
 __device__ __forceinline__ MaxSum<A> combine(MaxSum<A> a, MaxSum<A> b) {
+  const bool a_larger = a.m >= b.m;
   const A m = row_max(a.m, b.m);
-  const A fa = a.m == m ? A(1) : exp_acc(a.m - m);
-  const A fb = b.m == m ? A(1) : exp_acc(b.m - m);
-  return {m, a.s * fa + b.s * fb};
+  const A f = a.m == b.m ? A(1) : exp_acc(-fabs(a.m - b.m));
+  const A larger = a_larger ? a.s : b.s, smaller = a_larger ? b.s : a.s;
+  return {m, smaller * f + larger};
 }
 
 // Plain sum (the backward's dot products).
@@ -309,16 +319,20 @@ __device__ __forceinline__ S group_allreduce(S v) {
 // All-reduce over the block. `slots` is 32 states of shared memory; callers alternate between two
 // such buffers on consecutive calls, so one barrier per call suffices: a buffer is rewritten only
 // after the next call's barrier, which every reader of the previous one has passed.
-template <int kBlock, typename S>
+// kWarpReduced: v already holds its warp's value in every lane.
+template <int kBlock, bool kWarpReduced = false, typename S>
 __device__ __forceinline__ S block_allreduce(S v, S* slots) {
-  v = group_allreduce<32>(v);
+  if constexpr (!kWarpReduced) v = group_allreduce<32>(v);
   if constexpr (kBlock > 32) {
     constexpr int kWarps = kBlock / 32;
     const int lane = threadIdx.x % 32;
     if (lane == 0) slots[threadIdx.x / 32] = v;
     __syncthreads();
-    v = lane < kWarps ? slots[lane] : S::identity();
-    v = group_allreduce<32>(v);
+    // Every lane reads a real warp's value (lane % kWarps), so that log2(kWarps) rounds reach
+    // the block's value in every lane (padding lanes with the identity took 5 rounds: a round
+    // of (max, sum) merges is two shuffles and two exps on the row's critical path).
+    v = slots[lane % kWarps];
+    v = group_allreduce<kWarps>(v);
   }
   return v;
 }
@@ -412,9 +426,8 @@ __device__ __forceinline__ S cluster_allreduce(S v, ClusterSlots<S> x) {
   if (threadIdx.x == 0) mbarrier_arrive_expect_tx(x.full, kCluster * sizeof(S));
   if (threadIdx.x < kCluster) send_to_rank(&x.slots[cluster_rank()], v, x.full, threadIdx.x);
   mbarrier_wait</*kClusterScope=*/true>(x.full, x.phase);
-  const int lane = threadIdx.x % 32;
-  S r = lane < kCluster ? x.slots[lane] : S::identity();
-  return group_allreduce<32>(r);
+  // As block_allreduce: each lane reads a real CTA's value, log2(kCluster) rounds.
+  return group_allreduce<kCluster>(x.slots[threadIdx.x % kCluster]);
 }
 
 }  // namespace jax_softmax

@@ -197,6 +197,14 @@ struct RowLoader {
     }
   }
 
+  // Plain and windowed rows: whether the vectors at window offsets first, first + stride, ..,
+  // last lie wholly inside the row (never for a row past the end, whose limit is -1), so that
+  // loads and stores need none of the per-vector tests (load_batch_inside, store_row).
+  __device__ __forceinline__ bool holds(int first, int last) const {
+    static_assert(kPlain, "general rows test every vector");
+    return first - shift >= 0 && last - shift + kVec - 1 <= limit;
+  }
+
   // The positions of the (general-access) vector at window offset w that take part in the row.
   __device__ __forceinline__ Bytes valid_bytes(int w) const { return limit_bytes(w, fetch_mask(w)); }
 
@@ -449,12 +457,56 @@ __device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], i
   }
 }
 
+// Plain and windowed rows whose vectors all lie inside the row (RowLoader::holds, for every row of
+// the batch; all but the threads at a row's ends, a cluster's last CTA and rows past the end):
+// every load issued first, then the conversions, and the scale tested once. The per-vector tests
+// of load_fwd (a -inf fill and two branches per vector) were a tenth of a bfloat16 cluster row's
+// instructions (ncu source counters, session 8). Float32 and float64 load straight into v.
+template <int kPacks, typename Loader, int kRows>
+__device__ __forceinline__ bool batch_inside(const Loader (&loaders)[kRows], int first, int stride) {
+  bool inside = true;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+    inside = inside && loaders[r].holds(first, first + (kPacks - 1) * stride);
+  return inside;
+}
+
+template <typename Loader, int kRows, int kPacks, int kVec, typename A>
+__device__ __forceinline__ void load_batch_inside(const Loader (&loaders)[kRows], int first,
+                                                  int stride, A (&v)[kRows][kPacks][kVec],
+                                                  bool (&any)[kRows]) {
+  using T = typename Loader::Elem;
+  T xs[kRows][kPacks][kVec];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) load_vec<kVec>(loaders[r].in + first + k * stride, xs[r][k]);
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    any[r] = true;
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) v[r][k][e] = to_acc(xs[r][k][e]);
+  }
+  const A scale = loaders[0].scale;  // the call's: the same for every row
+  if (scale != A(1)) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[r][k][e] *= scale;
+  }
+}
+
 // --- epilogues ------------------------------------------------------------------------------------
 // Row statistics after the reduction, turned into the per-element output.
 template <typename A>
 struct FwdStats {
   A max;      // row max over the positions that take part
-  A factor;   // softmax: exp(thread max - row max) / row sum, applied to stored exp(z - thread max)
+  A factor;   // softmax: exp(shift - row max) / row sum, applied to the stored exp(z - shift), shift
+              // the max of the thread's lane group (or warp)
   A log_sum;  // log-softmax: log(row sum)
   // Row sum of exp(z - max). Positive (at least about 1, the max's own term) when the row max is
   // finite, and only then are factor and log_sum finite. NaN when a position taking part holds
@@ -465,8 +517,9 @@ struct FwdStats {
   A sum;
 };
 
-// The forward's per-thread passes over its values: thread_max, then exp_sum (the lane groups
-// reduce the max over the group in between; wider tiers merge (max, sum) pairs, thread_maxsum).
+// The forward's per-thread passes over its values: thread_max, then exp_sum (the register and
+// staged tiers reduce the max over the lane group or warp in between; the two-pass kernel merges
+// (max, sum) pairs, thread_maxsum).
 // Positions that do not take part hold -inf (RowLoader::load_fwd): no flags per position.
 template <typename A, int N>
 __device__ __forceinline__ A thread_max(const A (&v)[N]) {
@@ -581,13 +634,14 @@ __device__ __forceinline__ A bwd_output(A y, A g, bool ok, A dot, A scale, bool 
 }
 
 // --- register tiers ---------------------------------------------------------------------------------
-template <typename S, int kGroup, int kCluster>
+// kWarpReduced (block and cluster tiers): v already holds its warp's value in every lane.
+template <typename S, int kGroup, int kCluster, bool kWarpReduced = false>
 __device__ __forceinline__ S row_allreduce(S v, S* block_slots, ClusterSlots<S> cluster) {
   constexpr int kBlock = BlockThreads(kGroup);
   if constexpr (kGroup <= 32) {
     return group_allreduce<kGroup>(v);
   } else {
-    v = block_allreduce<kBlock>(v, block_slots);
+    v = block_allreduce<kBlock, kWarpReduced>(v, block_slots);
     if constexpr (kCluster > 1) v = cluster_allreduce<kCluster>(v, cluster);
     return v;
   }
@@ -595,8 +649,11 @@ __device__ __forceinline__ S row_allreduce(S v, S* block_slots, ClusterSlots<S> 
 
 // One row's forward after its loads: statistics, then the output values. kGroup <= 32 reduces with
 // shuffles only: the max first, then the sum of exp(z - row max); two short shuffle chains cost
-// less than one chain of (max, sum) merges, each of which rescales by an exp. Wider tiers reduce
-// (max, sum) pairs in one pass, so that a block needs one barrier (and a cluster one exchange).
+// less than one chain of (max, sum) merges, each of which rescales by an exp. Wider tiers do the
+// same within each warp, then merge the warps' (max, sum) pairs in one pass, so that a block
+// needs one barrier (and a cluster one exchange). (Merging pairs from the first shuffle on cost
+// 5 merges of ~14 instructions and 2 exps each per warp and row: 20% of a bfloat16 cluster
+// row's instructions, ncu source counters, session 8.)
 // `any`: some position of this thread's part of the row takes part. Returns whether the row is
 // a NaN row (nan_row_output), whose output the caller must write again once it has the loader.
 template <bool kLog, int kGroup, int kCluster, typename Loader, typename S, typename A, int kPacks,
@@ -612,9 +669,11 @@ __device__ __forceinline__ bool forward_row(A (&v)[kPacks][kVec], bool any,
   if constexpr (kGroup <= 32) {
     st = group_fwd_stats<kGroup>(vr, any, kLog);
   } else {
-    const MaxSum<A> mine = thread_maxsum(vr, any, kLog);
-    const MaxSum<A> total = row_allreduce<S, kGroup, kCluster>(mine, block_slots, cluster);
-    st = fwd_stats(mine.m, total, kLog);
+    const A warp_max = group_allreduce<32>(Max<A>{thread_max(vr)}).m;
+    const A warp_sum = group_allreduce<32>(Sum<A>{exp_sum(vr, warp_max, any, kLog)}).s;
+    const MaxSum<A> total = row_allreduce<S, kGroup, kCluster, /*kWarpReduced=*/true>(
+        MaxSum<A>{warp_max, warp_sum}, block_slots, cluster);
+    st = fwd_stats(warp_max, total, kLog);
   }
   if constexpr (!Loader::kPlain) {
     if (!(st.sum > A(0))) {
@@ -639,6 +698,13 @@ template <int kGroup, typename Loader, typename A, int kPacks, int kVec>
 __device__ __forceinline__ void store_row(const RowParams& p, const Loader& loader, int64_t row,
                                           int first_col, const A (&out)[kPacks][kVec]) {
   auto* dst = loader.out_row(p, row);
+  if constexpr (Loader::kPlain) {
+    if (loader.holds(first_col, first_col + (kPacks - 1) * kGroup * kVec)) {
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) store_vec_acc<kVec>(dst + first_col + k * kGroup * kVec, out[k]);
+      return;
+    }
+  }
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) loader.store(dst, first_col + k * kGroup * kVec, out[k]);
 }
@@ -794,8 +860,22 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     bool any[kRows];               // forward: whether any of this thread's positions takes part
     // Built once per row: its bias/mask offsets and causal limit cost integer divisions.
     Loader loaders[kRows];
-    if constexpr (!kBwd && BatchOperands<Loader, kRows, kPacks>::kSplit) {
-      // 16-bit forward rows: every loader, then every fetch, then the values (load_batch_fwd).
+    if constexpr (!kBwd && Loader::kPlain) {
+      // Plain and windowed forward rows: every loader (cheap: no operands), then the batch's
+      // loads, all at once where every vector lies inside its row.
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t row = row0 + r * (kBlock / kGroup) + group;
+        loaders[r] = Loader(p, row, row < p.rows);
+      }
+      BatchOperands<Loader, kRows, kPacks> ops;  // nothing to fetch for plain rows
+      if (batch_inside<kPacks>(loaders, first_col, kGroup * kVec))
+        load_batch_inside(loaders, first_col, kGroup * kVec, v, any);
+      else
+        load_batch_fwd<true>(loaders, first_col, kGroup * kVec, ops, v, any);
+    } else if constexpr (!kBwd && BatchOperands<Loader, kRows, kPacks>::kSplit) {
+      // 16-bit general forward rows: every loader, then every fetch, then the values
+      // (load_batch_fwd).
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int64_t row = row0 + r * (kBlock / kGroup) + group;
@@ -959,7 +1039,14 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     // Whether any of this thread's positions of row r takes part (forward_row ignores it for
     // plain rows, where every position does).
     bool any[kRows];
-    if constexpr (Ops::kSplit) {
+    if constexpr (Loader::kPlain) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) build_loader(r);
+      if (batch_inside<kPacks>(loaders, first_col, kGroup * kVec))
+        load_batch_inside(loaders, first_col, kGroup * kVec, v, any);
+      else
+        load_batch_fwd<false>(loaders, first_col, kGroup * kVec, ops, v, any);
+    } else if constexpr (Ops::kSplit) {
       if constexpr (!Ops::kAhead) prepare();
       load_batch_fwd<false>(loaders, first_col, kGroup * kVec, ops, v, any);
     } else {

@@ -16,7 +16,9 @@
 //   cols <= 512 * E         one block of G = 64..512 threads per row, E elements per thread
 //   cols <= 512 * E * C     sm_90+: a cluster of C = 2, 4, 8, 16 blocks of 512 threads per row
 //                           (then 16 x 1024 threads), reduced through distributed shared
-//                           memory: still one read of x. Before sm_90: one 1024-thread block.
+//                           memory: still one read of x; rows without a mask, bias or causal
+//                           limit of up to 8 * 256 * E columns take C = 4, 8 blocks of 256
+//                           threads instead (NarrowClusters). Before sm_90: one 1024-thread block.
 //   longer rows, or a cluster size the GPU cannot schedule: the two-pass streaming kernel.
 // Staged tiers (sm_90+, forward rows of cols % V == 0 in aligned buffers; rows with a mask, bias
 // or causal limit where StageGeneralRows says so, with only x staged): the same shapes fed
@@ -254,6 +256,18 @@ inline bool WideClusters() {
   return wide;
 }
 
+// Rows of up to 8 * 256 * E columns (65536 forward) without a mask, bias or causal limit split
+// over clusters of 4 or 8 CTAs of 256 threads instead of 2 or 4 of 512: four CTAs per SM instead
+// of two, so that one CTA's wait at the row's barrier and cluster exchange overlaps the others'
+// work. Measured (TUNING.md, session 8, us per call): bfloat16 50257 213 -> 197, 65536 172 -> 163,
+// float32 50257 173 -> 165, 32768 within noise; at 131072 a 16-CTA cluster of 256 threads was
+// slower (156 -> 165), so longer rows keep the 512-thread table. JAX_SOFTMAX_CLUSTER_BLOCK=512
+// (read once) keeps the 512-thread table everywhere, for A/B runs.
+inline bool NarrowClusters() {
+  static const bool narrow = EnvKnob("JAX_SOFTMAX_CLUSTER_BLOCK", 256) != 512;
+  return narrow;
+}
+
 struct StagePlan {
   StagedTiles tiles{0, 0};
   int ctas_per_sm = 0;
@@ -452,6 +466,12 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
       if (n <= 8 * 1024 * kE) return LaunchStagedCluster<T, 1024, kE, kVec, 8, kAccess>(c);
     }
   }
+  if constexpr (kAccess == Access::kPlain) {
+    if (NarrowClusters()) {
+      if (n <= 4 * 256 * kE) return LaunchStagedCluster<T, 256, kE, kVec, 4, kAccess>(c);
+      if (n <= 8 * 256 * kE) return LaunchStagedCluster<T, 256, kE, kVec, 8, kAccess>(c);
+    }
+  }
   if (n <= 2 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 2, kAccess>(c);
   if (n <= 4 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 4, kAccess>(c);
   if (n <= 8 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 8, kAccess>(c);
@@ -498,8 +518,15 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   if (n <= 256 * kE) JS_ROWS(256, kE, 1);
   if (n <= 512 * kE) JS_ROWS(512, kE, 1);
   if (c.dev.cc_major >= 9) {
-    // Hopper and newer: a cluster of 512-thread blocks per row, reduced through distributed
-    // shared memory; 16 blocks of 1024 threads (non-portable size) as the last resort.
+    // Hopper and newer: a cluster of 512-thread blocks per row (256-thread blocks for plain rows
+    // up to 8 * 256 * E, NarrowClusters), reduced through distributed shared memory; 16 blocks of
+    // 1024 threads (non-portable size) as the last resort.
+    if constexpr (kAccess != Access::kGeneral) {
+      if (NarrowClusters()) {
+        if (n <= 4 * 256 * kE) return LaunchCluster<T, 256, kE, kVec, 4, kBwd, kAccess>(c);
+        if (n <= 8 * 256 * kE) return LaunchCluster<T, 256, kE, kVec, 8, kBwd, kAccess>(c);
+      }
+    }
     if (n <= 2 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 2, kBwd, kAccess>(c);
     if (n <= 4 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 4, kBwd, kAccess>(c);
     if (n <= 8 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 8, kBwd, kAccess>(c);

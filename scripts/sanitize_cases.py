@@ -27,8 +27,9 @@ CASES = [  # (rows, cols, dtype)
     (3, 1001, jnp.bfloat16),  # warp per row, scalar
     (2, 8192, jnp.float32),  # block per row
     (2, 20000, jnp.bfloat16),  # block (backward: cluster)
-    (2, 50257, jnp.float32),  # cluster, scalar path
-    (2, 131072, jnp.float32),  # cluster of 4
+    (2, 50257, jnp.float32),  # cluster of 8 x 256 threads (windowed; `where`: scalar path)
+    (3, 65536, jnp.bfloat16),  # staged cluster of 8 x 256 threads (plain rows up to 65536)
+    (2, 131072, jnp.float32),  # cluster of 8 x 512 threads
     (33, 262144, jnp.float32),  # clusters of 16, more rows than clusters: exchange buffers reused
     (1, 600000, jnp.float32),  # two-pass streaming kernel
     (3, 700, jnp.float64),
