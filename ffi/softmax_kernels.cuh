@@ -78,7 +78,10 @@ struct RowLoader {
   RowLoader() = default;
   __device__ __forceinline__ RowLoader(const RowParams& p, int64_t row, bool row_ok) {
     const int64_t base = row * p.cols;
-    shift = kAccess == Access::kWindowed ? static_cast<int>(base & (kVec - 1)) : 0;
+    // A row past the end gets no shift: its first window offset (0) is then past its limit (-1),
+    // where a shifted one (-shift) passed the limit test and read the partial vector of a row
+    // that does not exist (past the end of x; never stored).
+    shift = kAccess == Access::kWindowed && row_ok ? static_cast<int>(base & (kVec - 1)) : 0;
     in = static_cast<const T*>(p.in) + (base - shift);
     grad = kBwd ? static_cast<const T*>(p.grad_in) + (base - shift) : nullptr;
     bias = nullptr;
