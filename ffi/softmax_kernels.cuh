@@ -180,14 +180,15 @@ struct RowLoader {
     else
       return bytes != 0;
   }
-  // A plain vector's values: x, times the scale unless it is 1 (uniform: plain softmax skips a
-  // multiply per element).
-  __device__ __forceinline__ void plain_values(const T (&xs)[kVec], A (&v)[kVec]) const {
+  // Plain values: x, times the scale unless it is 1 (uniform: plain softmax skips a multiply per
+  // element). N: one vector, or a whole batch (load_batch_inside), which tests the scale once.
+  template <int N>
+  __device__ __forceinline__ void plain_values(const T (&xs)[N], A (&v)[N]) const {
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) v[e] = to_acc(xs[e]);
+    for (int e = 0; e < N; ++e) v[e] = to_acc(xs[e]);
     if (scale != A(1)) {
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) v[e] *= scale;
+      for (int e = 0; e < N; ++e) v[e] *= scale;
     }
   }
   // A windowed row's partial end vector (column c = w - shift), element by element, -inf outside
@@ -390,10 +391,10 @@ template <typename Loader, int kRows, int kPacks, int kVec = Loader::kVecWidth>
 struct BatchOperands {
   // The fetch/compute split for 16-bit types; wider ones load with load_fwd_direct().
   static constexpr bool kSplit = sizeof(typename Loader::Elem) == 2;
+  // Mask bytes and bias fetched ahead (see fetch_bias()): 16-bit rows of one or two per thread.
   static constexpr bool kAhead = kSplit && !Loader::kPlain && kRows <= 2;
-  static constexpr bool kFetchBias = kAhead && sizeof(typename Loader::Elem) == 2;  // see fetch_bias()
   typename Loader::Bytes mask[kAhead ? kRows : 1][kAhead ? kPacks : 1];
-  typename Loader::Elem bias[kFetchBias ? kRows : 1][kFetchBias ? kPacks : 1][kFetchBias ? kVec : 1];
+  typename Loader::Elem bias[kAhead ? kRows : 1][kAhead ? kPacks : 1][kAhead ? kVec : 1];
 };
 
 template <typename Loader, int kRows, int kPacks>
@@ -407,20 +408,58 @@ __device__ __forceinline__ void fetch_batch_operands(const Loader (&loaders)[kRo
 #pragma unroll
       for (int k = 0; k < kPacks; ++k) {
         ops.mask[r][k] = loaders[r].fetch_mask(first + k * stride);
-        if constexpr (Ops::kFetchBias) loaders[r].fetch_bias(first + k * stride, ops.bias[r][k]);
+        loaders[r].fetch_bias(first + k * stride, ops.bias[r][k]);
       }
   }
 }
 
+// Plain and windowed rows whose vectors all lie inside the row (RowLoader::holds, for every row of
+// the batch; all but the threads at a row's ends, a cluster's last CTA and rows past the end):
+// every load issued first, then the values, the scale tested once. The per-vector tests of
+// load_fwd (a -inf fill and two branches per vector) were a tenth of a bfloat16 cluster row's
+// instructions (ncu source counters, session 8). Float32 and float64 load straight into v.
+template <int kPacks, typename Loader, int kRows>
+__device__ __forceinline__ bool batch_inside(const Loader (&loaders)[kRows], int first, int stride) {
+  bool inside = true;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+    inside = inside && loaders[r].holds(first, first + (kPacks - 1) * stride);
+  return inside;
+}
+
+template <typename Loader, int kRows, int kPacks, int kVec, typename A>
+__device__ __forceinline__ void load_batch_inside(const Loader (&loaders)[kRows], int first,
+                                                  int stride, A (&v)[kRows][kPacks][kVec],
+                                                  bool (&any)[kRows]) {
+  using T = typename Loader::Elem;
+  constexpr int kN = kRows * kPacks * kVec;
+  T xs[kRows][kPacks][kVec];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    any[r] = true;
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) load_vec<kVec>(loaders[r].in + first + k * stride, xs[r][k]);
+  }
+  // The call's scale, the same for every row.
+  loaders[0].plain_values(reinterpret_cast<const T(&)[kN]>(xs), reinterpret_cast<A(&)[kN]>(v));
+}
+
 // kFetchX: x comes from global memory, so a 16-bit batch fetches it ahead, four vectors (64 bytes,
 // 16 registers) at a time: four loads in flight per thread where there was one. The staged kernels
-// (x from shared memory, whose latency is short) fetch each vector just before its values.
+// (x from shared memory, whose latency is short) fetch each vector just before its values. Plain
+// batches whose vectors all lie inside their rows skip all of this (load_batch_inside).
 template <bool kFetchX, typename Loader, int kRows, int kPacks, int kVec, typename A>
 __device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], int first, int stride,
                                                const BatchOperands<Loader, kRows, kPacks>& ops,
                                                A (&v)[kRows][kPacks][kVec], bool (&any)[kRows]) {
   using T = typename Loader::Elem;
   using Ops = BatchOperands<Loader, kRows, kPacks>;
+  if constexpr (Loader::kPlain) {
+    if (batch_inside<kPacks>(loaders, first, stride)) {
+      load_batch_inside(loaders, first, stride, v, any);
+      return;
+    }
+  }
   if constexpr (!Ops::kSplit) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
@@ -454,52 +493,9 @@ __device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], i
         mask = loaders[r].fetch_mask(w);
       }
       const T* bias = nullptr;
-      if constexpr (Ops::kFetchBias) bias = ops.bias[r][k];
-      any[r] |= loaders[r].template load_fwd<Ops::kFetchBias>(w, xs[j], mask, bias, v[r][k]);
+      if constexpr (Ops::kAhead) bias = ops.bias[r][k];
+      any[r] |= loaders[r].template load_fwd<Ops::kAhead>(w, xs[j], mask, bias, v[r][k]);
     }
-  }
-}
-
-// Plain and windowed rows whose vectors all lie inside the row (RowLoader::holds, for every row of
-// the batch; all but the threads at a row's ends, a cluster's last CTA and rows past the end):
-// every load issued first, then the conversions, and the scale tested once. The per-vector tests
-// of load_fwd (a -inf fill and two branches per vector) were a tenth of a bfloat16 cluster row's
-// instructions (ncu source counters, session 8). Float32 and float64 load straight into v.
-template <int kPacks, typename Loader, int kRows>
-__device__ __forceinline__ bool batch_inside(const Loader (&loaders)[kRows], int first, int stride) {
-  bool inside = true;
-#pragma unroll
-  for (int r = 0; r < kRows; ++r)
-    inside = inside && loaders[r].holds(first, first + (kPacks - 1) * stride);
-  return inside;
-}
-
-template <typename Loader, int kRows, int kPacks, int kVec, typename A>
-__device__ __forceinline__ void load_batch_inside(const Loader (&loaders)[kRows], int first,
-                                                  int stride, A (&v)[kRows][kPacks][kVec],
-                                                  bool (&any)[kRows]) {
-  using T = typename Loader::Elem;
-  T xs[kRows][kPacks][kVec];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r)
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k) load_vec<kVec>(loaders[r].in + first + k * stride, xs[r][k]);
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    any[r] = true;
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k)
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) v[r][k][e] = to_acc(xs[r][k][e]);
-  }
-  const A scale = loaders[0].scale;  // the call's: the same for every row
-  if (scale != A(1)) {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int k = 0; k < kPacks; ++k)
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) v[r][k][e] *= scale;
   }
 }
 
@@ -578,17 +574,24 @@ __device__ __forceinline__ FwdStats<A> fwd_stats(A thread_max, MaxSum<A> row, bo
   return st;
 }
 
-// A lane group's statistics: group max, then the group sum of exp(z - max); v keeps exp(z - max)
-// for softmax, z for log-softmax. A row with no finite value shifts by 0 (see exp_sum).
+// A lane group's (max, sum): group max, then the group sum of exp(z - max), two shuffle chains
+// without exps; v keeps exp(z - max) for softmax, z for log-softmax. A row with no finite value
+// shifts by 0 (see exp_sum). The lane-group tiers' whole row; the wider tiers' warp step.
+template <int kGroup, typename A, int N>
+__device__ __forceinline__ MaxSum<A> group_maxsum(A (&v)[N], bool any, bool log) {
+  const A m = group_allreduce<kGroup>(Max<A>{thread_max(v)}).m;
+  return {m, group_allreduce<kGroup>(Sum<A>{exp_sum(v, m, any, log)}).s};
+}
+
+// A lane group's statistics (the row is the group's).
 template <int kGroup, typename A, int N>
 __device__ __forceinline__ FwdStats<A> group_fwd_stats(A (&v)[N], bool any, bool log) {
-  const A m = group_allreduce<kGroup>(Max<A>{thread_max(v)}).m;
-  const A s = group_allreduce<kGroup>(Sum<A>{exp_sum(v, m, any, log)}).s;
+  const MaxSum<A> row = group_maxsum<kGroup>(v, any, log);
   FwdStats<A> st;
-  st.max = m;
-  st.sum = s;
-  st.log_sum = log ? log_acc(s) : A(0);
-  st.factor = log ? A(0) : rcp_acc(s);
+  st.max = row.m;
+  st.sum = row.s;
+  st.log_sum = log ? log_acc(row.s) : A(0);
+  st.factor = log ? A(0) : rcp_acc(row.s);
   return st;
 }
 
@@ -672,11 +675,10 @@ __device__ __forceinline__ bool forward_row(A (&v)[kPacks][kVec], bool any,
   if constexpr (kGroup <= 32) {
     st = group_fwd_stats<kGroup>(vr, any, kLog);
   } else {
-    const A warp_max = group_allreduce<32>(Max<A>{thread_max(vr)}).m;
-    const A warp_sum = group_allreduce<32>(Sum<A>{exp_sum(vr, warp_max, any, kLog)}).s;
-    const MaxSum<A> total = row_allreduce<S, kGroup, kCluster, /*kWarpReduced=*/true>(
-        MaxSum<A>{warp_max, warp_sum}, block_slots, cluster);
-    st = fwd_stats(warp_max, total, kLog);
+    const MaxSum<A> warp = group_maxsum<32>(vr, any, kLog);
+    const MaxSum<A> total =
+        row_allreduce<S, kGroup, kCluster, /*kWarpReduced=*/true>(warp, block_slots, cluster);
+    st = fwd_stats(warp.m, total, kLog);
   }
   if constexpr (!Loader::kPlain) {
     if (!(st.sum > A(0))) {
@@ -865,22 +867,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     bool any[kRows];               // forward: whether any of this thread's positions takes part
     // Built once per row: its bias/mask offsets and causal limit cost integer divisions.
     Loader loaders[kRows];
-    if constexpr (!kBwd && Loader::kPlain) {
-      // Plain and windowed forward rows: every loader (cheap: no operands), then the batch's
-      // loads, all at once where every vector lies inside its row.
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const int64_t row = row0 + r * (kBlock / kGroup) + group;
-        loaders[r] = Loader(p, row, row < p.rows);
-      }
-      BatchOperands<Loader, kRows, kPacks> ops;  // nothing to fetch for plain rows
-      if (batch_inside<kPacks>(loaders, first_col, kGroup * kVec))
-        load_batch_inside(loaders, first_col, kGroup * kVec, v, any);
-      else
-        load_batch_fwd<true>(loaders, first_col, kGroup * kVec, ops, v, any);
-    } else if constexpr (!kBwd && BatchOperands<Loader, kRows, kPacks>::kSplit) {
-      // 16-bit general forward rows: every loader, then every fetch, then the values
-      // (load_batch_fwd).
+    if constexpr (!kBwd && (Loader::kPlain || BatchOperands<Loader, kRows, kPacks>::kSplit)) {
+      // Plain and windowed forward rows (their loaders are cheap: no operands), and 16-bit
+      // general ones: every loader, then every fetch, then the values (load_batch_fwd).
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int64_t row = row0 + r * (kBlock / kGroup) + group;
@@ -890,9 +879,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
       fetch_batch_operands(loaders, first_col, kGroup * kVec, ops);
       load_batch_fwd<true>(loaders, first_col, kGroup * kVec, ops, v, any);
     } else {
-      // Backward, and float32/float64 forward rows: each row's loader built just before its
-      // loads (its index math's temporaries then die before the next row's: built all first,
-      // float32 spilled), each vector loaded and computed in one step.
+      // Backward, and float32/float64 general forward rows: each row's loader built just before
+      // its loads (its index math's temporaries then die before the next row's: built all
+      // first, float32 spilled), each vector loaded and computed in one step.
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int64_t row = row0 + r * (kBlock / kGroup) + group;
@@ -1044,18 +1033,11 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     // Whether any of this thread's positions of row r takes part (forward_row ignores it for
     // plain rows, where every position does).
     bool any[kRows];
-    if constexpr (Loader::kPlain) {
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) build_loader(r);
-      if (batch_inside<kPacks>(loaders, first_col, kGroup * kVec))
-        load_batch_inside(loaders, first_col, kGroup * kVec, v, any);
-      else
-        load_batch_fwd<false>(loaders, first_col, kGroup * kVec, ops, v, any);
-    } else if constexpr (Ops::kSplit) {
+    if constexpr (Loader::kPlain || Ops::kSplit) {
       if constexpr (!Ops::kAhead) prepare();
       load_batch_fwd<false>(loaders, first_col, kGroup * kVec, ops, v, any);
     } else {
-      // Float32 and float64: each row's loader built just before its loads (as in
+      // Float32 and float64 general rows: each row's loader built just before its loads (as in
       // softmax_rows_kernel), each vector loaded and computed in one step.
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {

@@ -465,8 +465,6 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
       if (n <= 4 * 1024 * kE) return LaunchStagedCluster<T, 1024, kE, kVec, 4, kAccess>(c);
       if (n <= 8 * 1024 * kE) return LaunchStagedCluster<T, 1024, kE, kVec, 8, kAccess>(c);
     }
-  }
-  if constexpr (kAccess == Access::kPlain) {
     if (NarrowClusters()) {
       if (n <= 4 * 256 * kE) return LaunchStagedCluster<T, 256, kE, kVec, 4, kAccess>(c);
       if (n <= 8 * 256 * kE) return LaunchStagedCluster<T, 256, kE, kVec, 8, kAccess>(c);
