@@ -72,6 +72,10 @@ __device__ __forceinline__ double opaque(double x) {
   asm volatile("" : "+d"(x));
   return x;
 }
+__device__ __forceinline__ uint32_t opaque(uint32_t x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
 
 // Row max. fmax drops NaN, which is fine here: a NaN still reaches the row sum through
 // exp(NaN - max) = NaN, and from there every output, as jax.nn.softmax's NaN rows do. One
@@ -102,6 +106,42 @@ template <int N, typename T>
 __device__ __forceinline__ void store_vec(T* dst, const T (&src)[N]) {
   using W = typename VecWord<N * sizeof(T)>::type;
   *reinterpret_cast<W*>(dst) = *reinterpret_cast<const W*>(src);
+}
+
+// N 16-bit values kept as loaded, two per 32-bit word (value 2i in the low half of word i). An
+// array of 16-bit elements takes a register per element once the compiler splits it; this keeps
+// a 16-byte vector in four registers.
+template <int N>
+struct Pairs {
+  static_assert(N % 2 == 0, "whole words");
+  uint32_t w[N / 2];
+};
+
+template <int N, typename T>
+__device__ __forceinline__ void load_pairs(const T* src, Pairs<N>& dst) {
+  static_assert(sizeof(T) == 2, "16-bit values");
+  using W = typename VecWord<N * 2>::type;
+  *reinterpret_cast<W*>(dst.w) = *reinterpret_cast<const W*>(src);
+}
+
+// Sets value e of a zeroed Pairs.
+template <int N, typename T>
+__device__ __forceinline__ void set_pair_value(Pairs<N>& dst, int e, T value) {
+  uint16_t bits;
+  memcpy(&bits, &value, sizeof(bits));
+  dst.w[e / 2] |= uint32_t(bits) << (16 * (e % 2));
+}
+
+// The two values of a word, in float (bfloat16: one shift or mask each).
+template <typename T>
+__device__ __forceinline__ float2 unpack_pair(uint32_t w) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  } else {
+    __half2 h;
+    memcpy(&h, &w, sizeof(h));
+    return __half22float2(h);
+  }
 }
 
 // Zeros N consecutive elements as one word (a bfloat16 T(0) per element compiles to a convert and

@@ -60,6 +60,11 @@ struct RowLoader {
   using Elem = T;
   static constexpr int kVecWidth = kVec;
   static constexpr bool kPlain = kAccess != Access::kGeneral;
+  // Backward rows of 16-bit types without a mask keep y and dy as loaded, two values per
+  // register, and convert them twice (for the dot product and for the output): half the
+  // registers of float values, so that their tiers hold 32 values per thread like the forward's
+  // (fetch_bwd, finish_batch_reread).
+  static constexpr bool kRawBwd = kBwd && kPlain && sizeof(T) == 2;
   // One byte per position of a vector, byte e (from the least significant) for column c + e:
   // the mask bytes as loaded, so that testing a position is one LOP3 on the word.
   using Bytes = std::conditional_t<(kVec > 4), uint64_t, uint32_t>;
@@ -313,6 +318,32 @@ struct RowLoader {
       load_vec<kVec>(in + w, xs);
       plain_values(xs, v);
       return true;
+    }
+  }
+
+  // Backward (kRawBwd): y and dy of the vector at window offset w as stored, zeros at the positions
+  // outside the row (they add 0 to the dot product and are never stored). Predicated loads, so
+  // that every vector's loads are in flight before the first is used.
+  __device__ __forceinline__ void fetch_bwd(int w, Pairs<kVec>& ys, Pairs<kVec>& gs) const {
+    static_assert(kRawBwd, "16-bit plain backward rows");
+    const int c = w - shift;
+    bool whole = c <= limit;
+    if constexpr (kAccess == Access::kWindowed) whole = whole && c >= 0 && c + kVec <= cols;
+    ys = gs = Pairs<kVec>{};
+    if (whole) {
+      load_pairs(in + w, ys);
+      load_pairs(grad + w, gs);
+    }
+    if constexpr (kAccess == Access::kWindowed) {
+      if (!whole && c <= limit) {  // the partial vectors at the ends of the row
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          if (c + e >= 0 && c + e < cols) {
+            set_pair_value(ys, e, in[w + e]);
+            set_pair_value(gs, e, grad[w + e]);
+          }
+        }
+      }
     }
   }
 
@@ -796,6 +827,67 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
   }
 }
 
+// Backward of 16-bit plain rows (RowLoader::kRawBwd), in two reads: the kernel loads y and dy
+// (as loaded pairs) and keeps only each row's partial dot product; after the row's reduction y
+// and dy are read again (from L1 or L2: this CTA read them a reduction ago) for the output.
+// Holding them through the reduction instead spilled at 64 registers (TUNING.md, session 8), and
+// not holding them lets the 16-bit backward tiers take 32 values per thread, as the forward's.
+template <typename T, int kPacks, int kVec>
+__device__ __forceinline__ float raw_dot(const Pairs<kVec> (&ys)[kPacks],
+                                         const Pairs<kVec> (&gs)[kPacks], bool log) {
+  float s = 0.f;
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+    for (int i = 0; i < kVec / 2; ++i) {
+      const float2 y = unpack_pair<T>(ys[k].w[i]), g = unpack_pair<T>(gs[k].w[i]);
+      s += bwd_term(y.x, g.x, log);
+      s += bwd_term(y.y, g.y, log);
+    }
+  return s;
+}
+
+template <int kGroup, int kCluster, int kPacks, int kRows, typename Loader, typename S, typename A>
+__device__ __forceinline__ void finish_batch_reread(const RowParams& p,
+                                                    const Loader (&loaders)[kRows], int64_t row0,
+                                                    int group, int first_col,
+                                                    const A (&partial)[kRows], S* block_slots,
+                                                    ClusterSlots<S> cluster) {
+  using T = typename Loader::Elem;
+  constexpr int kVec = Loader::kVecWidth;
+  constexpr int kBlock = BlockThreads(kGroup);
+  constexpr int kStride = kGroup * kVec;
+  const bool log = p.log;
+  const A scale = static_cast<A>(p.scale);
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t row = row0 + r * (kBlock / kGroup) + group;
+    const A dot = row_allreduce<S, kGroup, kCluster>(Sum<A>{partial[r]}, block_slots, cluster).s;
+    if (row >= p.rows) continue;
+    const Loader& loader = loaders[r];
+    Pairs<kVec> ys[kPacks], gs[kPacks];
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) loader.fetch_bwd(first_col + k * kStride, ys[k], gs[k]);
+    T* dst = loader.out_row(p, row);
+    const bool inside = loader.holds(first_col, first_col + (kPacks - 1) * kStride);
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      A out[kVec];
+#pragma unroll
+      for (int i = 0; i < kVec / 2; ++i) {
+        const float2 y = unpack_pair<T>(ys[k].w[i]), g = unpack_pair<T>(gs[k].w[i]);
+        out[2 * i] = bwd_output(y.x, g.x, true, dot, scale, log);
+        out[2 * i + 1] = bwd_output(y.y, g.y, true, dot, scale, log);
+      }
+      const int w = first_col + k * kStride;
+      if (inside)
+        store_vec_acc<kVec>(dst + w, out);
+      else
+        loader.store(dst, w, out);
+    }
+  }
+}
+
 // kRows: rows a lane group handles per iteration (lane-group tiers only). Their lanes hold one or
 // two vectors of a row, so several rows are loaded before the first shuffle to keep enough bytes
 // in flight; their reductions are independent shuffle chains.
@@ -864,10 +956,27 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     A v[kRows][kPacks][kVec];
     A g[kRows][kPacks][kVec];      // backward: dy
     bool ok[kRows][kPacks][kVec];  // backward: which positions take part
+    using Raw = Pairs<Loader::kRawBwd ? kVec : 2>;
+    Raw ys[kRows][kPacks];  // backward, kRawBwd: y and dy as loaded, until their dot products
+    Raw gs[kRows][kPacks];
+    A partial[kRows];       // backward, kRawBwd: this thread's part of each row's dot product
     bool any[kRows];               // forward: whether any of this thread's positions takes part
     // Built once per row: its bias/mask offsets and causal limit cost integer divisions.
     Loader loaders[kRows];
-    if constexpr (!kBwd && (Loader::kPlain || BatchOperands<Loader, kRows, kPacks>::kSplit)) {
+    if constexpr (Loader::kRawBwd) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t row = row0 + r * (kBlock / kGroup) + group;
+        loaders[r] = Loader(p, row, row < p.rows);
+      }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int k = 0; k < kPacks; ++k)
+          loaders[r].fetch_bwd(first_col + k * kGroup * kVec, ys[r][k], gs[r][k]);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) partial[r] = raw_dot<T>(ys[r], gs[r], p.log);
+    } else if constexpr (!kBwd && (Loader::kPlain || BatchOperands<Loader, kRows, kPacks>::kSplit)) {
       // Plain and windowed forward rows (their loaders are cheap: no operands), and 16-bit
       // general ones: every loader, then every fetch, then the values (load_batch_fwd).
 #pragma unroll
@@ -897,7 +1006,10 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
         }
       }
     }
-    if constexpr (kBwd)
+    if constexpr (Loader::kRawBwd)
+      finish_batch_reread<kGroup, kCluster, kPacks>(p, loaders, row0, group, first_col, partial,
+                                                    block_slots[use & 1], exchange.buffer(use));
+    else if constexpr (kBwd)
       finish_batch<kGroup, kCluster>(p, loaders, row0, group, first_col, v, g, ok,
                                      block_slots[use & 1], exchange.buffer(use));
     else

@@ -2,7 +2,8 @@
 // compiles in its own translation unit.
 //
 // Tier table (E = elements per thread held in registers: 32 forward, 16 backward, whose rows
-// take two values per element, both halved when V = 1 because scalar accesses need more address
+// take two values per element (32 for 16-bit backward rows without a mask, which keep y and dy
+// as loaded, two values per register), both halved when V = 1 because scalar accesses need more address
 // registers (ptxas spilled at 1024 threads x 32 scalar elements), and halved again for float64,
 // whose values take two registers; V = the 16-byte vector width,
 // or 1 when cols % V != 0 or a pointer is not 16-byte aligned):
@@ -481,8 +482,10 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
 // Picks the tier (see the table at the top) for one vector width and access mode.
 template <typename T, int kVec, bool kBwd, Access kAccess>
 ffi::Error LaunchTier(const LaunchCtx& c) {
-  // Elements per thread held in registers.
-  constexpr int kE = (kBwd ? 16 : 32) / (kVec == 1 ? 2 : 1) / (sizeof(acc_t<T>) / 4);
+  // Elements per thread held in registers: 32, or 16 for backward rows, whose elements take two
+  // float values, except the 16-bit plain ones, which keep y and dy as loaded (RowLoader::kRawBwd).
+  constexpr bool kRawBwd = RowLoader<T, kVec, kBwd, kAccess>::kRawBwd;
+  constexpr int kE = (kBwd && !kRawBwd ? 16 : 32) / (kVec == 1 ? 2 : 1) / (sizeof(acc_t<T>) / 4);
   // Forward only: staged backward kernels (y and dy in each stage) measured 0-20% slower than the
   // register ones (TUNING.md), whose rows already keep two operands' loads in flight.
   if constexpr (!kBwd && kStageable<T, kVec, kAccess>) {
