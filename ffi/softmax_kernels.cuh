@@ -827,11 +827,14 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
   }
 }
 
-// Backward of 16-bit plain rows (RowLoader::kRawBwd), in two reads: the kernel loads y and dy
-// (as loaded pairs) and keeps only each row's partial dot product; after the row's reduction y
-// and dy are read again (from L1 or L2: this CTA read them a reduction ago) for the output.
-// Holding them through the reduction instead spilled at 64 registers (TUNING.md, session 8), and
-// not holding them lets the 16-bit backward tiers take 32 values per thread, as the forward's.
+// Backward of 16-bit plain rows (RowLoader::kRawBwd): the kernel loads y and dy as loaded pairs
+// (two values per register, half the registers of float values) and reduces each row's partial
+// dot product from them (raw_dot). Then, for the output, either
+//   kHold:  the pairs held through the row's reduction (tiers of up to 16 values per thread), or
+//   re-read: y and dy read again after the reduction (from L1 or L2: this CTA read them a
+//           reduction ago), so that only the dot product is live through it. Tiers of 32 values
+//           per thread: holding their 32 words through the reduction spilled 68-92 bytes at 64
+//           registers (TUNING.md, session 8).
 template <typename T, int kPacks, int kVec>
 __device__ __forceinline__ float raw_dot(const Pairs<kVec> (&ys)[kPacks],
                                          const Pairs<kVec> (&gs)[kPacks], bool log) {
@@ -847,14 +850,15 @@ __device__ __forceinline__ float raw_dot(const Pairs<kVec> (&ys)[kPacks],
   return s;
 }
 
-template <int kGroup, int kCluster, int kPacks, int kRows, typename Loader, typename S, typename A>
-__device__ __forceinline__ void finish_batch_reread(const RowParams& p,
-                                                    const Loader (&loaders)[kRows], int64_t row0,
-                                                    int group, int first_col,
-                                                    const A (&partial)[kRows], S* block_slots,
-                                                    ClusterSlots<S> cluster) {
+template <int kGroup, int kCluster, bool kHold, int kRows, int kPacks, int kVec, typename Loader,
+          typename S, typename A>
+__device__ __forceinline__ void finish_batch_raw(const RowParams& p, const Loader (&loaders)[kRows],
+                                                 int64_t row0, int group, int first_col,
+                                                 const A (&partial)[kRows],
+                                                 const Pairs<kVec> (&held_ys)[kRows][kPacks],
+                                                 const Pairs<kVec> (&held_gs)[kRows][kPacks],
+                                                 S* block_slots, ClusterSlots<S> cluster) {
   using T = typename Loader::Elem;
-  constexpr int kVec = Loader::kVecWidth;
   constexpr int kBlock = BlockThreads(kGroup);
   constexpr int kStride = kGroup * kVec;
   const bool log = p.log;
@@ -867,7 +871,14 @@ __device__ __forceinline__ void finish_batch_reread(const RowParams& p,
     const Loader& loader = loaders[r];
     Pairs<kVec> ys[kPacks], gs[kPacks];
 #pragma unroll
-    for (int k = 0; k < kPacks; ++k) loader.fetch_bwd(first_col + k * kStride, ys[k], gs[k]);
+    for (int k = 0; k < kPacks; ++k) {
+      if constexpr (kHold) {
+        ys[k] = held_ys[r][k];
+        gs[k] = held_gs[r][k];
+      } else {
+        loader.fetch_bwd(first_col + k * kStride, ys[k], gs[k]);
+      }
+    }
     T* dst = loader.out_row(p, row);
     const bool inside = loader.holds(first_col, first_col + (kPacks - 1) * kStride);
 #pragma unroll
@@ -1007,8 +1018,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
       }
     }
     if constexpr (Loader::kRawBwd)
-      finish_batch_reread<kGroup, kCluster, kPacks>(p, loaders, row0, group, first_col, partial,
-                                                    block_slots[use & 1], exchange.buffer(use));
+      finish_batch_raw<kGroup, kCluster, (kRows * kPacks * kVec <= 16)>(
+          p, loaders, row0, group, first_col, partial, ys, gs, block_slots[use & 1],
+          exchange.buffer(use));
     else if constexpr (kBwd)
       finish_batch<kGroup, kCluster>(p, loaders, row0, group, first_col, v, g, ok,
                                      block_slots[use & 1], exchange.buffer(use));

@@ -2,8 +2,7 @@
 // compiles in its own translation unit.
 //
 // Tier table (E = elements per thread held in registers: 32 forward, 16 backward, whose rows
-// take two values per element (32 for 16-bit backward rows without a mask, which keep y and dy
-// as loaded, two values per register), both halved when V = 1 because scalar accesses need more address
+// take two values per element, both halved when V = 1 because scalar accesses need more address
 // registers (ptxas spilled at 1024 threads x 32 scalar elements), and halved again for float64,
 // whose values take two registers; V = the 16-byte vector width,
 // or 1 when cols % V != 0 or a pointer is not 16-byte aligned):
@@ -21,6 +20,10 @@
 //                           limit of up to 8 * 256 * E columns take C = 4, 8 blocks of 256
 //                           threads instead (NarrowClusters). Before sm_90: one 1024-thread block.
 //   longer rows, or a cluster size the GPU cannot schedule: the two-pass streaming kernel.
+//   16-bit backward rows without a mask, whose y and dy stay as loaded (two values per register),
+//   take 2E instead where that avoids a cluster or a 1024-thread CTA: one block of 512 threads
+//   for cols <= 512 * 2E, and beyond 16 * 512 * E clusters of 16 x 512 / 16 x 1024 threads of 2E
+//   (to 16 * 1024 * 2E) instead of 16 x 1024 of E and the two-pass kernel (LaunchTier says why).
 // Staged tiers (sm_90+, forward rows of cols % V == 0 in aligned buffers; rows with a mask, bias
 // or causal limit where StageGeneralRows says so, with only x staged): the same shapes fed
 // through shared memory that cp.async.bulk fills (softmax_rows_staged_kernel): one tile per CTA
@@ -483,9 +486,16 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
 template <typename T, int kVec, bool kBwd, Access kAccess>
 ffi::Error LaunchTier(const LaunchCtx& c) {
   // Elements per thread held in registers: 32, or 16 for backward rows, whose elements take two
-  // float values, except the 16-bit plain ones, which keep y and dy as loaded (RowLoader::kRawBwd).
-  constexpr bool kRawBwd = RowLoader<T, kVec, kBwd, kAccess>::kRawBwd;
-  constexpr int kE = (kBwd && !kRawBwd ? 16 : 32) / (kVec == 1 ? 2 : 1) / (sizeof(acc_t<T>) / 4);
+  // values.
+  constexpr int kE = (kBwd ? 16 : 32) / (kVec == 1 ? 2 : 1) / (sizeof(acc_t<T>) / 4);
+  // 16-bit backward rows without a mask hold y and dy as loaded pairs (RowLoader::kRawBwd): 16
+  // values per thread keep them through the row's reduction, 32 read them again after it
+  // (finish_batch_raw). Measured (TUNING.md, session 9; bfloat16, us per call, 16 vs 32 values
+  // per thread): 32 win where they halve a block or cluster's CTAs that would otherwise be 1024
+  // threads or a cluster (N = 16384: 4 x 256 cluster 215 -> 512 x 32 block 198; 262144: 16 x 1024
+  // -> 16 x 512, 304 -> 295; 524288: the two-pass kernel 344 -> 16 x 1024, 312) and lose where
+  // both shapes are clusters (32768-131072: 224-264 -> 297-303), so they serve only those rows.
+  constexpr bool kRawWide = RowLoader<T, kVec, kBwd, kAccess>::kRawBwd;
   // Forward only: staged backward kernels (y and dy in each stage) measured 0-20% slower than the
   // register ones (TUNING.md), whose rows already keep two operands' loads in flight.
   if constexpr (!kBwd && kStageable<T, kVec, kAccess>) {
@@ -518,6 +528,7 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   if (n <= 128 * kE) JS_ROWS(128, kE, 1);
   if (n <= 256 * kE) JS_ROWS(256, kE, 1);
   if (n <= 512 * kE) JS_ROWS(512, kE, 1);
+  if constexpr (kRawWide) if (n <= 512 * 2 * kE) JS_ROWS(512, 2 * kE, 1);
   if (c.dev.cc_major >= 9) {
     // Hopper and newer: a cluster of 512-thread blocks per row (256-thread blocks for plain rows
     // up to 8 * 256 * E, NarrowClusters), reduced through distributed shared memory; 16 blocks of
@@ -532,9 +543,14 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
     if (n <= 4 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 4, kBwd, kAccess>(c);
     if (n <= 8 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 8, kBwd, kAccess>(c);
     if (n <= 16 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 16, kBwd, kAccess>(c);
-    if (n <= 16 * 1024 * kE) return LaunchCluster<T, 1024, kE, kVec, 16, kBwd, kAccess>(c);
+    if constexpr (kRawWide) {
+      if (n <= 16 * 512 * 2 * kE) return LaunchCluster<T, 512, 2 * kE, kVec, 16, kBwd, kAccess>(c);
+      if (n <= 16 * 1024 * 2 * kE) return LaunchCluster<T, 1024, 2 * kE, kVec, 16, kBwd, kAccess>(c);
+    } else {
+      if (n <= 16 * 1024 * kE) return LaunchCluster<T, 1024, kE, kVec, 16, kBwd, kAccess>(c);
+    }
   } else if (n <= 1024 * kE) {
-    JS_ROWS(1024, kE, 1);
+    if constexpr (!kRawWide) JS_ROWS(1024, kE, 1);  // 16-bit raw rows: the 512 x 2E block above
   }
 #undef JS_ROWS
   return LaunchTwoPass<T, kVec, kBwd, kAccess>(c);
