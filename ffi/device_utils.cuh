@@ -257,9 +257,10 @@ __device__ __forceinline__ void bulk_load_shared(void* dst, const void* src, uin
 
 // Waits until the phase with parity `parity` of `bar` has completed. kClusterScope: the wait also
 // acquires, at cluster scope, what other CTAs' st.async released into this CTA (cluster_allreduce).
-// The suspend-time hint lets the thread sleep in try_wait until the phase completes (or the hint's
-// time passes) instead of returning at once: without it, a cluster row's exchange wait spun ~19
-// times per row (ncu source counters, session 8), 75 issued instructions per warp and row.
+// The suspend-time hint compiles (sm_90a) to TRYWAIT, then NANOSLEEP.SYNCS and a phase check in
+// the loop: the warp sleeps between checks instead of issuing, but it wakes at every event of the
+// CTA's barriers, so the loop still runs ~23 times per warp and row of a bfloat16 cluster row
+// (ncu source counters, session 9; ~19 spins without the hint, session 8): ~90 instructions.
 constexpr uint32_t kMbarrierSuspendNs = 1000000;
 template <bool kClusterScope = false>
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
