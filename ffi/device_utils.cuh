@@ -72,10 +72,6 @@ __device__ __forceinline__ double opaque(double x) {
   asm volatile("" : "+d"(x));
   return x;
 }
-__device__ __forceinline__ uint32_t opaque(uint32_t x) {
-  asm volatile("" : "+r"(x));
-  return x;
-}
 
 // Row max. fmax drops NaN, which is fine here: a NaN still reaches the row sum through
 // exp(NaN - max) = NaN, and from there every output, as jax.nn.softmax's NaN rows do. One

@@ -62,8 +62,8 @@ struct RowLoader {
   static constexpr bool kPlain = kAccess != Access::kGeneral;
   // Backward rows of 16-bit types without a mask keep y and dy as loaded, two values per
   // register, and convert them twice (for the dot product and for the output): half the
-  // registers of float values, so that their tiers hold 32 values per thread like the forward's
-  // (fetch_bwd, finish_batch_reread).
+  // registers of float values, so that some of their tiers take 32 values per thread like the
+  // forward's (fetch_bwd, finish_batch_raw, LaunchTier).
   static constexpr bool kRawBwd = kBwd && kPlain && sizeof(T) == 2;
   // One byte per position of a vector, byte e (from the least significant) for column c + e:
   // the mask bytes as loaded, so that testing a position is one LOP3 on the word.
@@ -968,8 +968,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     A g[kRows][kPacks][kVec];      // backward: dy
     bool ok[kRows][kPacks][kVec];  // backward: which positions take part
     using Raw = Pairs<Loader::kRawBwd ? kVec : 2>;
-    Raw ys[kRows][kPacks];  // backward, kRawBwd: y and dy as loaded, until their dot products
-    Raw gs[kRows][kPacks];
+    Raw ys[kRows][kPacks];  // backward, kRawBwd: y and dy as loaded (finish_batch_raw says how
+    Raw gs[kRows][kPacks];  // long they live)
     A partial[kRows];       // backward, kRawBwd: this thread's part of each row's dot product
     bool any[kRows];               // forward: whether any of this thread's positions takes part
     // Built once per row: its bias/mask offsets and causal limit cost integer divisions.
