@@ -116,8 +116,7 @@ struct Pairs {
 template <int N, typename T>
 __device__ __forceinline__ void load_pairs(const T* src, Pairs<N>& dst) {
   static_assert(sizeof(T) == 2, "16-bit values");
-  using W = typename VecWord<N * 2>::type;
-  *reinterpret_cast<W*>(dst.w) = *reinterpret_cast<const W*>(src);
+  load_vec<N / 2>(reinterpret_cast<const uint32_t*>(src), dst.w);
 }
 
 // Sets value e of a zeroed Pairs.

@@ -829,7 +829,7 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
 
 // Backward of 16-bit plain rows (RowLoader::kRawBwd): the kernel loads y and dy as loaded pairs
 // (two values per register, half the registers of float values) and reduces each row's partial
-// dot product from them (raw_dot). Then, for the output, either
+// dot product from them (raw_dot). Then, for the output (finish_batch_raw), either
 //   kHold:  the pairs held through the row's reduction (tiers of up to 16 values per thread), or
 //   re-read: y and dy read again after the reduction (from L1 or L2: this CTA read them a
 //           reduction ago), so that only the dot product is live through it. Tiers of 32 values
@@ -850,8 +850,8 @@ __device__ __forceinline__ float raw_dot(const Pairs<kVec> (&ys)[kPacks],
   return s;
 }
 
-template <int kGroup, int kCluster, bool kHold, int kRows, int kPacks, int kVec, typename Loader,
-          typename S, typename A>
+template <int kGroup, int kCluster, int kRows, int kPacks, int kVec, typename Loader, typename S,
+          typename A>
 __device__ __forceinline__ void finish_batch_raw(const RowParams& p, const Loader (&loaders)[kRows],
                                                  int64_t row0, int group, int first_col,
                                                  const A (&partial)[kRows],
@@ -859,6 +859,7 @@ __device__ __forceinline__ void finish_batch_raw(const RowParams& p, const Loade
                                                  const Pairs<kVec> (&held_gs)[kRows][kPacks],
                                                  S* block_slots, ClusterSlots<S> cluster) {
   using T = typename Loader::Elem;
+  constexpr bool kHold = kRows * kPacks * kVec <= 16;  // see above
   constexpr int kBlock = BlockThreads(kGroup);
   constexpr int kStride = kGroup * kVec;
   const bool log = p.log;
@@ -880,6 +881,8 @@ __device__ __forceinline__ void finish_batch_raw(const RowParams& p, const Loade
       }
     }
     T* dst = loader.out_row(p, row);
+    // One test for all of the thread's vectors, even where it holds one: through store_row (one
+    // test per vector there) the lane groups took 64 registers instead of 56 (ptxas sm_90a).
     const bool inside = loader.holds(first_col, first_col + (kPacks - 1) * kStride);
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) {
@@ -974,30 +977,28 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     bool any[kRows];               // forward: whether any of this thread's positions takes part
     // Built once per row: its bias/mask offsets and causal limit cost integer divisions.
     Loader loaders[kRows];
-    if constexpr (Loader::kRawBwd) {
+    if constexpr (Loader::kRawBwd ||
+                  (!kBwd && (Loader::kPlain || BatchOperands<Loader, kRows, kPacks>::kSplit))) {
+      // 16-bit plain backward rows, plain and windowed forward rows (their loaders are cheap: no
+      // operands) and 16-bit general forward rows: every loader, then every fetch, then the values.
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int64_t row = row0 + r * (kBlock / kGroup) + group;
         loaders[r] = Loader(p, row, row < p.rows);
       }
+      if constexpr (Loader::kRawBwd) {
 #pragma unroll
-      for (int r = 0; r < kRows; ++r)
+        for (int r = 0; r < kRows; ++r)
 #pragma unroll
-        for (int k = 0; k < kPacks; ++k)
-          loaders[r].fetch_bwd(first_col + k * kGroup * kVec, ys[r][k], gs[r][k]);
+          for (int k = 0; k < kPacks; ++k)
+            loaders[r].fetch_bwd(first_col + k * kGroup * kVec, ys[r][k], gs[r][k]);
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) partial[r] = raw_dot<T>(ys[r], gs[r], p.log);
-    } else if constexpr (!kBwd && (Loader::kPlain || BatchOperands<Loader, kRows, kPacks>::kSplit)) {
-      // Plain and windowed forward rows (their loaders are cheap: no operands), and 16-bit
-      // general ones: every loader, then every fetch, then the values (load_batch_fwd).
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const int64_t row = row0 + r * (kBlock / kGroup) + group;
-        loaders[r] = Loader(p, row, row < p.rows);
+        for (int r = 0; r < kRows; ++r) partial[r] = raw_dot<T>(ys[r], gs[r], p.log);
+      } else {
+        BatchOperands<Loader, kRows, kPacks> ops;
+        fetch_batch_operands(loaders, first_col, kGroup * kVec, ops);
+        load_batch_fwd<true>(loaders, first_col, kGroup * kVec, ops, v, any);
       }
-      BatchOperands<Loader, kRows, kPacks> ops;
-      fetch_batch_operands(loaders, first_col, kGroup * kVec, ops);
-      load_batch_fwd<true>(loaders, first_col, kGroup * kVec, ops, v, any);
     } else {
       // Backward, and float32/float64 general forward rows: each row's loader built just before
       // its loads (its index math's temporaries then die before the next row's: built all
@@ -1018,9 +1019,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
       }
     }
     if constexpr (Loader::kRawBwd)
-      finish_batch_raw<kGroup, kCluster, (kRows * kPacks * kVec <= 16)>(
-          p, loaders, row0, group, first_col, partial, ys, gs, block_slots[use & 1],
-          exchange.buffer(use));
+      finish_batch_raw<kGroup, kCluster>(p, loaders, row0, group, first_col, partial, ys, gs,
+                                         block_slots[use & 1], exchange.buffer(use));
     else if constexpr (kBwd)
       finish_batch<kGroup, kCluster>(p, loaders, row0, group, first_col, v, g, ok,
                                      block_slots[use & 1], exchange.buffer(use));
