@@ -414,32 +414,47 @@ struct RowLoader {
 };
 
 // The forward's loads of a batch: kRows rows of kPacks vectors per thread, vector k of row r at
-// window offset first + k * stride. The operands first (mask bytes, and a 16-bit bias; the staged
+// window offset first + k * stride. The operands first (mask bytes and a 16-bit bias; the staged
 // kernel fetches them before it waits for its stage), then x, then the values (RowLoader::fetch_x
-// says why). Batches of more than two rows fetch their operands vector by vector instead, just
-// before the values: ahead, the eight float32 rows of a short staged tier spilled 112-140 bytes.
-template <typename Loader, int kRows, int kPacks, int kVec = Loader::kVecWidth>
+// says why). kFetchX: x comes from global memory (the register and two-pass kernels), not from a
+// stage in shared memory.
+//   16-bit rows: mask bytes and bias ahead for one or two rows per thread. Batches of more rows
+//     fetch them vector by vector, just before the values: ahead, the eight float32 rows of a
+//     short staged tier spilled 112-140 bytes.
+//   Float32 rows with a mask, bias or causal limit, one or two per thread, from a stage: the mask
+//     bytes ahead (one register per vector), the bias with its vector (ahead, 32 more registers:
+//     the staged clusters spilled 64-144 bytes). Before, each vector was loaded and computed in
+//     one step, in its own basic block (load_fwd_direct), so one vector's mask bytes were waited
+//     for (from L2, for a padding mask that many rows share) before the next one's were asked for.
+//   Other float32 rows and float64 rows load with load_fwd_direct. In the register tiers the split
+//     spilled 20-300 bytes at 64 registers, with x fetched four vectors ahead (with or without
+//     their operands) and with x of every vector loaded first into the values' registers and the
+//     operands one vector at a time (TUNING.md, session 10).
+template <typename Loader, int kRows, int kPacks, bool kFetchX>
 struct BatchOperands {
-  // The fetch/compute split for 16-bit types; wider ones load with load_fwd_direct().
-  static constexpr bool kSplit = sizeof(typename Loader::Elem) == 2;
-  // Mask bytes and bias fetched ahead (see fetch_bias()): 16-bit rows of one or two per thread.
-  static constexpr bool kAhead = kSplit && !Loader::kPlain && kRows <= 2;
+  using T = typename Loader::Elem;
+  static constexpr int kVec = Loader::kVecWidth;
+  static constexpr bool kGeneral = !Loader::kPlain;
+  static constexpr bool kSplit =
+      sizeof(T) == 2 || (sizeof(T) == 4 && kGeneral && !kFetchX && kRows <= 2);
+  static constexpr bool kAhead = kSplit && kGeneral && kRows <= 2;  // mask bytes ahead
+  static constexpr bool kBiasAhead = kAhead && sizeof(T) == 2;
   typename Loader::Bytes mask[kAhead ? kRows : 1][kAhead ? kPacks : 1];
-  typename Loader::Elem bias[kAhead ? kRows : 1][kAhead ? kPacks : 1][kAhead ? kVec : 1];
+  T bias[kBiasAhead ? kRows : 1][kBiasAhead ? kPacks : 1][kBiasAhead ? kVec : 1];
 };
 
-template <typename Loader, int kRows, int kPacks>
+template <bool kFetchX, typename Loader, int kRows, int kPacks>
 __device__ __forceinline__ void fetch_batch_operands(const Loader (&loaders)[kRows], int first,
                                                      int stride,
-                                                     BatchOperands<Loader, kRows, kPacks>& ops) {
-  using Ops = BatchOperands<Loader, kRows, kPacks>;
+                                                     BatchOperands<Loader, kRows, kPacks, kFetchX>& ops) {
+  using Ops = BatchOperands<Loader, kRows, kPacks, kFetchX>;
   if constexpr (Ops::kAhead) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
 #pragma unroll
       for (int k = 0; k < kPacks; ++k) {
         ops.mask[r][k] = loaders[r].fetch_mask(first + k * stride);
-        loaders[r].fetch_bias(first + k * stride, ops.bias[r][k]);
+        if constexpr (Ops::kBiasAhead) loaders[r].fetch_bias(first + k * stride, ops.bias[r][k]);
       }
   }
 }
@@ -481,10 +496,10 @@ __device__ __forceinline__ void load_batch_inside(const Loader (&loaders)[kRows]
 // batches whose vectors all lie inside their rows skip all of this (load_batch_inside).
 template <bool kFetchX, typename Loader, int kRows, int kPacks, int kVec, typename A>
 __device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], int first, int stride,
-                                               const BatchOperands<Loader, kRows, kPacks>& ops,
+                                               const BatchOperands<Loader, kRows, kPacks, kFetchX>& ops,
                                                A (&v)[kRows][kPacks][kVec], bool (&any)[kRows]) {
   using T = typename Loader::Elem;
-  using Ops = BatchOperands<Loader, kRows, kPacks>;
+  using Ops = BatchOperands<Loader, kRows, kPacks, kFetchX>;
   if constexpr (Loader::kPlain) {
     if (batch_inside<kPacks>(loaders, first, stride)) {
       load_batch_inside(loaders, first, stride, v, any);
@@ -524,8 +539,8 @@ __device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], i
         mask = loaders[r].fetch_mask(w);
       }
       const T* bias = nullptr;
-      if constexpr (Ops::kAhead) bias = ops.bias[r][k];
-      any[r] |= loaders[r].template load_fwd<Ops::kAhead>(w, xs[j], mask, bias, v[r][k]);
+      if constexpr (Ops::kBiasAhead) bias = ops.bias[r][k];
+      any[r] |= loaders[r].template load_fwd<Ops::kBiasAhead>(w, xs[j], mask, bias, v[r][k]);
     }
   }
 }
@@ -978,7 +993,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     // Built once per row: its bias/mask offsets and causal limit cost integer divisions.
     Loader loaders[kRows];
     if constexpr (Loader::kRawBwd ||
-                  (!kBwd && (Loader::kPlain || BatchOperands<Loader, kRows, kPacks>::kSplit))) {
+                  (!kBwd && (Loader::kPlain || BatchOperands<Loader, kRows, kPacks, true>::kSplit))) {
       // 16-bit plain backward rows, plain and windowed forward rows (their loaders are cheap: no
       // operands) and 16-bit general forward rows: every loader, then every fetch, then the values.
 #pragma unroll
@@ -995,7 +1010,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
 #pragma unroll
         for (int r = 0; r < kRows; ++r) partial[r] = raw_dot<T>(ys[r], gs[r], p.log);
       } else {
-        BatchOperands<Loader, kRows, kPacks> ops;
+        BatchOperands<Loader, kRows, kPacks, true> ops;
         fetch_batch_operands(loaders, first_col, kGroup * kVec, ops);
         load_batch_fwd<true>(loaders, first_col, kGroup * kVec, ops, v, any);
       }
@@ -1134,7 +1149,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     // before (8 rows' loaders live across it spilled, float32 with 1-8 lanes).
     const T* stage_in = reinterpret_cast<const T*>(staged_smem + size_t(stage) * tiles.stage_bytes);
     Loader loaders[kRows];
-    BatchOperands<Loader, kRows, kPacks> ops;
+    BatchOperands<Loader, kRows, kPacks, false> ops;
     auto build_loader = [&](int r) {
       const int local = r * (kBlock / kGroup) + group;
       const int64_t row = row0 + local;
@@ -1150,7 +1165,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
       for (int r = 0; r < kRows; ++r) build_loader(r);
       fetch_batch_operands(loaders, first_col, kGroup * kVec, ops);
     };
-    using Ops = BatchOperands<Loader, kRows, kPacks>;
+    using Ops = BatchOperands<Loader, kRows, kPacks, false>;
     if constexpr (Ops::kAhead) prepare();
     mbarrier_wait(&full[stage], phase);
     A v[kRows][kPacks][kVec];
@@ -1224,7 +1239,7 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
 #pragma unroll
         for (int k = 0; k < kUnroll; ++k) loader.load_bwd(first + k * kBlock * kVec, v[k], g[k], ok[k]);
       } else {
-        BatchOperands<Loader, 1, kUnroll> ops;
+        BatchOperands<Loader, 1, kUnroll, true> ops;
         fetch_batch_operands(loaders, first, kBlock * kVec, ops);
         load_batch_fwd<true>(loaders, first, kBlock * kVec, ops, vb, any);
       }
@@ -1258,7 +1273,7 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
       if constexpr (!kBwd) {
         // As forward_row: the formula unless a general row's sum is not positive.
         if (Loader::kPlain || st.sum > A(0)) {
-          BatchOperands<Loader, 1, kUnroll> ops;
+          BatchOperands<Loader, 1, kUnroll, true> ops;
           bool any[1];
           const int first = t0 + int(threadIdx.x) * kVec;
           fetch_batch_operands(loaders, first, kBlock * kVec, ops);

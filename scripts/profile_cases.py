@@ -47,7 +47,7 @@ def _xla_bwd(y, g):
 
 
 def _attention_case(kind, s, dtype=jnp.bfloat16):
-    """(B, 16, s, s) scores with a padding mask (B, 1, 1, s), a full mask (1, 1, s, s), a per-head
+    """(B, 16, s, s) scores (bfloat16, or float32 for the attn32_ cases) with a padding mask (B, 1, 1, s), a full mask (1, 1, s, s), a per-head
     bias, the causal rule or none of them (scale only); the XLA side
     is the benchmark's own expression (jax_softmax._bench.xla_attention_softmax)."""
     b, h = max(1, TENSOR_BYTES // (16 * s * s * jnp.dtype(dtype).itemsize)), 16
@@ -100,8 +100,9 @@ for _n in (1024, 4096, 8192, 16384, 32768):
     for _dt, _name in (("float32", "f32"), ("bfloat16", "bf16")):
         CASES[f"triton_{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _triton_case(dt, n))
 for _kind in ("none", "pad", "full", "bias", "causal"):
-    for _s in (128, 256, 1024, 4096, 8192):
+    for _s in (128, 256, 512, 1024, 2048, 4096, 8192):
         CASES[f"attn_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_case(k, s))
+        CASES[f"attn32_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_case(k, s, jnp.float32))
 
 NCU_DEFAULT = ["bf16_fwd_32", "bf16_fwd_256", "f32_fwd_4096", "f32_fwd_16384", "f32_fwd_50257",
                "f32_fwd_65536", "f32_fwd_262144", "attn_pad_1024", "attn_causal_1024"]
