@@ -271,7 +271,8 @@ struct RowLoader {
   }
 
   // Forward, one vector loaded and computed in one step, as before the fetch/compute split: kept
-  // for float32 and float64, where the split made ptxas spill (20-300 bytes at 64 registers) and
+  // for float64 and for float32 rows other than the staged tiers' general rows of one or two per
+  // thread (BatchOperands), where the split made ptxas spill (20-300 bytes at 64 registers) and
   // whose rows move twice the bytes per element, so that one load in flight carries more.
   __device__ __forceinline__ bool load_fwd_direct(int w, A (&v)[kVec]) const {
     static_assert(!kBwd, "forward rows");
@@ -1143,10 +1144,11 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   // blockIdx.x / kCluster), as the reductions need.
   for (int64_t tile = first_tile; tile < num_tiles; tile += num_ctas, ++use) {
     const int64_t row0 = tile * kRowsPerBlock;
-    // The loaders and the operands do not depend on the stage: 16-bit tiles of one or two rows
-    // per thread with a mask, bias or causal limit build and fetch them while its copy may still
-    // be in flight (a mask row that misses L1 then waits with it); others after the wait, as
-    // before (8 rows' loaders live across it spilled, float32 with 1-8 lanes).
+    // The loaders and the operands do not depend on the stage: tiles of one or two rows per
+    // thread with a mask, bias or causal limit build them and fetch the mask bytes (and a 16-bit
+    // bias) while its copy may still be in flight (a mask row that misses L1 then waits with it);
+    // others after the wait, as before (8 rows' loaders live across it spilled, float32 with 1-8
+    // lanes).
     const T* stage_in = reinterpret_cast<const T*>(staged_smem + size_t(stage) * tiles.stage_bytes);
     Loader loaders[kRows];
     BatchOperands<Loader, kRows, kPacks, false> ops;
@@ -1176,8 +1178,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
       if constexpr (!Ops::kAhead) prepare();
       load_batch_fwd<false>(loaders, first_col, kGroup * kVec, ops, v, any);
     } else {
-      // Float32 and float64 general rows: each row's loader built just before its loads (as in
-      // softmax_rows_kernel), each vector loaded and computed in one step.
+      // Float32 general rows of more than two per thread, and float64 general rows: each row's
+      // loader built just before its loads (as in softmax_rows_kernel), each vector loaded and
+      // computed in one step.
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         build_loader(r);
