@@ -327,18 +327,19 @@ constexpr bool kStageable = kAccess != Access::kWindowed && kVec > 1 && sizeof(T
 // copied whole where the register tiers skip the excluded half. So: short rows (cols <=
 // short_cols, the staged tiers of up to 16 lanes; at S = 512 the bench then read -1 to +3 points
 // against session 5's register tiers), and longer rows whose only operand is a mask that
-// consecutive rows share (innermost row stride 0: a (B, 1, 1, Sk) padding mask). Float32 rows
-// whose only operand is a mask, shared or not, at every length: their staged tiers fetch the
-// mask bytes before the stage's wait, while the float32 register tiers load and use one vector
-// at a time (BatchOperands); measured (session 10, float32 attention, full mask (1, 1, S, S)):
-// S = 1024-4096 1.10-1.18x faster staged; with a bias 0.94-0.98x, causal 0.86x.
+// consecutive rows share (innermost row stride 0: a (B, 1, 1, Sk) padding mask). Where the
+// register tiers do not fetch a row's mask bytes ahead of its values (float32: they load and use
+// one vector at a time, BatchOperands), rows whose only operand is a mask, shared or not, at
+// every length: their staged tiers fetch it before the stage's wait. Measured (session 10,
+// float32 attention, full mask (1, 1, S, S)): S = 1024-4096 1.10-1.18x faster staged; with a
+// bias 0.94-0.98x, causal 0.86x.
 // JAX_SOFTMAX_STAGED_GENERAL (read once; tuning): 0 never, 2 always, anything else this rule.
-inline bool StageGeneralRows(const RowParams& p, int64_t short_cols, size_t elem_bytes) {
+inline bool StageGeneralRows(const RowParams& p, int64_t short_cols, bool register_tiers_ahead) {
   static const long knob = EnvKnob("JAX_SOFTMAX_STAGED_GENERAL", 1);
   if (knob == 0 || knob == 2) return knob == 2;
   if (p.cols <= short_cols) return true;
   const bool mask_only = p.mask.data && !p.bias.data && p.causal.d == 0;
-  if (elem_bytes == 4) return mask_only;
+  if (!register_tiers_ahead) return mask_only;
   const bool shared_mask = p.mask.ndims == 0 || p.mask.strides[p.mask.ndims - 1] == 0;
   return mask_only && shared_mask;
 }
@@ -448,7 +449,10 @@ template <typename T, int kVec, Access kAccess>
 Launched LaunchStagedTier(const LaunchCtx& c) {
   constexpr int kE = 32;  // as the register tiers' forward, for float and 16-bit types
   if constexpr (kAccess == Access::kGeneral) {
-    if (!StageGeneralRows(c.p, 16 * kE, sizeof(T))) return std::nullopt;
+    // Whether the register tiers fetch the mask bytes of a row (of one per thread) ahead.
+    constexpr bool kRegisterAhead =
+        BatchOperands<RowLoader<T, kVec, /*kBwd=*/false, kAccess>, 1, 1, /*kFetchX=*/true>::kAhead;
+    if (!StageGeneralRows(c.p, 16 * kE, kRegisterAhead)) return std::nullopt;
   }
   const int64_t n = c.p.cols;
 #define JS_STAGED(G, E) return LaunchStagedRows<T, G, E, kVec, kAccess, kE / (E)>(c)

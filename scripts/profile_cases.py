@@ -47,9 +47,10 @@ def _xla_bwd(y, g):
 
 
 def _attention_case(kind, s, dtype=jnp.bfloat16):
-    """(B, 16, s, s) scores (bfloat16, or float32 for the attn32_ cases) with a padding mask (B, 1, 1, s), a full mask (1, 1, s, s), a per-head
-    bias, the causal rule or none of them (scale only); the XLA side
-    is the benchmark's own expression (jax_softmax._bench.xla_attention_softmax)."""
+    """(B, 16, s, s) scores (bfloat16; float32 for the attn32_ cases) with a padding mask
+    (B, 1, 1, s), a full mask (1, 1, s, s), a per-head bias, the causal rule or none of them
+    (scale only); the XLA side is the benchmark's own expression
+    (jax_softmax._bench.xla_attention_softmax)."""
     b, h = max(1, TENSOR_BYTES // (16 * s * s * jnp.dtype(dtype).itemsize)), 16
     rng = np.random.default_rng(1)
     scores = jnp.asarray(rng.standard_normal((b, h, s, s)).astype(np.float32), dtype)
