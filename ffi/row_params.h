@@ -103,6 +103,32 @@ struct BroadcastView {
   }
 };
 
+// The order in which the CUDA kernels' CTAs take batches of rows (the CPU loops ignore it).
+// Where the bias or mask is broadcast over the outermost row axes (a (1, H, Sq, Sk) bias over B,
+// a (1, 1, Sq, Sk) mask over B * H), the `copies` rows that read one operand row lie
+// `rows_per_copy` apart. In memory order, each operand row is read once per copy, rows_per_copy
+// rows later: an operand larger than L2 then comes from DRAM once per copy. Here the b-th batch
+// of rows is batch b / copies of copy b % copies, so the CTAs that run at the same time read the
+// same operand rows: one DRAM read, the other copies hit L2 (or the miss already in flight).
+struct RowOrder {
+  uint32_t copies = 1;         // 1: memory order
+  RowDivisor by_copies;        // divides by copies (the fast form: rows < 2^31)
+  uint32_t rows_per_copy = 0;  // rows = copies * rows_per_copy; 0: memory order
+
+  // Whether batches of kBatch rows are reordered: only where they tile each copy exactly.
+  template <int kBatch>
+  JS_HOST_DEVICE bool reorders() const {
+    return rows_per_copy != 0 && rows_per_copy % kBatch == 0;
+  }
+  // First row of batch b where reorders<kBatch>(). 32-bit arithmetic (the host orders only calls
+  // of fewer than 2^31 rows): a 64-bit division's registers spilled in the lane-group kernels.
+  template <int kBatch>
+  JS_HOST_DEVICE int64_t first_row(uint32_t b) const {
+    const uint32_t q = by_copies.quotient32(b);
+    return int64_t(b - q * copies) * rows_per_copy + int64_t(q) * kBatch;
+  }
+};
+
 // What one call computes. Forward: z = scale * x + bias, y = softmax(z) or log_softmax(z) over
 // the valid positions of each row. Backward: dx = scale * d(softmax or log_softmax)/dz applied
 // to dy, zero at invalid positions. A position is valid when its mask element is true (or there
@@ -118,6 +144,7 @@ struct RowParams {
   bool log = false;       // log_softmax instead of softmax
   RowDivisor causal{0, false};  // divides by the query length Sq; d == 0: no causal mask
   bool prefetch = false;  // CUDA, 16-bit types: prefetch each CTA's next rows into L2
+  RowOrder order;         // CUDA: which rows each CTA takes (the launcher sets it)
   BroadcastView bias;     // forward only; element type = the input's
   BroadcastView mask;     // bool (one byte per element)
 

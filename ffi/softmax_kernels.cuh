@@ -422,24 +422,31 @@ struct RowLoader {
 //   16-bit rows: mask bytes and bias ahead for one or two rows per thread. Batches of more rows
 //     fetch them vector by vector, just before the values: ahead, the eight float32 rows of a
 //     short staged tier spilled 112-140 bytes.
-//   Float32 rows with a mask, bias or causal limit, one or two per thread, from a stage: the mask
-//     bytes ahead (one register per vector), the bias with its vector (ahead, 32 more registers:
-//     the staged clusters spilled 64-144 bytes). Before, each vector was loaded and computed in
-//     one step, in its own basic block (load_fwd_direct), so one vector's mask bytes were waited
-//     for (from L2, for a padding mask that many rows share) before the next one's were asked for.
-//   Other float32 rows and float64 rows load with load_fwd_direct. In the register tiers the split
-//     spilled 20-300 bytes at 64 registers, with x fetched four vectors ahead (with or without
-//     their operands) and with x of every vector loaded first into the values' registers and the
-//     operands one vector at a time (TUNING.md, session 10).
+//   Float32 rows with a mask, bias or causal limit, one or two per thread, of at most 16 values
+//     per thread (kNarrowF32): as 16-bit rows, mask bytes and bias ahead.
+//   Such rows of 32 values per thread from a stage: the mask bytes ahead (one register per
+//     vector), the bias with its vector (ahead, 32 more registers: the staged clusters spilled
+//     64-144 bytes). Before, each vector was loaded and computed in one step, in its own basic
+//     block (load_fwd_direct), so one vector's mask bytes were waited for (from L2, for a padding
+//     mask that many rows share) before the next one's were asked for.
+//   Other float32 rows and float64 rows load with load_fwd_direct. In the register tiers of 32
+//     values the split spilled 20-300 bytes at 64 registers, with x fetched four vectors ahead
+//     (with or without their operands) and with x of every vector loaded first into the values'
+//     registers and the operands one vector at a time (TUNING.md, session 10).
 template <typename Loader, int kRows, int kPacks, bool kFetchX>
 struct BatchOperands {
   using T = typename Loader::Elem;
   static constexpr int kVec = Loader::kVecWidth;
   static constexpr bool kGeneral = !Loader::kPlain;
+  // Float32 general batches of at most 16 values per thread (the tiers LaunchTier and
+  // LaunchStagedTier give such rows up to 512 x 16 columns): the split with everything ahead
+  // fits, since x, the bias and the mask bytes then take 16 + 16 + 4 registers.
+  static constexpr bool kNarrowF32 =
+      sizeof(T) == 4 && kGeneral && kRows <= 2 && kRows * kPacks * kVec <= 16;
   static constexpr bool kSplit =
-      sizeof(T) == 2 || (sizeof(T) == 4 && kGeneral && !kFetchX && kRows <= 2);
+      sizeof(T) == 2 || kNarrowF32 || (sizeof(T) == 4 && kGeneral && !kFetchX && kRows <= 2);
   static constexpr bool kAhead = kSplit && kGeneral && kRows <= 2;  // mask bytes ahead
-  static constexpr bool kBiasAhead = kAhead && sizeof(T) == 2;
+  static constexpr bool kBiasAhead = kAhead && (sizeof(T) == 2 || kNarrowF32);
   typename Loader::Bytes mask[kAhead ? kRows : 1][kAhead ? kPacks : 1];
   T bias[kBiasAhead ? kRows : 1][kBiasAhead ? kPacks : 1][kBiasAhead ? kVec : 1];
 };
@@ -918,6 +925,26 @@ __device__ __forceinline__ void finish_batch_raw(const RowParams& p, const Loade
   }
 }
 
+// Kernels that follow RowOrder: rows with a bias or mask (the only ones it reorders) in batches of
+// fewer than 32 rows. Plain and windowed rows, and the short-row tiers' batches of 32 or more
+// rows (rows of up to 16 vectors), carry none of its index math: there a copy's operand would
+// outgrow L2 only with hundreds of heads, and the index math cost the bfloat16 attention rows of
+// S = 128 3-5% (TUNING.md, session 11).
+template <Access kAccess, int kBatch>
+constexpr bool kFollowsOrder = kAccess == Access::kGeneral && kBatch < 32;
+
+// The first row of the batch of kBatch rows that a CTA takes where memory order would give it
+// the batch from row mem0.
+template <Access kAccess, int kBatch>
+__device__ __forceinline__ int64_t ordered_row(const RowParams& p, int64_t mem0) {
+  if constexpr (kFollowsOrder<kAccess, kBatch>) {
+    // Reordered calls have fewer than 2^31 rows.
+    if (p.order.reorders<kBatch>())
+      return p.order.first_row<kBatch>(static_cast<uint32_t>(mem0) / kBatch);
+  }
+  return mem0;
+}
+
 // kRows: rows a lane group handles per iteration (lane-group tiers only). Their lanes hold one or
 // two vectors of a row, so several rows are loaded before the first shuffle to keep enough bytes
 // in flight; their reductions are independent shuffle chains.
@@ -952,9 +979,11 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   // The loop bound is uniform over the block (and cluster): lane groups past the last row still
   // take part in the shuffles, with nothing loaded or stored. Row r of a group's batch is
   // row0 + r * (groups per block) + group, so each load instruction of a warp covers
-  // neighbouring rows.
-  for (int64_t row0 = int64_t(blockIdx.x / kCluster) * kRowsPerBlock; row0 < p.rows;
-       row0 += num_ctas * kRowsPerBlock, ++use) {
+  // neighbouring rows. The loop runs over batches in memory order (from `mem0`); rows with a
+  // bias or mask take them in p.order (RowOrder).
+  for (int64_t mem0 = int64_t(blockIdx.x / kCluster) * kRowsPerBlock; mem0 < p.rows;
+       mem0 += num_ctas * kRowsPerBlock, ++use) {
+    const int64_t row0 = ordered_row<kAccess, kRowsPerBlock>(p, mem0);
     // Ask L2 for this CTA's next batch (this batch was asked for one iteration ago): its loads
     // then wait for L2, not DRAM, and DRAM stays busy while this batch is reduced. Issued before
     // this batch's loads so that its address registers are dead before the loaded values live.
@@ -964,8 +993,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     // CTAs with a next batch prefetch: those of the persistent (cluster) grids, see RowWaves.
     constexpr bool kPrefetch = kVec > 1 && sizeof(T) == 2;
     if (kPrefetch && p.prefetch && threadIdx.x < 32) {
-      const int64_t next0 = row0 + num_ctas * kRowsPerBlock;
-      if (next0 < p.rows) {
+      if (mem0 + num_ctas * kRowsPerBlock < p.rows) {
+        const int64_t next0 =
+            ordered_row<kAccess, kRowsPerBlock>(p, mem0 + num_ctas * kRowsPerBlock);
         const int64_t next_end = next0 + kRowsPerBlock < p.rows ? next0 + kRowsPerBlock : p.rows;
         // A cluster CTA reads only its own chunk of the row.
         int64_t begin = next0 * p.cols, end = next_end * p.cols;
@@ -1087,6 +1117,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   __shared__ uint64_t full[kMaxStages];
   __shared__ S block_slots[2][32];
   __shared__ ClusterExchange<S, kCluster> exchange;
+  __shared__ int64_t refill_row0;  // thread 0's: first row of the tile that refills the stage
 
   const int lane = threadIdx.x % kGroup;
   const int group = threadIdx.x / kGroup;
@@ -1101,10 +1132,10 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
       kCluster > 1 ? std::min(std::max(p.cols - col_base, int64_t{0}), kChunk) : p.cols;
   const int stages = tiles.stages;
 
-  // Thread 0 only: fill `stage` with tile `tile` (kRowsPerBlock rows, fewer at the end).
-  auto fill = [&](int stage, int64_t tile) {
+  // Thread 0 only: fill `stage` with the tile of rows from row0 (kRowsPerBlock rows, fewer at the
+  // end).
+  auto fill = [&](int stage, int64_t row0) {
     T* dst = reinterpret_cast<T*>(staged_smem + size_t(stage) * tiles.stage_bytes);
-    const int64_t row0 = tile * kRowsPerBlock;
     const int64_t nrows = p.rows - row0 < kRowsPerBlock ? p.rows - row0 : kRowsPerBlock;
     // Tile rows are contiguous in memory: nrows * cols elements from row0's first column (for a
     // cluster CTA, nrows == 1 and the copy starts at its chunk).
@@ -1134,7 +1165,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   const int64_t first_tile = blockIdx.x / kCluster;
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s)
-      if (first_tile + s * num_ctas < num_tiles) fill(s, first_tile + s * num_ctas);
+      if (first_tile + s * num_ctas < num_tiles)
+        fill(s, ordered_row<kAccess, kRowsPerBlock>(p, (first_tile + s * num_ctas) *
+                                                            kRowsPerBlock));
   }
 
   int stage = 0;
@@ -1143,7 +1176,15 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   // The loop bound is uniform over the block and the cluster (the CTAs of a cluster share
   // blockIdx.x / kCluster), as the reductions need.
   for (int64_t tile = first_tile; tile < num_tiles; tile += num_ctas, ++use) {
-    const int64_t row0 = tile * kRowsPerBlock;
+    const int64_t row0 = ordered_row<kAccess, kRowsPerBlock>(p, tile * kRowsPerBlock);
+    // Kernels that follow RowOrder: the first row of the tile that would refill this tile's
+    // stage, which thread 0 works out before the values are live and keeps in shared memory until
+    // the refill (worked out there, kept in registers, or only where a refill follows, RowOrder's
+    // index math spilled 44-100 bytes in the float32 clusters).
+    constexpr bool kOrdered = kFollowsOrder<kAccess, kRowsPerBlock>;
+    if (kOrdered && threadIdx.x == 0)
+      refill_row0 =
+          ordered_row<kAccess, kRowsPerBlock>(p, (tile + stages * num_ctas) * kRowsPerBlock);
     // The loaders and the operands do not depend on the stage: tiles of one or two rows per
     // thread with a mask, bias or causal limit build them and fetch the mask bytes (and a 16-bit
     // bias) while its copy may still be in flight (a mask row that misses L1 then waits with it);
@@ -1196,7 +1237,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
       __syncthreads();
       if (threadIdx.x == 0) {
         fence_proxy_async_shared();
-        fill(stage, tile + stages * num_ctas);
+        fill(stage, kOrdered ? refill_row0 : (tile + stages * num_ctas) * kRowsPerBlock);
       }
     }
     finish_batch<kGroup, kCluster>(p, loaders, row0, group, first_col, v, any, block_slots[use & 1],
@@ -1225,7 +1266,8 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
   const bool log = p.log;
   const A scale = static_cast<A>(p.scale);
   int parity = 0;
-  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x, parity ^= 1) {
+  for (int64_t mem = blockIdx.x; mem < p.rows; mem += gridDim.x, parity ^= 1) {
+    const int64_t row = ordered_row<kAccess, 1>(p, mem);
     const Loader loader(p, row, true);
     const Loader loaders[1] = {loader};  // a batch of one row, for the forward's batch loads
     const int end = loader.limit + 1 + loader.shift;  // window offsets past it are not read

@@ -76,6 +76,7 @@ struct DeviceInfo {
   int smem_per_sm = 0;        // shared memory of an SM, bytes
   int smem_per_block = 0;     // the most one block may opt in to
   int smem_reserved = 0;      // what the system takes per resident block
+  int l2_bytes = 0;           // L2 cache size
 };
 
 constexpr int kMaxDevices = 64;
@@ -98,6 +99,8 @@ inline ffi::ErrorOr<DeviceInfo> GetDeviceInfo(int device) {
     if (e == cudaSuccess)
       e = cudaDeviceGetAttribute(&info[device].smem_reserved,
                                  cudaDevAttrReservedSharedMemoryPerBlock, device);
+    if (e == cudaSuccess)
+      e = cudaDeviceGetAttribute(&info[device].l2_bytes, cudaDevAttrL2CacheSize, device);
     status[device] = e;
   });
   if (status[device] != cudaSuccess)
@@ -272,6 +275,48 @@ inline bool NarrowClusters() {
   return narrow;
 }
 
+// RowOrder for a call: the copies of a bias or mask broadcast over the outermost row axes. Every
+// present operand must be broadcast there (the merged row axes are common to all of them), and
+// some inner axis must not be (else one operand row serves every row). Only where memory order
+// would lose the operand from L2 between copies: the bytes that pass through L2 from one copy's
+// read of an operand row to the next (x read and y written, or y and dy read and dx written, for
+// rows_per_copy rows; the operands read) exceed half of L2 (L2 is two partitions). Where they fit, the reordered CTAs only scatter
+// the reads of x: measured (TUNING.md, session 11, H200, 60 MiB L2) a (1, 1, S, S) mask at
+// S = 128-1024 ran 3-7% slower reordered, at S = 4096 (bfloat16: 80 MiB between copies) 1.11x
+// faster; a (1, H, S, S) bias at S = 1024 1.25-1.30x faster. JAX_SOFTMAX_REUSE_ORDER (read once;
+// for A/B runs): 0 keeps memory order, 2 orders wherever the shapes allow.
+// passes: tensors of x's type read or written per element (forward 2: x, y; backward 3: y, dy, dx).
+inline RowOrder OperandReuseOrder(const RowParams& p, int passes, size_t elem_bytes,
+                                  const DeviceInfo& dev) {
+  static const long knob = EnvKnob("JAX_SOFTMAX_REUSE_ORDER", 1);
+  RowOrder order;
+  const BroadcastView* ops[2];
+  int n = 0;
+  if (p.bias.data) ops[n++] = &p.bias;
+  if (p.mask.data) ops[n++] = &p.mask;
+  if (knob == 0 || n == 0) return order;
+  const int ndims = ops[0]->ndims;
+  int64_t copies = 1;
+  int g = 0;
+  for (; g < ndims; ++g) {
+    bool broadcast = true;
+    for (int i = 0; i < n; ++i) broadcast &= ops[i]->strides[g] == 0;
+    if (!broadcast) break;
+    copies *= ops[0]->sizes[g].d;
+  }
+  if (copies <= 1 || g == ndims || p.rows >= (int64_t{1} << 31)) return order;
+  const int64_t rows_per_copy = p.rows / copies;
+  // Per element between copies: the passes, the bias (x's type), the mask (a byte).
+  const int64_t per_elem = passes * int64_t(elem_bytes) +
+                           (p.bias.data ? int64_t(elem_bytes) : 0) + (p.mask.data ? 1 : 0);
+  const double between = double(rows_per_copy) * double(p.cols) * double(per_elem);
+  if (knob != 2 && between <= 0.5 * double(dev.l2_bytes)) return order;
+  order.copies = static_cast<uint32_t>(copies);
+  order.by_copies = RowDivisor(copies, true);
+  order.rows_per_copy = static_cast<uint32_t>(rows_per_copy);
+  return order;
+}
+
 struct StagePlan {
   StagedTiles tiles{0, 0};
   int ctas_per_sm = 0;
@@ -317,6 +362,12 @@ bool AllowDynamicSmem(int device, const DeviceInfo& dev) {
 template <typename T, int kVec, Access kAccess>
 constexpr bool kStageable = kAccess != Access::kWindowed && kVec > 1 && sizeof(T) <= 4;
 
+// Float32 forward rows with a mask, bias or causal limit on 16-byte vectors: 16 values per thread
+// in the row tiers (LaunchTier's kEB), so that BatchOperands fetches all their operands ahead.
+template <typename T, int kVec, bool kBwd, Access kAccess>
+constexpr bool kNarrowGeneralTiers =
+    !kBwd && kAccess == Access::kGeneral && sizeof(T) == 4 && kVec > 1;
+
 // Whether rows with a mask, bias or causal limit take the staged tiers (x staged; bias and mask
 // read from global memory by every thread, as in the register tiers). Measured on bfloat16
 // attention (TUNING.md session 6, staged vs register): rows of S = 128-256, tiles of several rows
@@ -328,11 +379,14 @@ constexpr bool kStageable = kAccess != Access::kWindowed && kVec > 1 && sizeof(T
 // short_cols, the staged tiers of up to 16 lanes; at S = 512 the bench then read -1 to +3 points
 // against session 5's register tiers), and longer rows whose only operand is a mask that
 // consecutive rows share (innermost row stride 0: a (B, 1, 1, Sk) padding mask). Where the
-// register tiers do not fetch a row's mask bytes ahead of its values (float32: they load and use
-// one vector at a time, BatchOperands), rows whose only operand is a mask, shared or not, at
-// every length: their staged tiers fetch it before the stage's wait. Measured (session 10,
-// float32 attention, full mask (1, 1, S, S)): S = 1024-4096 1.10-1.18x faster staged; with a
-// bias 0.94-0.98x, causal 0.86x.
+// register tier that would take the row does not fetch its mask bytes ahead of its values
+// (float32 rows of 32 values per thread, beyond 512 x 16 columns: they load and use one vector at
+// a time, BatchOperands), rows whose only operand is a mask, shared or not: their staged tiers
+// fetch it before the stage's wait. Measured (session 10, float32 attention, full mask
+// (1, 1, S, S), register tiers of 32 values): S = 1024-4096 1.10-1.18x faster staged; with a bias
+// 0.94-0.98x, causal 0.86x. Since session 11 the float32 register tiers to 512 x 16 fetch ahead
+// (16 values per thread), and there the full mask ran as fast on them as staged (S = 1024 146 vs
+// 148 us, 4096 563 vs 559).
 // JAX_SOFTMAX_STAGED_GENERAL (read once; tuning): 0 never, 2 always, anything else this rule.
 inline bool StageGeneralRows(const RowParams& p, int64_t short_cols, bool register_tiers_ahead) {
   static const long knob = EnvKnob("JAX_SOFTMAX_STAGED_GENERAL", 1);
@@ -448,26 +502,36 @@ Launched LaunchStagedCluster(const LaunchCtx& c) {
 template <typename T, int kVec, Access kAccess>
 Launched LaunchStagedTier(const LaunchCtx& c) {
   constexpr int kE = 32;  // as the register tiers' forward, for float and 16-bit types
+  // Values per thread of the short-row tiers (to 32 lanes): 16 for float32 rows with a mask, bias
+  // or causal limit (as LaunchTier's kEB).
+  constexpr int kEB = kNarrowGeneralTiers<T, kVec, false, kAccess> ? 16 : kE;
   if constexpr (kAccess == Access::kGeneral) {
-    // Whether the register tiers fetch the mask bytes of a row (of one per thread) ahead.
-    constexpr bool kRegisterAhead =
-        BatchOperands<RowLoader<T, kVec, /*kBwd=*/false, kAccess>, 1, 1, /*kFetchX=*/true>::kAhead;
-    if (!StageGeneralRows(c.p, 16 * kE, kRegisterAhead)) return std::nullopt;
+    // Whether the register tier that would take the row fetches its mask bytes ahead: warps and
+    // blocks of kEB values per thread, or (longer rows) kE.
+    using Loader = RowLoader<T, kVec, /*kBwd=*/false, kAccess>;
+    constexpr bool kAheadRows = BatchOperands<Loader, 1, kEB / kVec, /*kFetchX=*/true>::kAhead;
+    constexpr bool kAheadLong = BatchOperands<Loader, 1, kE / kVec, /*kFetchX=*/true>::kAhead;
+    const bool register_ahead = c.p.cols <= 512 * kEB ? kAheadRows : kAheadLong;
+    if (!StageGeneralRows(c.p, 16 * kE, register_ahead)) return std::nullopt;
   }
   const int64_t n = c.p.cols;
-#define JS_STAGED(G, E) return LaunchStagedRows<T, G, E, kVec, kAccess, kE / (E)>(c)
-  if (n <= 1 * kVec) JS_STAGED(1, kVec);
-  if (n <= 2 * kVec) JS_STAGED(2, kVec);
-  if (n <= 4 * kVec) JS_STAGED(4, kVec);
-  if (n <= 8 * kVec) JS_STAGED(8, kVec);
-  if (n <= 8 * 2 * kVec) JS_STAGED(8, 2 * kVec);
-  if (n <= 8 * kE) JS_STAGED(8, kE);
-  if (n <= 16 * kE) JS_STAGED(16, kE);
-  if (n <= 32 * kE) JS_STAGED(32, kE);
-  if (n <= 64 * kE) JS_STAGED(64, kE);
-  if (n <= 128 * kE) JS_STAGED(128, kE);
-  if (n <= 256 * kE) JS_STAGED(256, kE);
-  if (n <= 512 * kE) JS_STAGED(512, kE);
+#define JS_STAGED(G, E, R) return LaunchStagedRows<T, G, E, kVec, kAccess, R>(c)
+  if (n <= 1 * kVec) JS_STAGED(1, kVec, kEB / kVec);
+  if (n <= 2 * kVec) JS_STAGED(2, kVec, kEB / kVec);
+  if (n <= 4 * kVec) JS_STAGED(4, kVec, kEB / kVec);
+  if (n <= 8 * kVec) JS_STAGED(8, kVec, kEB / kVec);
+  if (n <= 8 * 2 * kVec) JS_STAGED(8, 2 * kVec, kEB / (2 * kVec));
+  if (n <= 8 * kEB) JS_STAGED(8, kEB, 1);
+  if (n <= 16 * kEB) JS_STAGED(16, kEB, 1);
+  if (n <= 32 * kEB) JS_STAGED(32, kEB, 1);
+  // Wider rows (float32 general rows here are mask-only ones: StageGeneralRows) hold kE values:
+  // a tile's bytes per thread, and so per SM, are what a staged tier has in flight (float32
+  // padding mask, S = 8192: 512 x 16 took 155 us where 256 x 32 took 137).
+  if (n <= 32 * kE) JS_STAGED(32, kE, 1);
+  if (n <= 64 * kE) JS_STAGED(64, kE, 1);
+  if (n <= 128 * kE) JS_STAGED(128, kE, 1);
+  if (n <= 256 * kE) JS_STAGED(256, kE, 1);
+  if (n <= 512 * kE) JS_STAGED(512, kE, 1);
 #undef JS_STAGED
   if constexpr (kAccess == Access::kPlain) {
     if (WideClusters()) {
@@ -497,6 +561,11 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // Elements per thread held in registers: 32, or 16 for backward rows, whose elements take two
   // values.
   constexpr int kE = (kBwd ? 16 : 32) / (kVec == 1 ? 2 : 1) / (sizeof(acc_t<T>) / 4);
+  // Float32 forward rows with a mask, bias or causal limit take 16 values per thread in the warp
+  // and block tiers (to 512 x 16 columns), where all their loads fit in flight at once
+  // (BatchOperands::kNarrowF32); at 32 values they load one vector at a time. Rows of up to
+  // 512 x 32 columns then take one 512 x 32 block, longer ones the clusters of 32 as before.
+  constexpr int kEB = kNarrowGeneralTiers<T, kVec, kBwd, kAccess> ? 16 : kE;
   // 16-bit backward rows without a mask hold y and dy as loaded pairs (RowLoader::kRawBwd): 16
   // values per thread keep them through the row's reduction, 32 read them again after it
   // (finish_batch_raw). Measured (TUNING.md, session 9; bfloat16, us per call, 16 vs 32 values
@@ -526,17 +595,18 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // One warp per row (two rows per iteration while a lane holds two vectors and the two rows'
   // values fit 32 registers; 16-bit backward rows hold twice that and spilled at 64).
   constexpr int kRowsTwoVec = 2 * (2 * kVec) * (kBwd ? 2 : 1) <= 32 ? 2 : 1;
-  if constexpr (2 * kVec <= kE) if (n <= 32 * 2 * kVec) JS_ROWS(32, 2 * kVec, kRowsTwoVec);
-  if constexpr (4 * kVec <= kE) if (n <= 32 * 4 * kVec) JS_ROWS(32, 4 * kVec, 1);
-  if constexpr (8 * kVec <= kE) if (n <= 32 * 8 * kVec) JS_ROWS(32, 8 * kVec, 1);
-  if constexpr (16 * kVec <= kE) if (n <= 32 * 16 * kVec) JS_ROWS(32, 16 * kVec, 1);
-  if constexpr (32 * kVec <= kE) if (n <= 32 * 32 * kVec) JS_ROWS(32, 32 * kVec, 1);
+  if constexpr (2 * kVec <= kEB) if (n <= 32 * 2 * kVec) JS_ROWS(32, 2 * kVec, kRowsTwoVec);
+  if constexpr (4 * kVec <= kEB) if (n <= 32 * 4 * kVec) JS_ROWS(32, 4 * kVec, 1);
+  if constexpr (8 * kVec <= kEB) if (n <= 32 * 8 * kVec) JS_ROWS(32, 8 * kVec, 1);
+  if constexpr (16 * kVec <= kEB) if (n <= 32 * 16 * kVec) JS_ROWS(32, 16 * kVec, 1);
+  if constexpr (32 * kVec <= kEB) if (n <= 32 * 32 * kVec) JS_ROWS(32, 32 * kVec, 1);
   // One block per row, up to 512 threads: two such blocks fit an SM, so one block's barrier
   // wait overlaps the other's loads.
-  if (n <= 64 * kE) JS_ROWS(64, kE, 1);
-  if (n <= 128 * kE) JS_ROWS(128, kE, 1);
-  if (n <= 256 * kE) JS_ROWS(256, kE, 1);
-  if (n <= 512 * kE) JS_ROWS(512, kE, 1);
+  if (n <= 64 * kEB) JS_ROWS(64, kEB, 1);
+  if (n <= 128 * kEB) JS_ROWS(128, kEB, 1);
+  if (n <= 256 * kEB) JS_ROWS(256, kEB, 1);
+  if (n <= 512 * kEB) JS_ROWS(512, kEB, 1);
+  if constexpr (kEB != kE) if (n <= 512 * kE) JS_ROWS(512, kE, 1);
   if constexpr (kRawWide) if (n <= 512 * 2 * kE) JS_ROWS(512, 2 * kE, 1);
   if (c.dev.cc_major >= 9) {
     // Hopper and newer: a cluster of 512-thread blocks per row (256-thread blocks for plain rows
@@ -579,6 +649,7 @@ ffi::Error LaunchSoftmax(const RowParams& p, cudaStream_t stream) {
   if (dev.has_error()) return dev.error();
   RowParams params = p;
   params.prefetch = PrefetchEnabled() && dev->cc_major >= 9;
+  params.order = OperandReuseOrder(p, kBwd ? 3 : 2, sizeof(T), *dev);
   const LaunchCtx ctx{params, stream, device, *dev};
   // XLA aligns buffers; the check costs nothing and depends on addresses, never on data.
   const bool ptrs_aligned = Aligned16(p.in) && Aligned16(p.out) &&

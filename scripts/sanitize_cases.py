@@ -68,6 +68,16 @@ def main():
             s = jnp.asarray(rng.standard_normal((2, 3, min(cols, 257), cols)), dtype)
             y, vjp = jax.vjp(lambda a: jax_softmax.attention_softmax(a, scale=0.5, is_causal=True), s)
             vjp(jnp.ones_like(y))[0].block_until_ready()
+        if only is None and cols <= 65536:
+            # A (1, H, Sq, Sk) bias and a (1, 1, Sq, Sk) mask broadcast over the batch: CTAs take
+            # the batches of rows copy by copy (RowOrder).
+            s = jnp.asarray(rng.standard_normal((3, 2, 32, cols)), dtype)
+            bias = jnp.asarray(rng.standard_normal((1, 2, 32, cols)), dtype)
+            mask = jnp.asarray(rng.random((1, 1, 32, cols)) > 0.2)
+            y, vjp = jax.vjp(
+                lambda a: jax_softmax.attention_softmax(a, scale=0.5, bias=bias, mask=mask), s
+            )
+            vjp(jnp.ones_like(y))[0].block_until_ready()
         print(f"ok {rows}x{cols} {np.dtype(dtype).name}", flush=True)
 
 

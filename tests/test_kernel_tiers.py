@@ -35,6 +35,7 @@ from conftest import (
     FLOAT_DTYPES,
     GRAD_TOL,
     assert_close,
+    attention_valid,
     np_attention,
     np_softmax_vjp,
     np_softmax_vjp_scale,
@@ -281,3 +282,47 @@ def check_attention(device, rng, dtype, s):
     assert_close(ds, 0.125 * dz, dtype, tol=GRAD_TOL, mag=0.125 * mag, what=f"d scores S={s}")
     red = dict(axis=(0, 2), keepdims=True)  # bias (1, H, 1, S): summed over batch and queries
     assert_close(db, dz.sum(**red), dtype, tol=GRAD_TOL, mag=mag.sum(**red), what=f"d bias S={s}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("operands", ["bias", "mask", "both", "bias_causal"])
+def test_broadcast_operand_order(backend, device, rng, dtype, operands):
+    # A (1, H, Sq, Sk) bias and a (1, 1, Sq, Sk) mask are broadcast over the outer row axes: the
+    # launcher then hands batches of rows to CTAs copy by copy (RowOrder), where the batches of a
+    # tier tile each copy exactly (H * Sq or Sq rows per copy: 1024 or 512 for the 256- and
+    # 512-row tiles of the shortest rows, 128 or 64 for the others), in memory order otherwise
+    # (Sq = 37). Sk runs through the tiers: lane groups (8), a warp or 8 staged lanes (128),
+    # blocks (1000, 4096), a cluster (20000, float32: 2 x 512 x 32 columns); one jitted call.
+    b, h = 3, 2
+    cases = []
+    for sq, sk in [(512, 8), (64, 128), (37, 128), (64, 1000), (37, 4096), (64, 4096), (16, 20000)]:
+        s = rounded(rng.standard_normal((b, h, sq, sk)) * 2.0, dtype)
+        bias = None
+        if operands != "mask":
+            bias = rounded(rng.standard_normal((1, h, sq, sk)), dtype)
+        mask = None
+        if operands in ("mask", "both"):
+            mask = rng.random((1, 1, sq, sk)) < 0.8
+            mask[0, 0, 1] = False  # a fully excluded row in every copy
+        cases.append((s, bias, mask, rounded(rng.standard_normal(s.shape), dtype)))
+    causal = operands == "bias_causal"
+    placed = [put(device, *c) for c in cases]
+    for s, *_ in cases:
+        poison(device, s.shape, dtype, count=2)
+
+    def fn(s_, b_, m_, g_):
+        y, pull = jax.vjp(
+            lambda s_: js.attention_softmax(s_, scale=0.5, bias=b_, mask=m_, is_causal=causal), s_
+        )
+        return y, *pull(g_)
+
+    results = jax.jit(lambda cs: [fn(*c) for c in cs])(placed)
+    for (s, bias, mask, g), (y, ds) in zip(cases, results):
+        what = f"{operands} shape={s.shape}"
+        assert_close(np.asarray(y), np_attention(s, 0.5, bias, mask, causal), dtype, what=what)
+        z = s.astype(np.float64) * 0.5 + (0.0 if bias is None else bias.astype(np.float64))
+        valid = attention_valid(s.shape, mask, causal)
+        dz = np_softmax_vjp(z, g, -1, valid)
+        mag = np_softmax_vjp_scale(z, g, -1, valid, dtype=dtype)
+        assert_close(np.asarray(ds), 0.5 * dz, dtype, tol=GRAD_TOL, mag=0.5 * mag, what="d " + what)
