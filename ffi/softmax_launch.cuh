@@ -4,8 +4,10 @@
 // Tier table (E = elements per thread held in registers: 32 forward, 16 backward, whose rows
 // take two values per element, both halved when V = 1 because scalar accesses need more address
 // registers (ptxas spilled at 1024 threads x 32 scalar elements), and halved again for float64,
-// whose values take two registers; V = the 16-byte vector width,
-// or 1 when cols % V != 0 or a pointer is not 16-byte aligned):
+// whose values take two registers; float32 forward rows with a mask, bias or causal limit take 16
+// in the warp and block tiers (to 512 x 16 columns, then a 512 x 32 block) and in the staged
+// tiers of up to 32 lanes, so that all their loads are in flight at once (LaunchTier's kEB);
+// V = the 16-byte vector width, or 1 when cols % V != 0 or a pointer is not 16-byte aligned):
 //   cols <= 32 * V          lane group of G = 1..32 lanes per row, one vector each; 128 / G rows
 //                           per 4-warp block (several rows per warp for tiny rows), and four rows
 //                           per group in flight at once (two backward), meant to put more bytes
@@ -39,7 +41,9 @@
 // resident clusters (CTAs) for the cluster (two-pass) kernels, read once per device and kernel
 // from the occupancy calculator, whose CTAs loop over rows and, on sm_90 with 16-bit types,
 // prefetch their next rows into L2 while the current ones are reduced (softmax_rows_kernel says
-// why 16-bit only).
+// why 16-bit only). Rows with a bias or mask broadcast over the outer row axes take their
+// batches copy by copy where the operand would otherwise fall out of L2 between copies
+// (OperandReuseOrder, RowOrder).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -280,11 +284,12 @@ inline bool NarrowClusters() {
 // some inner axis must not be (else one operand row serves every row). Only where memory order
 // would lose the operand from L2 between copies: the bytes that pass through L2 from one copy's
 // read of an operand row to the next (x read and y written, or y and dy read and dx written, for
-// rows_per_copy rows; the operands read) exceed half of L2 (L2 is two partitions). Where they fit, the reordered CTAs only scatter
-// the reads of x: measured (TUNING.md, session 11, H200, 60 MiB L2) a (1, 1, S, S) mask at
-// S = 128-1024 ran 3-7% slower reordered, at S = 4096 (bfloat16: 80 MiB between copies) 1.11x
-// faster; a (1, H, S, S) bias at S = 1024 1.25-1.30x faster. JAX_SOFTMAX_REUSE_ORDER (read once;
-// for A/B runs): 0 keeps memory order, 2 orders wherever the shapes allow.
+// rows_per_copy rows; the operands read) exceed half of L2 (L2 is two partitions). Where they
+// fit, the reordered CTAs only scatter the reads of x: measured (TUNING.md, session 11, H200,
+// 60 MiB L2) a (1, 1, S, S) mask at S = 128-1024 ran 3-7% slower reordered, at S = 4096
+// (bfloat16: 80 MiB between copies) 1.09x faster; a (1, H, S, S) bias at S = 512-1024 (float32)
+// 1.27-1.28x faster. JAX_SOFTMAX_REUSE_ORDER (read once; for A/B runs): 0 keeps memory order,
+// 2 orders wherever the shapes allow.
 // passes: tensors of x's type read or written per element (forward 2: x, y; backward 3: y, dy, dx).
 inline RowOrder OperandReuseOrder(const RowParams& p, int passes, size_t elem_bytes,
                                   const DeviceInfo& dev) {
