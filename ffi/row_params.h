@@ -111,9 +111,8 @@ struct BroadcastView {
 // of rows is batch b / copies of copy b % copies, so the CTAs that run at the same time read the
 // same operand rows: one DRAM read, the other copies hit L2 (or the miss already in flight).
 struct RowOrder {
-  uint32_t copies = 1;         // 1: memory order
-  RowDivisor by_copies;        // divides by copies (the fast form: rows < 2^31)
-  uint32_t rows_per_copy = 0;  // rows = copies * rows_per_copy; 0: memory order
+  RowDivisor copies;           // the number of copies (d) and division by it (the fast form)
+  uint32_t rows_per_copy = 0;  // rows = copies.d * rows_per_copy; 0: memory order
 
   // Whether batches of kBatch rows are reordered: only where they tile each copy exactly.
   template <int kBatch>
@@ -124,8 +123,8 @@ struct RowOrder {
   // of fewer than 2^31 rows): a 64-bit division's registers spilled in the lane-group kernels.
   template <int kBatch>
   JS_HOST_DEVICE int64_t first_row(uint32_t b) const {
-    const uint32_t q = by_copies.quotient32(b);
-    return int64_t(b - q * copies) * rows_per_copy + int64_t(q) * kBatch;
+    const uint32_t q = copies.quotient32(b);
+    return int64_t(b - q * static_cast<uint32_t>(copies.d)) * rows_per_copy + int64_t(q) * kBatch;
   }
 };
 

@@ -271,9 +271,9 @@ struct RowLoader {
   }
 
   // Forward, one vector loaded and computed in one step, as before the fetch/compute split: kept
-  // for float64 and for float32 rows other than the staged tiers' general rows of one or two per
-  // thread (BatchOperands), where the split made ptxas spill (20-300 bytes at 64 registers) and
-  // whose rows move twice the bytes per element, so that one load in flight carries more.
+  // for float64 and for the float32 batches that BatchOperands leaves out of the split, where it
+  // made ptxas spill (20-300 bytes at 64 registers) and whose rows move twice the bytes per
+  // element, so that one load in flight carries more.
   __device__ __forceinline__ bool load_fwd_direct(int w, A (&v)[kVec]) const {
     static_assert(!kBwd, "forward rows");
     const int c = w - shift;
@@ -415,10 +415,10 @@ struct RowLoader {
 };
 
 // The forward's loads of a batch: kRows rows of kPacks vectors per thread, vector k of row r at
-// window offset first + k * stride. The operands first (mask bytes and a 16-bit bias; the staged
-// kernel fetches them before it waits for its stage), then x, then the values (RowLoader::fetch_x
-// says why). kFetchX: x comes from global memory (the register and two-pass kernels), not from a
-// stage in shared memory.
+// window offset first + k * stride. The operands first (mask bytes and bias, where kAhead and
+// kBiasAhead say; the staged kernel fetches them before it waits for its stage), then x, then the
+// values (RowLoader::fetch_x says why). kFetchX: x comes from global memory (the register and
+// two-pass kernels), not from a stage in shared memory.
 //   16-bit rows: mask bytes and bias ahead for one or two rows per thread. Batches of more rows
 //     fetch them vector by vector, just before the values: ahead, the eight float32 rows of a
 //     short staged tier spilled 112-140 bytes.
@@ -1026,7 +1026,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     if constexpr (Loader::kRawBwd ||
                   (!kBwd && (Loader::kPlain || BatchOperands<Loader, kRows, kPacks, true>::kSplit))) {
       // 16-bit plain backward rows, plain and windowed forward rows (their loaders are cheap: no
-      // operands) and 16-bit general forward rows: every loader, then every fetch, then the values.
+      // operands) and the general forward rows that BatchOperands splits (16-bit; float32 of up to
+      // 16 values per thread): every loader, then every fetch, then the values.
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int64_t row = row0 + r * (kBlock / kGroup) + group;
@@ -1046,9 +1047,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
         load_batch_fwd<true>(loaders, first_col, kGroup * kVec, ops, v, any);
       }
     } else {
-      // Backward, and float32/float64 general forward rows: each row's loader built just before
-      // its loads (its index math's temporaries then die before the next row's: built all
-      // first, float32 spilled), each vector loaded and computed in one step.
+      // Backward, and the other float32/float64 general forward rows: each row's loader built
+      // just before its loads (its index math's temporaries then die before the next row's: built
+      // all first, float32 spilled), each vector loaded and computed in one step.
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int64_t row = row0 + r * (kBlock / kGroup) + group;
@@ -1186,8 +1187,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
       refill_row0 =
           ordered_row<kAccess, kRowsPerBlock>(p, (tile + stages * num_ctas) * kRowsPerBlock);
     // The loaders and the operands do not depend on the stage: tiles of one or two rows per
-    // thread with a mask, bias or causal limit build them and fetch the mask bytes (and a 16-bit
-    // bias) while its copy may still be in flight (a mask row that misses L1 then waits with it);
+    // thread with a mask, bias or causal limit build them and fetch the mask bytes (and the bias,
+    // where BatchOperands says) while its copy may still be in flight (a mask row that misses L1 then waits with it);
     // others after the wait, as before (8 rows' loaders live across it spilled, float32 with 1-8
     // lanes).
     const T* stage_in = reinterpret_cast<const T*>(staged_smem + size_t(stage) * tiles.stage_bytes);

@@ -316,8 +316,7 @@ inline RowOrder OperandReuseOrder(const RowParams& p, int passes, size_t elem_by
                            (p.bias.data ? int64_t(elem_bytes) : 0) + (p.mask.data ? 1 : 0);
   const double between = double(rows_per_copy) * double(p.cols) * double(per_elem);
   if (knob != 2 && between <= 0.5 * double(dev.l2_bytes)) return order;
-  order.copies = static_cast<uint32_t>(copies);
-  order.by_copies = RowDivisor(copies, true);
+  order.copies = RowDivisor(copies, true);
   order.rows_per_copy = static_cast<uint32_t>(rows_per_copy);
   return order;
 }
