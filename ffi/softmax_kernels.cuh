@@ -959,6 +959,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   constexpr int kBlock = Tier::kBlock, kRowsPerBlock = Tier::kRowsPerBlock, kPacks = Tier::kPacks;
   constexpr int64_t kChunk = Tier::kChunk;
   static_assert(kCluster == 1 || kGroup == kBlock, "a cluster splits whole-block rows");
+  await_prior_grids();
+  release_dependent_grids();
 
   __shared__ S block_slots[2][32];
   __shared__ ClusterExchange<S, kCluster> exchange;
@@ -1119,6 +1121,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   __shared__ S block_slots[2][32];
   __shared__ ClusterExchange<S, kCluster> exchange;
   __shared__ int64_t refill_row0;  // thread 0's: first row of the tile that refills the stage
+  await_prior_grids();
+  release_dependent_grids();
 
   const int lane = threadIdx.x % kGroup;
   const int group = threadIdx.x / kGroup;
@@ -1264,6 +1268,8 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
   using Loader = RowLoader<T, kVec, kBwd, kAccess>;
   constexpr int kTile = kBlock * kVec * kUnroll;
   __shared__ S block_slots[2][32];
+  await_prior_grids();
+  release_dependent_grids();
   const bool log = p.log;
   const A scale = static_cast<A>(p.scale);
   int parity = 0;

@@ -44,6 +44,8 @@
 // why 16-bit only). Rows with a bias or mask broadcast over the outer row axes take their
 // batches copy by copy where the operand would otherwise fall out of L2 between copies
 // (OperandReuseOrder, RowOrder).
+// Launches (KernelLaunch): on sm_90+ with programmatic dependent launch, so that a kernel's CTAs
+// are scheduled during the previous kernel's last wave (DependentLaunchEnabled).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -145,24 +147,64 @@ ffi::ErrorOr<int> BlocksPerSm(int device) {
   return n;
 }
 
-// Launch configuration of a cluster kernel: kCluster blocks along x per cluster.
-struct ClusterLaunch {
-  cudaLaunchAttribute attr[1];
+// A tuning knob: the integer that environment variable `name` starts with, or `fallback` where it
+// is unset or does not start with one. Each knob reads it once (a function-local static).
+inline long EnvKnob(const char* name, long fallback) {
+  const char* env = std::getenv(name);
+  if (!env) return fallback;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  return end == env ? fallback : v;
+}
+
+// Programmatic dependent launch (sm_90+): every kernel is launched with programmatic stream
+// serialization, so it may be scheduled while the kernel before it in the stream is still running
+// its last CTAs, and it lets the kernel after it do the same (await_prior_grids and
+// release_dependent_grids in device_utils.cuh say what each kernel does about it). Measured on the
+// H200 (TUNING.md, session 12; jax.profiler's timeline of chained calls, 256 MiB): XLA's own
+// kernels follow each other with -0.13 us between them, ours had 1.2-2.2 us of idle GPU before
+// each; with it a call takes 1.1-1.4 us less (float32 N = 32: 135.5 -> 134.1 us).
+// JAX_SOFTMAX_PDL=0 launches without it (read once), for comparison.
+inline bool DependentLaunchEnabled() {
+  static const bool enabled = EnvKnob("JAX_SOFTMAX_PDL", 1) != 0;
+  return enabled;
+}
+
+// Launch configuration: grid, block and dynamic shared memory, with two optional attributes: a
+// cluster of `cluster` blocks along x (cluster > 1), and programmatic dependent launch.
+struct KernelLaunch {
+  cudaLaunchAttribute attr[2];
   cudaLaunchConfig_t config = {};
-  ClusterLaunch(int cluster, unsigned grid, int block, cudaStream_t stream, size_t smem = 0) {
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = cluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
+  KernelLaunch(unsigned grid, int block, size_t smem, cudaStream_t stream, int cluster,
+               bool dependent) {
     config.gridDim = dim3(grid);
     config.blockDim = dim3(block);
     config.dynamicSmemBytes = smem;
     config.stream = stream;
     config.attrs = attr;
-    config.numAttrs = 1;
+    if (cluster > 1) {
+      cudaLaunchAttribute& a = attr[config.numAttrs++];
+      a.id = cudaLaunchAttributeClusterDimension;
+      a.val.clusterDim.x = cluster;
+      a.val.clusterDim.y = 1;
+      a.val.clusterDim.z = 1;
+    }
+    if (dependent) {
+      cudaLaunchAttribute& a = attr[config.numAttrs++];
+      a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      a.val.programmaticStreamSerializationAllowed = 1;
+    }
   }
-  ClusterLaunch(const ClusterLaunch&) = delete;  // config points into attr
+  KernelLaunch(const KernelLaunch&) = delete;  // config points into attr
 };
+
+template <typename... Params, typename... Args>
+ffi::Error Launch(const KernelLaunch& launch, void (*kernel)(Params...), const char* what,
+                  const Args&... args) {
+  const cudaError_t e = cudaLaunchKernelEx(&launch.config, kernel, args...);
+  if (e != cudaSuccess) return Internal(std::string(what) + " launch failed: " + cudaGetErrorString(e));
+  return CheckLaunch(what);
+}
 
 // Active clusters of kCluster blocks for a cluster kernel; 0 when the GPU cannot schedule one.
 template <auto Kernel, int kBlock, int kCluster>
@@ -173,7 +215,7 @@ int ActiveClusters(int device, size_t smem = 0) {
     n = -1;
     if (kCluster > 8)
       cudaFuncSetAttribute(Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    const ClusterLaunch launch(kCluster, kCluster, kBlock, nullptr, smem);
+    const KernelLaunch launch(kCluster, kBlock, smem, nullptr, kCluster, /*dependent=*/false);
     int clusters = 0;
     if (cudaOccupancyMaxActiveClusters(&clusters, Kernel, &launch.config) == cudaSuccess &&
         clusters > 0)
@@ -184,15 +226,6 @@ int ActiveClusters(int device, size_t smem = 0) {
   return n > 0 ? n : 0;
 }
 
-// A tuning knob: the integer that environment variable `name` starts with, or `fallback` where it
-// is unset or does not start with one. Each knob reads it once (a function-local static).
-inline long EnvKnob(const char* name, long fallback) {
-  const char* env = std::getenv(name);
-  if (!env) return fallback;
-  char* end = nullptr;
-  const long v = std::strtol(env, &end, 10);
-  return end == env ? fallback : v;
-}
 
 // Grids (measured, TUNING.md session 4): row kernels (a CTA per batch of rows, no cluster) get one
 // CTA per batch: the block scheduler starts a CTA wherever one finishes, so no CTA waits on its
@@ -407,6 +440,7 @@ struct LaunchCtx {
   cudaStream_t stream;
   int device;
   DeviceInfo dev;
+  bool dependent;  // programmatic dependent launch (DependentLaunchEnabled, sm_90+)
 };
 
 template <typename T, int kGroup, int kElems, int kVec, bool kBwd, Access kAccess, int kRows = 1>
@@ -418,8 +452,8 @@ ffi::Error LaunchRows(const LaunchCtx& c) {
   auto per_sm = BlocksPerSm<kernel, kBlock>(c.device);
   if (per_sm.has_error()) return per_sm.error();
   const int grid = GridUnits(needed, int64_t(*per_sm) * c.dev.sm_count, RowWaves());
-  kernel<<<grid, kBlock, 0, c.stream>>>(c.p);
-  return CheckLaunch("softmax row kernel");
+  return Launch(KernelLaunch(grid, kBlock, 0, c.stream, 1, c.dependent), kernel, "softmax row kernel",
+                c.p);
 }
 
 template <typename T, int kVec, bool kBwd, Access kAccess>
@@ -430,8 +464,8 @@ ffi::Error LaunchTwoPass(const LaunchCtx& c) {
   auto per_sm = BlocksPerSm<kernel, kBlock>(c.device);
   if (per_sm.has_error()) return per_sm.error();
   const int grid = GridUnits(c.p.rows, int64_t(*per_sm) * c.dev.sm_count, kPersistentWaves);
-  kernel<<<grid, kBlock, 0, c.stream>>>(c.p);
-  return CheckLaunch("softmax two-pass kernel");
+  return Launch(KernelLaunch(grid, kBlock, 0, c.stream, 1, c.dependent), kernel,
+                "softmax two-pass kernel", c.p);
 }
 
 // A row split over a cluster of kCluster blocks of kBlock threads; falls back to the two-pass
@@ -442,11 +476,9 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
   const int active = ActiveClusters<kernel, kBlock, kCluster>(c.device);
   if (active == 0) return LaunchTwoPass<T, kVec, kBwd, kAccess>(c);
   const int64_t clusters = GridUnits(c.p.rows, active, kPersistentWaves, kCluster);
-  const ClusterLaunch launch(kCluster, static_cast<unsigned>(clusters * kCluster), kBlock, c.stream);
-  const cudaError_t e = cudaLaunchKernelEx(&launch.config, kernel, c.p);
-  if (e != cudaSuccess)
-    return Internal(std::string("softmax cluster kernel launch failed: ") + cudaGetErrorString(e));
-  return CheckLaunch("softmax cluster kernel");
+  return Launch(KernelLaunch(static_cast<unsigned>(clusters * kCluster), kBlock, 0, c.stream, kCluster,
+                             c.dependent),
+                kernel, "softmax cluster kernel", c.p);
 }
 
 // --- staged tiers (sm_90+, forward rows) ---------------------------------------------------------
@@ -470,8 +502,8 @@ Launched LaunchStagedRows(const LaunchCtx& c) {
       tiles_per_cta > 0
           ? static_cast<int>(std::min<int64_t>((needed + tiles_per_cta - 1) / tiles_per_cta, INT_MAX))
           : GridUnits(needed, int64_t(plan.ctas_per_sm) * c.dev.sm_count, kPersistentWaves);
-  kernel<<<grid, kBlock, plan.smem, c.stream>>>(c.p, plan.tiles);
-  return CheckLaunch("softmax staged kernel");
+  return Launch(KernelLaunch(grid, kBlock, plan.smem, c.stream, 1, c.dependent), kernel,
+                "softmax staged kernel", c.p, plan.tiles);
 }
 
 template <typename T, int kBlock, int kElems, int kVec, int kCluster, Access kAccess>
@@ -487,13 +519,9 @@ Launched LaunchStagedCluster(const LaunchCtx& c) {
   const int active = ActiveClusters<kernel, kBlock, kCluster>(c.device, plan.smem);
   if (active == 0) return std::nullopt;
   const int64_t clusters = GridUnits(c.p.rows, active, kPersistentWaves, kCluster);
-  const ClusterLaunch launch(kCluster, static_cast<unsigned>(clusters * kCluster), kBlock, c.stream,
-                             plan.smem);
-  const cudaError_t e = cudaLaunchKernelEx(&launch.config, kernel, c.p, plan.tiles);
-  if (e != cudaSuccess)
-    return Internal(std::string("softmax staged cluster kernel launch failed: ") +
-                    cudaGetErrorString(e));
-  return CheckLaunch("softmax staged cluster kernel");
+  return Launch(KernelLaunch(static_cast<unsigned>(clusters * kCluster), kBlock, plan.smem, c.stream,
+                             kCluster, c.dependent),
+                kernel, "softmax staged cluster kernel", c.p, plan.tiles);
 }
 
 // The staged tier table. Bytes in flight no longer depend on how many values a thread holds, so
@@ -654,7 +682,7 @@ ffi::Error LaunchSoftmax(const RowParams& p, cudaStream_t stream) {
   RowParams params = p;
   params.prefetch = PrefetchEnabled() && dev->cc_major >= 9;
   params.order = OperandReuseOrder(p, kBwd ? 3 : 2, sizeof(T), *dev);
-  const LaunchCtx ctx{params, stream, device, *dev};
+  const LaunchCtx ctx{params, stream, device, *dev, dev->cc_major >= 9 && DependentLaunchEnabled()};
   // XLA aligns buffers; the check costs nothing and depends on addresses, never on data.
   const bool ptrs_aligned = Aligned16(p.in) && Aligned16(p.out) &&
                             (!p.grad_in || Aligned16(p.grad_in)) &&

@@ -61,6 +61,13 @@ if want test; then
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     done
   fi
+  # Chained calls (each kernel launched with programmatic dependent launch) inside CUDA graphs:
+  # XLA records every fusion and custom call of these programs into command buffers.
+  echo "dependent calls in command buffers:"
+  (export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+   timeout "${TEST_TIMEOUT:-1800}" "$PY" -m pytest "$REPO/tests/test_kernel_tiers.py" -q -p no:cacheprovider \
+     -rf -k "gpu and dependent_calls") 2>&1 | tee "$OUT/pytest_command_buffers.log" | tail -3
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
 if want sanitize; then

@@ -2,6 +2,7 @@
 
     python3 scripts/profile_cases.py time [CASE ...]   # one line per case: % of copy, x XLA
     python3 scripts/profile_cases.py ncu  [CASE ...]   # each case once, for `ncu -k regex:softmax`
+    python3 scripts/profile_cases.py trace [CASE ...]  # GPU timeline: kernel time vs the gaps
 
 `time` times 256 MiB tensors the benchmark's way (K = 4 calls chained in one jit, executions
 pipelined), so per-call dispatch stays out of the figure; it is a quick
@@ -9,8 +10,13 @@ probe for comparing kernel variants in one session (tier knobs such as JAX_SOFTM
 once per process, so run one process per variant). The committed figures come from
 `python -m jax_softmax bench`, which also checks the dispatch residual.
 
+`trace` times each case as `time` does while jax.profiler records the GPU timeline (CUPTI), and
+prints, for ours and XLA, each kernel's median duration and the median idle gap before the kernels
+of a call: what separates the per-call figure from the kernel's own time.
+
 `ncu` builds inputs on the host and runs each case once (compiling launches none of our
-kernels), so `ncu -k regex:softmax_rows` sees one launch per case.
+kernels), so `ncu -k regex:softmax_rows` sees one launch per case; with PROFILE_XLA=1 the XLA
+function runs once after ours (profile it without the kernel filter).
 """
 
 import os
@@ -136,6 +142,46 @@ def timeit(fn, args, k=4, reps=5, jit=True):
     return sorted(samples)[len(samples) // 2]
 
 
+def trace_case(fn, args, k=4, pipeline=10):
+    """The GPU timeline of `pipeline` executions of K chained calls (the benchmark's chain, with
+    donated outputs): ({kernel name: (launches, median us)}, median idle gap in us between
+    consecutive kernels (negative where a kernel starts before the one ahead ends), us per call
+    from the first kernel's start to the last one's end). Compilation and warm-up run before the
+    trace starts."""
+    import glob
+    import tempfile
+    from jax.profiler import ProfileData
+
+    sets = tuple(tuple(a if i == 0 else jnp.copy(a) for a in args) for i in range(k))
+    chain = _bench.make_chain(fn, k)
+    outs = jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), jax.eval_shape(chain, sets))
+    run = jax.jit(lambda s, o: chain(s), donate_argnums=1, keep_unused=True).lower(sets, outs).compile()
+    for _ in range(3):
+        outs = run(sets, outs)
+    jax.block_until_ready(outs)
+    d = tempfile.mkdtemp()
+    jax.profiler.start_trace(d)
+    for _ in range(pipeline):
+        outs = run(sets, outs)
+    jax.block_until_ready(outs)
+    jax.profiler.stop_trace()
+    data = ProfileData.from_file(sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))[-1])
+    events = []
+    for plane in data.planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                if line.name.startswith("Stream"):
+                    events += [(e.start_ns, e.duration_ns, e.name) for e in line.events]
+    events.sort()
+    names = {}
+    for _, dur, name in events:
+        names.setdefault(name, []).append(dur / 1e3)
+    kernels = {n: (len(v), sorted(v)[len(v) // 2]) for n, v in names.items()}
+    gaps = sorted(b[0] - (a[0] + a[1]) for a, b in zip(events, events[1:]))
+    span = (max(e[0] + e[1] for e in events) - events[0][0]) / 1e3 if events else float("nan")
+    return kernels, (gaps[len(gaps) // 2] / 1e3 if gaps else float("nan")), span / (pipeline * k)
+
+
 def copy_bandwidth():
     x = jnp.ones((TENSOR_BYTES // 4,), jnp.float32)
     return 2 * x.nbytes / timeit(lambda a, s: a + s, [x, jnp.float32(1)])
@@ -151,7 +197,20 @@ def main(argv):
         for name in names:
             ours, xla, args, _ = CASES[name]()
             _sync((jax.jit(ours) if xla else ours)(*args))
+            if xla is not None and os.environ.get("PROFILE_XLA"):  # XLA's kernels after ours
+                _sync(jax.jit(xla)(*args))
             print(f"profiled {name}", flush=True)
+        return
+    if mode == "trace":
+        for name in names:
+            ours, xla, args, nbytes = CASES[name]()
+            for who, fn in (("ours", ours), ("xla", xla)):
+                kernels, gap, per_call = trace_case(fn, args)
+                for kname, (count, us) in sorted(kernels.items(), key=lambda kv: -kv[1][0] * kv[1][1]):
+                    print(f"{name:20s} {who:4s} {count:4d} x {us:7.1f} us  {kname[:90]}", flush=True)
+                print(f"{name:20s} {who:4s} median gap between kernels {gap:.2f} us, "
+                      f"{per_call:.1f} us per call on the timeline", flush=True)
+            del args
         return
     bw = copy_bandwidth()
     knobs = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("JAX_SOFTMAX_"))

@@ -211,6 +211,56 @@ def test_staged_ring_wraps(backend, device, rng, dtype, tier):
             assert_close(next(outs), rdx, dtype, tol=GRAD_TOL, mag=mag, what="bwd " + what)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("n", [8, 128, 1001, 4096, 2**16, 2**20 + 8], ids=str)
+def test_dependent_calls(backend, device, rng, dtype, n):
+    # On sm_90+ every kernel is launched with programmatic dependent launch (softmax_launch.cuh,
+    # DependentLaunchEnabled): it may be scheduled while the kernel ahead of it still runs, and
+    # must wait for it (await_prior_grids) before touching memory. A chain of calls, each reading
+    # the one before (directly, or through an XLA fusion between them), run as one jitted
+    # program, must equal the same calls run one at a time with the host waiting between them:
+    # bitwise, since every kernel is deterministic (and x 8 is exact). Forward and backward,
+    # through lane groups (8), staged lanes (128), windowed rows (1001), a block (4096), a
+    # cluster (2^16) and the two-pass kernel (2^20 + 8); 64 MiB per tensor, so grids run many
+    # waves (the one-wave kernels loop over rows).
+    rows = max(3, (2**26 // np.dtype(dtype).itemsize // n) | 1)
+    x = rounded(rng.standard_normal((rows, n)) * 3.0, dtype)
+    g = rounded(rng.standard_normal((rows, n)), dtype)
+    mask = rng.random((rows, n)) < 0.8
+    xd, gd, md = put(device, x, g, mask)
+    steps = [
+        lambda y: js.softmax(y * 8),  # an XLA fusion, then ours
+        js.log_softmax,  # ours right after ours
+        lambda y: js.softmax(y, where=md),
+        lambda y: js.log_softmax(y * 8, where=md),
+    ]
+
+    def chain(y):
+        for step in steps:
+            y = step(y)
+        return y
+
+    def chained(x, g):
+        y, pull = jax.vjp(chain, x)
+        return y, pull(g)[0]
+
+    poison(device, x.shape, dtype, count=8)
+    y_chained, dx_chained = (np.asarray(a) for a in jax.jit(chained)(xd, gd))
+
+    ys, pulls = [xd], []
+    for step in steps:  # one call at a time
+        y, pull = jax.vjp(step, ys[-1])
+        ys.append(jax.block_until_ready(y))
+        pulls.append(pull)
+    d = gd
+    for pull in reversed(pulls):
+        d = jax.block_until_ready(pull(d)[0])
+    np.testing.assert_array_equal(y_chained, np.asarray(ys[-1]), err_msg=f"y N={n}")
+    np.testing.assert_array_equal(dx_chained, np.asarray(d), err_msg=f"dx N={n}")
+    assert np.isfinite(np.asarray(ys[2], np.float32)).all(), "softmax step has non-finite values"
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
 @pytest.mark.parametrize("s", [1, 33, 256, 1000])
 def test_causal_attention_sizes(backend, device, rng, dtype, s):
