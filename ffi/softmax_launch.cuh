@@ -226,7 +226,6 @@ int ActiveClusters(int device, size_t smem = 0) {
   return n > 0 ? n : 0;
 }
 
-
 // Grids (measured, TUNING.md session 4): row kernels (a CTA per batch of rows, no cluster) get one
 // CTA per batch: the block scheduler starts a CTA wherever one finishes, so no CTA waits on its
 // own next batch and the last wave is not a whole batch long. That was up to 12% faster than one

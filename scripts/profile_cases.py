@@ -10,9 +10,11 @@ probe for comparing kernel variants in one session (tier knobs such as JAX_SOFTM
 once per process, so run one process per variant). The committed figures come from
 `python -m jax_softmax bench`, which also checks the dispatch residual.
 
-`trace` times each case as `time` does while jax.profiler records the GPU timeline (CUPTI), and
-prints, for ours and XLA, each kernel's median duration and the median idle gap before the kernels
-of a call: what separates the per-call figure from the kernel's own time.
+`trace` runs each case's chain as `time` does while jax.profiler records the GPU timeline (CUPTI),
+and prints, for ours and XLA, each kernel's median duration, the median idle gap between
+consecutive kernels and the time per call on the timeline: what separates the per-call figure
+from the kernel's own time. (A kernel launched with programmatic dependent launch starts while the
+one ahead still runs, so its duration then includes that wait and the gap reads negative.)
 
 `ncu` builds inputs on the host and runs each case once (compiling launches none of our
 kernels), so `ncu -k regex:softmax_rows` sees one launch per case; with PROFILE_XLA=1 the XLA
