@@ -959,8 +959,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   constexpr int kBlock = Tier::kBlock, kRowsPerBlock = Tier::kRowsPerBlock, kPacks = Tier::kPacks;
   constexpr int64_t kChunk = Tier::kChunk;
   static_assert(kCluster == 1 || kGroup == kBlock, "a cluster splits whole-block rows");
-  await_prior_grids();
-  release_dependent_grids();
+  wait_prior_grids_release_next();
 
   __shared__ S block_slots[2][32];
   __shared__ ClusterExchange<S, kCluster> exchange;
@@ -1121,8 +1120,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   __shared__ S block_slots[2][32];
   __shared__ ClusterExchange<S, kCluster> exchange;
   __shared__ int64_t refill_row0;  // thread 0's: first row of the tile that refills the stage
-  await_prior_grids();
-  release_dependent_grids();
+  wait_prior_grids_release_next();
 
   const int lane = threadIdx.x % kGroup;
   const int group = threadIdx.x / kGroup;
@@ -1268,8 +1266,7 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
   using Loader = RowLoader<T, kVec, kBwd, kAccess>;
   constexpr int kTile = kBlock * kVec * kUnroll;
   __shared__ S block_slots[2][32];
-  await_prior_grids();
-  release_dependent_grids();
+  wait_prior_grids_release_next();
   const bool log = p.log;
   const A scale = static_cast<A>(p.scale);
   int parity = 0;

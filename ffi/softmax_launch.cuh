@@ -159,11 +159,11 @@ inline long EnvKnob(const char* name, long fallback) {
 
 // Programmatic dependent launch (sm_90+): every kernel is launched with programmatic stream
 // serialization, so it may be scheduled while the kernel before it in the stream is still running
-// its last CTAs, and it lets the kernel after it do the same (await_prior_grids and
-// release_dependent_grids in device_utils.cuh say what each kernel does about it). Measured on the
-// H200 (TUNING.md, session 12; jax.profiler's timeline of chained calls, 256 MiB): XLA's own
-// kernels follow each other with -0.13 us between them, ours had 1.2-2.2 us of idle GPU before
-// each; with it a call takes 1.1-1.4 us less (float32 N = 32: 135.5 -> 134.1 us).
+// its last CTAs, and it lets the kernel after it do the same (wait_prior_grids_release_next in
+// device_utils.cuh says what each kernel does about it). Measured on the H200 (TUNING.md,
+// session 12; jax.profiler's timeline of chained calls, 256 MiB): XLA's own kernels follow each
+// other with -0.13 us between them, ours had 1.2-2.2 us of idle GPU before each; with it a call
+// takes 1.1-1.4 us less (float32 N = 32: 135.5 -> 134.1 us).
 // JAX_SOFTMAX_PDL=0 launches without it (read once), for comparison.
 inline bool DependentLaunchEnabled() {
   static const bool enabled = EnvKnob("JAX_SOFTMAX_PDL", 1) != 0;

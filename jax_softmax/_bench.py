@@ -418,6 +418,21 @@ def make_chain(fn, k: int):
 _DUMP_COUNT = 0
 
 
+def lower_chain(fn, arg_sets, k: int, donate: bool = True):
+    """(lowered, bufs): the jitted chain of K calls (make_chain), lowered for arg_sets. With
+    donate, the executable takes (arg_sets, bufs) and writes its outputs into bufs (zeros of the
+    outputs' shapes to start with; afterwards, the previous execution's outputs); without, it
+    takes arg_sets alone and bufs is None."""
+    jax, _ = _jax()
+    chain = make_chain(fn, k)
+    if not donate:
+        return jax.jit(chain).lower(arg_sets), None
+    bufs = jax.tree.map(lambda sd: jax.numpy.zeros(sd.shape, sd.dtype),
+                        jax.eval_shape(chain, arg_sets))
+    jitted = jax.jit(lambda sets, out_bufs: chain(sets), donate_argnums=1, keep_unused=True)
+    return jitted.lower(arg_sets, bufs), bufs
+
+
 def time_jax(fn, arg_sets, k: int, reps: int, warmup: int, on_first=None, pipeline: int = 20,
              donate=None):
     """Times K chained calls of fn per execution; returns (per-call us list, on_first(first
@@ -439,15 +454,7 @@ def time_jax(fn, arg_sets, k: int, reps: int, warmup: int, on_first=None, pipeli
     jax, _ = _jax()
     if donate is None:
         donate = not os.environ.get("JAX_SOFTMAX_BENCH_NO_DONATE")
-    chain = make_chain(fn, k)
-    if donate:
-        bufs = jax.tree.map(lambda sd: jax.numpy.zeros(sd.shape, sd.dtype),
-                            jax.eval_shape(chain, arg_sets))
-        jitted = jax.jit(lambda sets, out_bufs: chain(sets), donate_argnums=1, keep_unused=True)
-        lowered = jitted.lower(arg_sets, bufs)
-    else:
-        bufs = None
-        lowered = jax.jit(chain).lower(arg_sets)
+    lowered, bufs = lower_chain(fn, arg_sets, k, donate)
     t0 = time.perf_counter()
     compiled = lowered.compile()
     compile_s = time.perf_counter() - t0

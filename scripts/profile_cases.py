@@ -125,13 +125,17 @@ def _sync(r):
         torch.cuda.synchronize()
 
 
+def _arg_sets(args, k):
+    """K distinct input sets for a chain of K calls (the first set is args itself)."""
+    return tuple(tuple(a if i == 0 else jnp.copy(a) for a in args) for i in range(k))
+
+
 def timeit(fn, args, k=4, reps=5, jit=True):
     """Seconds per call. JAX: the benchmark's method (jax_softmax._bench.time_jax: K calls chained
     in one jit on K distinct input copies, executions pipelined), so per-call dispatch stays out.
     Not jitted (Triton, launched from Python): back-to-back asynchronous launches."""
     if jit:
-        sets = tuple(tuple(a if i == 0 else jnp.copy(a) for a in args) for i in range(k))
-        times, _, _ = _bench.time_jax(fn, sets, k, reps, warmup=2, pipeline=10)
+        times, _, _ = _bench.time_jax(fn, _arg_sets(args, k), k, reps, warmup=2, pipeline=10)
         return sorted(times)[len(times) // 2] * 1e-6
     _sync(fn(*args))
     samples = []
@@ -154,10 +158,9 @@ def trace_case(fn, args, k=4, pipeline=10):
     import tempfile
     from jax.profiler import ProfileData
 
-    sets = tuple(tuple(a if i == 0 else jnp.copy(a) for a in args) for i in range(k))
-    chain = _bench.make_chain(fn, k)
-    outs = jax.tree.map(lambda sd: jnp.zeros(sd.shape, sd.dtype), jax.eval_shape(chain, sets))
-    run = jax.jit(lambda s, o: chain(s), donate_argnums=1, keep_unused=True).lower(sets, outs).compile()
+    sets = _arg_sets(args, k)
+    lowered, outs = _bench.lower_chain(fn, sets, k)
+    run = lowered.compile()
     for _ in range(3):
         outs = run(sets, outs)
     jax.block_until_ready(outs)

@@ -217,9 +217,9 @@ def test_staged_ring_wraps(backend, device, rng, dtype, tier):
 def test_dependent_calls(backend, device, rng, dtype, n):
     # On sm_90+ every kernel is launched with programmatic dependent launch (softmax_launch.cuh,
     # DependentLaunchEnabled): it may be scheduled while the kernel ahead of it still runs, and
-    # must wait for it (await_prior_grids) before touching memory. A chain of calls, each reading
-    # the one before (directly, or through an XLA fusion between them), run as one jitted
-    # program, must equal the same calls run one at a time with the host waiting between them:
+    # must wait for it (wait_prior_grids_release_next) before touching memory. A chain of calls,
+    # each reading the one before (directly, or through an XLA fusion between them), run as one
+    # jitted program, must equal the same calls run one at a time with the host waiting between them:
     # bitwise, since every kernel is deterministic (and x 8 is exact). Forward and backward,
     # through lane groups (8), staged lanes (128), windowed rows (1001), a block (4096), a
     # cluster (2^16) and the two-pass kernel (2^20 + 8); 64 MiB per tensor, so grids run many
