@@ -156,6 +156,52 @@ __device__ __forceinline__ float2 unpack_pair(uint32_t w) {
   }
 }
 
+// Keeps the values of `pairs` at the positions whose byte of `bytes` is nonzero (byte e, from the
+// least significant, for value e) and zeros the others. Per four positions: the top bit of each
+// byte set iff the byte is nonzero (no carry crosses a byte: (b & 0x7f) + 0x7f <= 0xfe), then one
+// PRMT per word in sign mode (selector nibble 8 + i: byte i's top bit replicated), then an AND.
+template <int N, typename Bytes>
+__device__ __forceinline__ void keep_pairs(Bytes bytes, Pairs<N>& pairs) {
+  static_assert(N % 4 == 0 && sizeof(Bytes) >= N, "a byte per position, four per 32-bit word");
+#pragma unroll
+  for (int q = 0; q < N / 4; ++q) {
+    const uint32_t b = static_cast<uint32_t>(bytes >> (32 * q));
+    const uint32_t top = ((b & 0x7f7f7f7fu) + 0x7f7f7f7fu) | b;
+    uint32_t lo, hi;  // 0xffff per kept value of words 2q and 2q + 1
+    asm("prmt.b32 %0, %1, 0, 0x9988;" : "=r"(lo) : "r"(top));
+    asm("prmt.b32 %0, %1, 0, 0xbbaa;" : "=r"(hi) : "r"(top));
+    pairs.w[2 * q] &= lo;
+    pairs.w[2 * q + 1] &= hi;
+  }
+}
+
+// N float values rounded to a 16-bit type, two per word (F2FP packs a pair on sm_80+).
+template <typename T, int N>
+__device__ __forceinline__ Pairs<N> pack_pairs(const float (&src)[N]) {
+  static_assert(sizeof(T) == 2, "16-bit values");
+  using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+  alignas(16) T values[N];  // read back as words
+#pragma unroll
+  for (int e = 0; e < N; e += 2) {
+    T2 pair;
+    if constexpr (std::is_same_v<T, __half>)
+      pair = __floats2half2_rn(src[e], src[e + 1]);
+    else
+      pair = __floats2bfloat162_rn(src[e], src[e + 1]);
+    values[e] = pair.x;
+    values[e + 1] = pair.y;
+  }
+  Pairs<N> out;
+  load_vec<N / 2>(reinterpret_cast<const uint32_t*>(values), out.w);
+  return out;
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void store_pairs(T* dst, const Pairs<N>& src) {
+  static_assert(sizeof(T) == 2, "16-bit values");
+  store_vec<N / 2>(reinterpret_cast<uint32_t*>(dst), src.w);
+}
+
 // Zeros N consecutive elements as one word (a bfloat16 T(0) per element compiles to a convert and
 // a move each).
 template <int N, typename T>
@@ -175,27 +221,17 @@ __device__ __forceinline__ std::conditional_t<(N > 4), uint64_t, uint32_t> load_
 }
 
 // Converts N accumulator values to storage and stores them as one vector. 16-bit types convert
-// two values per instruction (F2FP packs a pair on sm_80+).
+// two values per instruction (pack_pairs).
 template <int N, typename T>
 __device__ __forceinline__ void store_vec_acc(T* dst, const acc_t<T> (&src)[N]) {
-  T out[N];
   if constexpr ((std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>) && N % 2 == 0) {
-    using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
-#pragma unroll
-    for (int e = 0; e < N; e += 2) {
-      T2 pair;
-      if constexpr (std::is_same_v<T, __half>)
-        pair = __floats2half2_rn(src[e], src[e + 1]);
-      else
-        pair = __floats2bfloat162_rn(src[e], src[e + 1]);
-      out[e] = pair.x;
-      out[e + 1] = pair.y;
-    }
+    store_pairs(dst, pack_pairs<T>(src));
   } else {
+    T out[N];
 #pragma unroll
     for (int e = 0; e < N; ++e) out[e] = from_acc<T>(src[e]);
+    store_vec<N>(dst, out);
   }
-  store_vec<N>(dst, out);
 }
 
 // Asks L2 to fetch the bytes [begin, end) ahead of the loads that will read them (sm_90 bulk

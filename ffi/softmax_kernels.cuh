@@ -60,11 +60,12 @@ struct RowLoader {
   using Elem = T;
   static constexpr int kVecWidth = kVec;
   static constexpr bool kPlain = kAccess != Access::kGeneral;
-  // Backward rows of 16-bit types without a mask keep y and dy as loaded, two values per
-  // register, and convert them twice (for the dot product and for the output): half the
-  // registers of float values, so that some of their tiers take 32 values per thread like the
-  // forward's (fetch_bwd, finish_batch_raw, LaunchTier).
-  static constexpr bool kRawBwd = kBwd && kPlain && sizeof(T) == 2;
+  // Backward rows of 16-bit types keep y and dy as loaded, two values per register, and convert
+  // them twice (for the dot product and for the output): half the registers of float values, so
+  // that some of their tiers take 32 values per thread like the forward's (fetch_bwd,
+  // finish_batch_raw, LaunchTier). Not rows read element by element (kVec == 1: masked rows with
+  // cols % 8 != 0, or unaligned buffers), which load float values (load_bwd).
+  static constexpr bool kRawBwd = kBwd && sizeof(T) == 2 && kVec > 1;
   // One byte per position of a vector, byte e (from the least significant) for column c + e:
   // the mask bytes as loaded, so that testing a position is one LOP3 on the word.
   using Bytes = std::conditional_t<(kVec > 4), uint64_t, uint32_t>;
@@ -323,17 +324,27 @@ struct RowLoader {
   }
 
   // Backward (kRawBwd): y and dy of the vector at window offset w as stored, zeros at the positions
-  // outside the row (they add 0 to the dot product and are never stored). Predicated loads, so
-  // that every vector's loads are in flight before the first is used.
-  __device__ __forceinline__ void fetch_bwd(int w, Pairs<kVec>& ys, Pairs<kVec>& gs) const {
-    static_assert(kRawBwd, "16-bit plain backward rows");
+  // outside the row (they add 0 to the dot product and are never stored) and, in general rows, at
+  // those that do not take part (masked or past the causal limit), whatever y and dy hold there.
+  // Returns the positions that take part (all for plain rows), which the store needs: dx is 0 at
+  // the others. Predicated loads, so that every vector's loads (and mask bytes) are in flight
+  // before the first is used.
+  __device__ __forceinline__ Bytes fetch_bwd(int w, Pairs<kVec>& ys, Pairs<kVec>& gs) const {
+    static_assert(kRawBwd, "16-bit backward rows");
     const int c = w - shift;
     bool whole = c <= limit;
     if constexpr (kAccess == Access::kWindowed) whole = whole && c >= 0 && c + kVec <= cols;
     ys = gs = Pairs<kVec>{};
+    Bytes keep = kAllBytes;
+    // A general row's vector never straddles its end (cols % kVec == 0), only its causal limit.
+    if constexpr (!kPlain) keep = valid_bytes(w);
     if (whole) {
       load_pairs(in + w, ys);
       load_pairs(grad + w, gs);
+    }
+    if constexpr (!kPlain) {
+      keep_pairs(keep, ys);
+      keep_pairs(keep, gs);
     }
     if constexpr (kAccess == Access::kWindowed) {
       if (!whole && c <= limit) {  // the partial vectors at the ends of the row
@@ -346,9 +357,22 @@ struct RowLoader {
         }
       }
     }
+    return keep;
   }
 
-  // Backward: v = y, g = dy. ok[e] says whether column w - shift + e takes part in the row; dx
+  // Backward (kRawBwd): stores a vector of dx at window offset w, zeros where `keep` (fetch_bwd's)
+  // says the position does not take part. General rows only: plain rows store through store_row's
+  // paths. A vector never straddles a general row's end; lanes past it store nothing.
+  __device__ __forceinline__ void store_kept(T* dst, int w, const A (&o)[kVec], Bytes keep) const {
+    static_assert(kRawBwd && !kPlain, "16-bit general backward rows");
+    if (w >= cols) return;
+    Pairs<kVec> out = pack_pairs<T>(o);
+    keep_pairs(keep, out);
+    store_pairs(dst + w, out);
+  }
+
+  // Backward in float values (float32, float64, 16-bit rows of kVec == 1, the two-pass kernel):
+  // v = y, g = dy. ok[e] says whether column w - shift + e takes part in the row; dx
   // must be 0 there whatever dy holds, so the flags stay per position. Plain and windowed rows
   // keep ok uniform over a vector: the partial vectors at a windowed row's ends load positions
   // outside the row as 0, which drops out of the dot product, and are never stored. (Per-element
@@ -850,14 +874,16 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
   }
 }
 
-// Backward of 16-bit plain rows (RowLoader::kRawBwd): the kernel loads y and dy as loaded pairs
-// (two values per register, half the registers of float values) and reduces each row's partial
-// dot product from them (raw_dot). Then, for the output (finish_batch_raw), either
-//   kHold:  the pairs held through the row's reduction (tiers of up to 16 values per thread), or
-//   re-read: y and dy read again after the reduction (from L1 or L2: this CTA read them a
-//           reduction ago), so that only the dot product is live through it. Tiers of 32 values
-//           per thread: holding their 32 words through the reduction spilled 68-92 bytes at 64
-//           registers (TUNING.md, session 8).
+// Backward of 16-bit rows (RowLoader::kRawBwd): the kernel loads y and dy as loaded pairs (two
+// values per register, half the registers of float values), zeros at the positions that do not
+// take part, and reduces each row's partial dot product from them (raw_dot). Then, for the output
+// (finish_batch_raw), either
+//   kHold:  the pairs (and a general row's mask bytes) held through the row's reduction (tiers of
+//           up to 16 values per thread), or
+//   re-read: y, dy and the mask bytes read again after the reduction (from L1 or L2: this CTA read
+//           them a reduction ago), so that only the dot product is live through it. Tiers of 32
+//           values per thread: holding their 32 words through the reduction spilled 68-92 bytes
+//           at 64 registers (TUNING.md, session 8).
 template <typename T, int kPacks, int kVec>
 __device__ __forceinline__ float raw_dot(const Pairs<kVec> (&ys)[kPacks],
                                          const Pairs<kVec> (&gs)[kPacks], bool log) {
@@ -875,12 +901,12 @@ __device__ __forceinline__ float raw_dot(const Pairs<kVec> (&ys)[kPacks],
 
 template <int kGroup, int kCluster, int kRows, int kPacks, int kVec, typename Loader, typename S,
           typename A>
-__device__ __forceinline__ void finish_batch_raw(const RowParams& p, const Loader (&loaders)[kRows],
-                                                 int64_t row0, int group, int first_col,
-                                                 const A (&partial)[kRows],
-                                                 const Pairs<kVec> (&held_ys)[kRows][kPacks],
-                                                 const Pairs<kVec> (&held_gs)[kRows][kPacks],
-                                                 S* block_slots, ClusterSlots<S> cluster) {
+__device__ __forceinline__ void finish_batch_raw(
+    const RowParams& p, const Loader (&loaders)[kRows], int64_t row0, int group, int first_col,
+    const A (&partial)[kRows], const Pairs<kVec> (&held_ys)[kRows][kPacks],
+    const Pairs<kVec> (&held_gs)[kRows][kPacks],
+    const typename Loader::Bytes (&held_keep)[kRows][kPacks], S* block_slots,
+    ClusterSlots<S> cluster) {
   using T = typename Loader::Elem;
   constexpr bool kHold = kRows * kPacks * kVec <= 16;  // see above
   constexpr int kBlock = BlockThreads(kGroup);
@@ -894,19 +920,24 @@ __device__ __forceinline__ void finish_batch_raw(const RowParams& p, const Loade
     if (row >= p.rows) continue;
     const Loader& loader = loaders[r];
     Pairs<kVec> ys[kPacks], gs[kPacks];
+    typename Loader::Bytes keep[kPacks];
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) {
       if constexpr (kHold) {
         ys[k] = held_ys[r][k];
         gs[k] = held_gs[r][k];
+        keep[k] = held_keep[r][k];
       } else {
-        loader.fetch_bwd(first_col + k * kStride, ys[k], gs[k]);
+        keep[k] = loader.fetch_bwd(first_col + k * kStride, ys[k], gs[k]);
       }
     }
     T* dst = loader.out_row(p, row);
-    // One test for all of the thread's vectors, even where it holds one: through store_row (one
-    // test per vector there) the lane groups took 64 registers instead of 56 (ptxas sm_90a).
-    const bool inside = loader.holds(first_col, first_col + (kPacks - 1) * kStride);
+    // Plain rows: one test for all of the thread's vectors, even where it holds one: through
+    // store_row (one test per vector there) the lane groups took 64 registers instead of 56
+    // (ptxas sm_90a).
+    bool inside = false;
+    if constexpr (Loader::kPlain)
+      inside = loader.holds(first_col, first_col + (kPacks - 1) * kStride);
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) {
       A out[kVec];
@@ -917,7 +948,9 @@ __device__ __forceinline__ void finish_batch_raw(const RowParams& p, const Loade
         out[2 * i + 1] = bwd_output(y.y, g.y, true, dot, scale, log);
       }
       const int w = first_col + k * kStride;
-      if (inside)
+      if constexpr (!Loader::kPlain)
+        loader.store_kept(dst, w, out, keep[k]);  // dx = 0 where a position does not take part
+      else if (inside)
         store_vec_acc<kVec>(dst + w, out);
       else
         loader.store(dst, w, out);
@@ -1019,16 +1052,17 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     bool ok[kRows][kPacks][kVec];  // backward: which positions take part
     using Raw = Pairs<Loader::kRawBwd ? kVec : 2>;
     Raw ys[kRows][kPacks];  // backward, kRawBwd: y and dy as loaded (finish_batch_raw says how
-    Raw gs[kRows][kPacks];  // long they live)
+    Raw gs[kRows][kPacks];  // long they live), and which positions take part (general rows)
+    typename Loader::Bytes keep[kRows][kPacks];
     A partial[kRows];       // backward, kRawBwd: this thread's part of each row's dot product
     bool any[kRows];               // forward: whether any of this thread's positions takes part
     // Built once per row: its bias/mask offsets and causal limit cost integer divisions.
     Loader loaders[kRows];
     if constexpr (Loader::kRawBwd ||
                   (!kBwd && (Loader::kPlain || BatchOperands<Loader, kRows, kPacks, true>::kSplit))) {
-      // 16-bit plain backward rows, plain and windowed forward rows (their loaders are cheap: no
-      // operands) and the general forward rows that BatchOperands splits (16-bit; float32 of up to
-      // 16 values per thread): every loader, then every fetch, then the values.
+      // 16-bit backward rows of 16-byte vectors, plain and windowed forward rows (their loaders
+      // are cheap: no operands) and the general forward rows that BatchOperands splits (16-bit;
+      // float32 of up to 16 values per thread): every loader, then every fetch, then the values.
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int64_t row = row0 + r * (kBlock / kGroup) + group;
@@ -1039,7 +1073,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
         for (int r = 0; r < kRows; ++r)
 #pragma unroll
           for (int k = 0; k < kPacks; ++k)
-            loaders[r].fetch_bwd(first_col + k * kGroup * kVec, ys[r][k], gs[r][k]);
+            keep[r][k] = loaders[r].fetch_bwd(first_col + k * kGroup * kVec, ys[r][k], gs[r][k]);
 #pragma unroll
         for (int r = 0; r < kRows; ++r) partial[r] = raw_dot<T>(ys[r], gs[r], p.log);
       } else {
@@ -1067,7 +1101,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
       }
     }
     if constexpr (Loader::kRawBwd)
-      finish_batch_raw<kGroup, kCluster>(p, loaders, row0, group, first_col, partial, ys, gs,
+      finish_batch_raw<kGroup, kCluster>(p, loaders, row0, group, first_col, partial, ys, gs, keep,
                                          block_slots[use & 1], exchange.buffer(use));
     else if constexpr (kBwd)
       finish_batch<kGroup, kCluster>(p, loaders, row0, group, first_col, v, g, ok,

@@ -22,7 +22,7 @@
 //                           limit of up to 8 * 256 * E columns take C = 4, 8 blocks of 256
 //                           threads instead (NarrowClusters). Before sm_90: one 1024-thread block.
 //   longer rows, or a cluster size the GPU cannot schedule: the two-pass streaming kernel.
-//   16-bit backward rows without a mask, whose y and dy stay as loaded (two values per register),
+//   16-bit backward rows of V = 8, whose y and dy stay as loaded (two values per register),
 //   take 2E instead where that avoids a cluster or a 1024-thread CTA: one block of 512 threads
 //   for cols <= 512 * 2E, and beyond 16 * 512 * E clusters of 16 x 512 / 16 x 1024 threads of 2E
 //   (to 16 * 1024 * 2E) instead of 16 x 1024 of E and the two-pass kernel (LaunchTier says why).
@@ -597,7 +597,7 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // (BatchOperands::kNarrowF32); at 32 values they load one vector at a time. Rows of up to
   // 512 x 32 columns then take one 512 x 32 block, longer ones the clusters of 32 as before.
   constexpr int kEB = kNarrowGeneralTiers<T, kVec, kBwd, kAccess> ? 16 : kE;
-  // 16-bit backward rows without a mask hold y and dy as loaded pairs (RowLoader::kRawBwd): 16
+  // 16-bit backward rows of 16-byte vectors hold y and dy as loaded pairs (RowLoader::kRawBwd): 16
   // values per thread keep them through the row's reduction, 32 read them again after it
   // (finish_batch_raw). Measured (TUNING.md, session 9; bfloat16, us per call, 16 vs 32 values
   // per thread): 32 win where they halve a block or cluster's CTAs that would otherwise be 1024

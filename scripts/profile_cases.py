@@ -79,11 +79,45 @@ def _attention_case(kind, s, dtype=jnp.bfloat16):
             2 * scores.nbytes)
 
 
-def _row_case(dtype, n, bwd=False):
+def _attention_bwd_case(kind, s, dtype=jnp.bfloat16):
+    """The backward of an _attention_case (no bias: its backward rows are plain ones), alone:
+    jax.vjp's function for the scores (its residuals, y and the mask, are inputs) applied to dy,
+    as the benchmark's bwd mode does; must move: read y and dy, write dscores."""
+    ours, xla, args, nbytes = _attention_case(kind, s, dtype)
+    dy = jnp.asarray(np.random.default_rng(2).standard_normal(args[0].shape).astype(np.float32),
+                     dtype)
+
+    def residuals(fn):
+        return [jax.vjp(lambda t: fn(t, *args[1:]), args[0])[1], dy]
+
+    def pull(vjp_fn, d):
+        return vjp_fn(d)[0]
+
+    # The XLA side's residuals differ (its vjp saves what XLA's expression needs), so each side
+    # gets its own: the case's args are ours; main() passes XLA's through the xla_args hook.
+    return pull, pull, residuals(ours), 3 * nbytes // 2, residuals(xla)
+
+
+def _bwd_masked(y, g, mask):
+    return softmax_bwd_p.bind(y, g, mask, log=False, scale=1.0, has_mask=True, causal=False)
+
+
+def _xla_bwd_masked(y, g, mask):
+    g = jnp.where(mask, g, 0)
+    return jnp.where(mask, y * (g - jnp.sum(y * g, -1, keepdims=True)), 0).astype(y.dtype)
+
+
+def _row_case(dtype, n, bwd=False, masked=False):
+    """Rows of n columns; the backward ones read y and dy (and a (rows, n) mask: its bytes
+    counted too)."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((_rows(n, dtype), n)).astype(np.float32), dtype)
     if not bwd:
         return jax_softmax.softmax, jax.nn.softmax, [x], 2 * x.nbytes
+    if masked:
+        mask = jnp.asarray(rng.random(x.shape) > 0.1)
+        y = jax_softmax.softmax(x, where=mask)
+        return _bwd_masked, _xla_bwd_masked, [y, x, mask], 3 * x.nbytes + mask.nbytes
     y = jax_softmax.softmax(x)
     return _bwd, _xla_bwd, [y, x], 3 * x.nbytes
 
@@ -105,6 +139,7 @@ for _dt, _name in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16")):
     for _n in (32, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 50257, 65536, 131072,
                262144, 524288):
         CASES[f"{_name}_bwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n, bwd=True))
+        CASES[f"{_name}_bwdmask_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n, True, True))
 for _n in (1024, 4096, 8192, 16384, 32768):
     for _dt, _name in (("float32", "f32"), ("bfloat16", "bf16")):
         CASES[f"triton_{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _triton_case(dt, n))
@@ -112,6 +147,8 @@ for _kind in ("none", "pad", "full", "bias", "causal"):
     for _s in (128, 256, 512, 1024, 2048, 4096, 8192):
         CASES[f"attn_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_case(k, s))
         CASES[f"attn32_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_case(k, s, jnp.float32))
+        if _kind != "bias":
+            CASES[f"attnbwd_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_bwd_case(k, s))
 
 NCU_DEFAULT = ["bf16_fwd_32", "bf16_fwd_256", "f32_fwd_4096", "f32_fwd_16384", "f32_fwd_50257",
                "f32_fwd_65536", "f32_fwd_262144", "attn_pad_1024", "attn_causal_1024"]
@@ -126,8 +163,10 @@ def _sync(r):
 
 
 def _arg_sets(args, k):
-    """K distinct input sets for a chain of K calls (the first set is args itself)."""
-    return tuple(tuple(a if i == 0 else jnp.copy(a) for a in args) for i in range(k))
+    """K distinct input sets for a chain of K calls (the first set is args itself; an argument
+    may be a pytree, such as jax.vjp's function with its residuals)."""
+    return tuple(tuple(a if i == 0 else jax.tree.map(jnp.copy, a) for a in args)
+                 for i in range(k))
 
 
 def timeit(fn, args, k=4, reps=5, jit=True):
@@ -192,6 +231,13 @@ def copy_bandwidth():
     return 2 * x.nbytes / timeit(lambda a, s: a + s, [x, jnp.float32(1)])
 
 
+def _case(name):
+    """(ours, xla, args, nbytes, xla_args): a case's functions, our inputs, the bytes it must
+    move, and XLA's inputs (the same as ours except for the backward cases' residuals)."""
+    case = CASES[name]()
+    return (*case, case[2]) if len(case) == 4 else case
+
+
 def main(argv):
     mode = argv[0] if argv else "time"
     names = argv[1:] or (NCU_DEFAULT if mode == "ncu" else list(CASES))
@@ -200,38 +246,38 @@ def main(argv):
         raise SystemExit(f"unknown cases {unknown}; known: {list(CASES)}")
     if mode == "ncu":
         for name in names:
-            ours, xla, args, _ = CASES[name]()
+            ours, xla, args, _, xla_args = _case(name)
             _sync((jax.jit(ours) if xla else ours)(*args))
             if xla is not None and os.environ.get("PROFILE_XLA"):  # XLA's kernels after ours
-                _sync(jax.jit(xla)(*args))
+                _sync(jax.jit(xla)(*xla_args))
             print(f"profiled {name}", flush=True)
         return
     if mode == "trace":
         for name in names:
-            ours, xla, args, nbytes = CASES[name]()
-            for who, fn in (("ours", ours), ("xla", xla)):
-                kernels, gap, per_call = trace_case(fn, args)
+            ours, xla, args, nbytes, xla_args = _case(name)
+            for who, fn, a in (("ours", ours, args), ("xla", xla, xla_args)):
+                kernels, gap, per_call = trace_case(fn, a)
                 for kname, (count, us) in sorted(kernels.items(), key=lambda kv: -kv[1][0] * kv[1][1]):
                     print(f"{name:20s} {who:4s} {count:4d} x {us:7.1f} us  {kname[:90]}", flush=True)
                 print(f"{name:20s} {who:4s} median gap between kernels {gap:.2f} us, "
                       f"{per_call:.1f} us per call on the timeline", flush=True)
-            del args
+            del args, xla_args
         return
     bw = copy_bandwidth()
     knobs = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("JAX_SOFTMAX_"))
     print(f"copy {bw / 1e9:.0f} GB/s  ({knobs or 'default knobs'})", flush=True)
     for name in names:
-        ours, xla, args, nbytes = CASES[name]()
+        ours, xla, args, nbytes, xla_args = _case(name)
         if xla is None:  # Triton: launched from Python, back to back like ours
             t_o = timeit(ours, args, jit=False)
             print(f"{name:22s} ours {100 * nbytes / t_o / bw:5.1f}%  ({t_o * 1e6:.0f} us)", flush=True)
             del args
             continue
         t_o = timeit(ours, args)
-        t_x = timeit(xla, args)
+        t_x = timeit(xla, xla_args)
         print(f"{name:22s} ours {100 * nbytes / t_o / bw:5.1f}%  xla {100 * nbytes / t_x / bw:5.1f}%"
               f"  x{t_x / t_o:4.2f}  ({t_o * 1e6:.0f} us)", flush=True)
-        del args
+        del args, xla_args
 
 
 if __name__ == "__main__":

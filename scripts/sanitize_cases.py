@@ -33,9 +33,9 @@ CASES = [  # (rows, cols, dtype)
     (33, 262144, jnp.float32),  # clusters of 16, more rows than clusters: exchange buffers reused
     (1, 600000, jnp.float32),  # two-pass streaming kernel
     (3, 700, jnp.float64),
-    # 16-bit backward rows without a mask keep y and dy as loaded pairs: held through the
-    # reduction (lane groups, 16 per thread) or read again after it (2E = 32 per thread: a 512 x
-    # 32 block, clusters of 16 x 512 and 16 x 1024 threads).
+    # 16-bit backward rows of 16-byte vectors (with `where` too) keep y and dy as loaded pairs:
+    # held through the reduction (lane groups, 16 per thread) or read again after it (2E = 32 per
+    # thread: a 512 x 32 block, clusters of 16 x 512 and 16 x 1024 threads).
     (7, 200, jnp.bfloat16),
     (2, 16384, jnp.float16),
     (3, 262144, jnp.bfloat16),

@@ -185,6 +185,42 @@ def test_where_gradient_zero_on_excluded(backend, device, rng, dtype, fname):
     assert_close(dx, expect, dtype, tol=GRAD_TOL, mag=mag)
 
 
+@dtypes
+@funcs
+@pytest.mark.parametrize("n", [8, 64, 203, 4096, 16384], ids=lambda n: f"N{n}")
+def test_where_gradient_ignores_excluded_values(backend, device, rng, dtype, fname, n):
+    """NaN and +-inf in dy (and, through the backward primitive, in y) at excluded positions
+    change nothing: dx is 0 there and the row's dot product never sees them. Row lengths on the
+    16-bit vector path (each kernel tier that holds y and dy as loaded pairs, up to the 512 x 32
+    block) and one odd length (one element at a time)."""
+    from jax_softmax.primitives import softmax_bwd_p
+
+    f, _, log = FUNCS[fname]
+    shape = (5, n)
+    x = randn(rng, shape, dtype)
+    g = randn(rng, shape, dtype, scale=1.0)
+    where = rng.random(shape) < 0.6
+    where[1] = False  # fully excluded row
+    where[2, : n // 2] = False  # the first half excluded (whole vectors and a partial one)
+    junk = np.array([np.nan, np.inf, -np.inf], np.float64)[rng.integers(0, 3, shape)]
+    g_junk = np.where(where, g.astype(np.float64), junk).astype(g.dtype)
+
+    def grads(x, w, gj):
+        y, pull = jax.vjp(lambda x: f(x, where=w), x)
+        y_junk = jnp.where(w, y, jnp.asarray(junk, y.dtype))
+        direct = softmax_bwd_p.bind(y_junk, gj, w, log=log, scale=1.0, has_mask=True,
+                                    causal=False)
+        return pull(gj)[0], direct
+
+    dx, dx_direct = run(device, grads, x, where, g_junk)
+    for got, how in ((dx, "vjp"), (dx_direct, "primitive, junk y")):
+        assert np.all(got[~where] == 0), how
+        assert not np.isnan(got).any(), how
+        expect = np_softmax_vjp(x, g, where=where, log=log)
+        mag = np_softmax_vjp_scale(x, g, where=where, log=log, dtype=dtype)
+        assert_close(got, expect, dtype, tol=GRAD_TOL, mag=mag, what=f"{fname} N={n} {how}")
+
+
 def test_where_all_excluded_everywhere(backend, device):
     x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
     w = np.zeros((3, 8), bool)
