@@ -142,7 +142,7 @@ struct RowParams {
   double scale = 1.0;
   bool log = false;       // log_softmax instead of softmax
   RowDivisor causal{0, false};  // divides by the query length Sq; d == 0: no causal mask
-  bool prefetch = false;  // CUDA, 16-bit types: prefetch each CTA's next rows into L2
+  bool prefetch = false;  // CUDA, 16-bit forward rows: prefetch each CTA's next rows into L2
   RowOrder order;         // CUDA: which rows each CTA takes (the launcher sets it)
   BroadcastView bias;     // forward only; element type = the input's
   BroadcastView mask;     // bool (one byte per element)

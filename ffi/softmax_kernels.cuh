@@ -1021,11 +1021,14 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     // Ask L2 for this CTA's next batch (this batch was asked for one iteration ago): its loads
     // then wait for L2, not DRAM, and DRAM stays busy while this batch is reduced. Issued before
     // this batch's loads so that its address registers are dead before the loaded values live.
-    // Only with 16-byte vectors, whose buffers are known to be aligned, and 16-bit types:
-    // measured (TUNING.md), it helped them by 7-20% from N = 4096 and slowed float32 by 5-20%,
-    // whose batches are twice the bytes and whose loads then queue behind the prefetch. Only
-    // CTAs with a next batch prefetch: those of the persistent (cluster) grids, see RowWaves.
-    constexpr bool kPrefetch = kVec > 1 && sizeof(T) == 2;
+    // Only forward rows with 16-byte vectors, whose buffers are known to be aligned, of 16-bit
+    // types: measured (TUNING.md), it helped them by 7-20% from N = 4096 and slowed float32 by
+    // 5-20%, whose batches are twice the bytes and whose loads then queue behind the prefetch.
+    // The 16-bit backward cluster rows ran 1.08-1.27x faster without it (session 13: N = 65536
+    // 242 -> 222 us, 262144 281 -> 239, 262144 with a mask 480 -> 379; at 262144, where y and dy
+    // are read again after the reduction, ncu read 1.3x the must-move DRAM bytes with it).
+    // Only CTAs with a next batch prefetch: those of the persistent (cluster) grids, see RowWaves.
+    constexpr bool kPrefetch = kVec > 1 && sizeof(T) == 2 && !kBwd;
     if (kPrefetch && p.prefetch && threadIdx.x < 32) {
       if (mem0 + num_ctas * kRowsPerBlock < p.rows) {
         const int64_t next0 =
@@ -1041,9 +1044,6 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
         }
         prefetch_l2(static_cast<const T*>(p.in) + begin, static_cast<const T*>(p.in) + end,
                     threadIdx.x);
-        if constexpr (kBwd)
-          prefetch_l2(static_cast<const T*>(p.grad_in) + begin,
-                      static_cast<const T*>(p.grad_in) + end, threadIdx.x);
       }
     }
 

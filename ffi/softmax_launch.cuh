@@ -39,9 +39,9 @@
 // or bias and cols % V != 0, or misaligned pointers, use V = 1.
 // Grids (see RowWaves): one CTA per batch of rows for the row tiers; one persistent wave of the
 // resident clusters (CTAs) for the cluster (two-pass) kernels, read once per device and kernel
-// from the occupancy calculator, whose CTAs loop over rows and, on sm_90 with 16-bit types,
-// prefetch their next rows into L2 while the current ones are reduced (softmax_rows_kernel says
-// why 16-bit only). Rows with a bias or mask broadcast over the outer row axes take their
+// from the occupancy calculator, whose CTAs loop over rows and, on sm_90 with 16-bit forward
+// rows, prefetch their next rows into L2 while the current ones are reduced (softmax_rows_kernel
+// says why those only). Rows with a bias or mask broadcast over the outer row axes take their
 // batches copy by copy where the operand would otherwise fall out of L2 between copies
 // (OperandReuseOrder, RowOrder).
 // Launches (KernelLaunch): on sm_90+ with programmatic dependent launch, so that a kernel's CTAs
