@@ -180,7 +180,10 @@ template <typename T, int N>
 __device__ __forceinline__ Pairs<N> pack_pairs(const float (&src)[N]) {
   static_assert(sizeof(T) == 2, "16-bit values");
   using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
-  alignas(16) T values[N];  // read back as words
+  // Built as elements, then read back as words: with the pairs moved into words directly, ptxas
+  // allocated the bfloat16 general two-pass forward differently (64 registers and 8 bytes of
+  // spills instead of 83 and none).
+  alignas(16) T values[N];
 #pragma unroll
   for (int e = 0; e < N; e += 2) {
     T2 pair;

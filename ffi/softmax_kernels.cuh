@@ -1052,8 +1052,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     bool ok[kRows][kPacks][kVec];  // backward: which positions take part
     using Raw = Pairs<Loader::kRawBwd ? kVec : 2>;
     Raw ys[kRows][kPacks];  // backward, kRawBwd: y and dy as loaded (finish_batch_raw says how
-    Raw gs[kRows][kPacks];  // long they live), and which positions take part (general rows)
-    typename Loader::Bytes keep[kRows][kPacks];
+    Raw gs[kRows][kPacks];  // long they live)
+    typename Loader::Bytes keep[kRows][kPacks];  // backward, kRawBwd: positions that take part
     A partial[kRows];       // backward, kRawBwd: this thread's part of each row's dot product
     bool any[kRows];               // forward: whether any of this thread's positions takes part
     // Built once per row: its bias/mask offsets and causal limit cost integer divisions.
@@ -1224,9 +1224,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
           ordered_row<kAccess, kRowsPerBlock>(p, (tile + stages * num_ctas) * kRowsPerBlock);
     // The loaders and the operands do not depend on the stage: tiles of one or two rows per
     // thread with a mask, bias or causal limit build them and fetch the mask bytes (and the bias,
-    // where BatchOperands says) while its copy may still be in flight (a mask row that misses L1 then waits with it);
-    // others after the wait, as before (8 rows' loaders live across it spilled, float32 with 1-8
-    // lanes).
+    // where BatchOperands says) while its copy may still be in flight (a mask row that misses L1
+    // then waits with it); others after the wait, as before (8 rows' loaders live across it
+    // spilled, float32 with 1-8 lanes).
     const T* stage_in = reinterpret_cast<const T*>(staged_smem + size_t(stage) * tiles.stage_bytes);
     Loader loaders[kRows];
     BatchOperands<Loader, kRows, kPacks, false> ops;

@@ -46,12 +46,16 @@ def _rows(n, dtype):
     return max(1, TENSOR_BYTES // (n * jnp.dtype(dtype).itemsize))
 
 
-def _bwd(y, g):
-    return softmax_bwd_p.bind(y, g, _NO_MASK, log=False, scale=1.0, has_mask=False, causal=False)
+def _bwd(y, g, mask=None):
+    return softmax_bwd_p.bind(y, g, _NO_MASK if mask is None else mask, log=False, scale=1.0,
+                              has_mask=mask is not None, causal=False)
 
 
-def _xla_bwd(y, g):
-    return (y * (g - jnp.sum(y * g, -1, keepdims=True))).astype(y.dtype)
+def _xla_bwd(y, g, mask=None):
+    if mask is None:
+        return (y * (g - jnp.sum(y * g, -1, keepdims=True))).astype(y.dtype)
+    g = jnp.where(mask, g, 0)
+    return jnp.where(mask, y * (g - jnp.sum(y * g, -1, keepdims=True)), 0).astype(y.dtype)
 
 
 def _attention_case(kind, s, dtype=jnp.bfloat16):
@@ -98,15 +102,6 @@ def _attention_bwd_case(kind, s, dtype=jnp.bfloat16):
     return pull, pull, residuals(ours), 3 * nbytes // 2, residuals(xla)
 
 
-def _bwd_masked(y, g, mask):
-    return softmax_bwd_p.bind(y, g, mask, log=False, scale=1.0, has_mask=True, causal=False)
-
-
-def _xla_bwd_masked(y, g, mask):
-    g = jnp.where(mask, g, 0)
-    return jnp.where(mask, y * (g - jnp.sum(y * g, -1, keepdims=True)), 0).astype(y.dtype)
-
-
 def _row_case(dtype, n, bwd=False, masked=False):
     """Rows of n columns; the backward ones read y and dy (and a (rows, n) mask: its bytes
     counted too)."""
@@ -117,7 +112,7 @@ def _row_case(dtype, n, bwd=False, masked=False):
     if masked:
         mask = jnp.asarray(rng.random(x.shape) > 0.1)
         y = jax_softmax.softmax(x, where=mask)
-        return _bwd_masked, _xla_bwd_masked, [y, x, mask], 3 * x.nbytes + mask.nbytes
+        return _bwd, _xla_bwd, [y, x, mask], 3 * x.nbytes + mask.nbytes
     y = jax_softmax.softmax(x)
     return _bwd, _xla_bwd, [y, x], 3 * x.nbytes
 
