@@ -958,6 +958,82 @@ __device__ __forceinline__ void finish_batch_raw(
   }
 }
 
+// Backward of a float row of which each thread has more than 16 values (float32 clusters of
+// 16 x 512 and 16 x 1024 threads of 32 values, kRereadBwd): y and dy of 32 values would take 64
+// registers, so they are read twice, as the 16-bit rows of 32 values read their pairs
+// (finish_batch_raw): for the row's partial dot product, kAtOnce vectors of each at a time with
+// all their loads in flight, and again after the row's reduction for the output (from L2: the
+// cluster read them a reduction ago). Only the dot product is live through the reduction. The
+// tier it serves replaced 16 x 1024 threads of 16 values, one CTA per SM (TUNING.md, session 14).
+template <int kGroup, int kCluster, int kPacks, typename Loader, typename S>
+__device__ __forceinline__ void backward_row_reread(const RowParams& p, const Loader& loader,
+                                                    int64_t row, int first_col, S* block_slots,
+                                                    ClusterSlots<S> cluster) {
+  using A = typename Loader::A;
+  using T = typename Loader::Elem;
+  constexpr int kVec = Loader::kVecWidth;
+  constexpr int kStride = kGroup * kVec;
+  constexpr int kAtOnce = 4;  // vectors of y and of dy in flight per thread: 32 registers
+  static_assert(kPacks % kAtOnce == 0, "whole chunks");
+  const bool log = p.log;
+  // Plain rows whose vectors all lie inside the row load them without per-vector tests
+  // (load_bwd's early return and windowed ends), so that every load of a chunk is in flight.
+  bool inside = false;
+  if constexpr (Loader::kPlain) inside = loader.holds(first_col, first_col + (kPacks - 1) * kStride);
+  // One chunk: y into v, dy into g, ok where a position takes part.
+  auto load_chunk = [&](int k0, A (&v)[kAtOnce][kVec], A (&g)[kAtOnce][kVec],
+                        bool (&ok)[kAtOnce][kVec]) {
+    if (inside) {
+      T ys[kAtOnce][kVec], gs[kAtOnce][kVec];
+#pragma unroll
+      for (int j = 0; j < kAtOnce; ++j) {
+        load_vec<kVec>(loader.in + first_col + (k0 + j) * kStride, ys[j]);
+        load_vec<kVec>(loader.grad + first_col + (k0 + j) * kStride, gs[j]);
+      }
+#pragma unroll
+      for (int j = 0; j < kAtOnce; ++j)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[j][e] = to_acc(ys[j][e]), g[j][e] = to_acc(gs[j][e]), ok[j][e] = true;
+    } else {
+#pragma unroll
+      for (int j = 0; j < kAtOnce; ++j) loader.load_bwd(first_col + (k0 + j) * kStride, v[j], g[j], ok[j]);
+    }
+  };
+  Sum<A> mine{A(0)};
+#pragma unroll
+  for (int k0 = 0; k0 < kPacks; k0 += kAtOnce) {
+    A v[kAtOnce][kVec], g[kAtOnce][kVec];
+    bool ok[kAtOnce][kVec];
+    load_chunk(k0, v, g, ok);
+#pragma unroll
+    for (int j = 0; j < kAtOnce; ++j)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e)
+        if (ok[j][e]) mine.s += bwd_term(v[j][e], g[j][e], log);
+  }
+  const A dot = row_allreduce<S, kGroup, kCluster>(mine, block_slots, cluster).s;
+  if (row >= p.rows) return;
+  const A scale = static_cast<A>(p.scale);
+  T* dst = loader.out_row(p, row);
+#pragma unroll
+  for (int k0 = 0; k0 < kPacks; k0 += kAtOnce) {
+    A v[kAtOnce][kVec], g[kAtOnce][kVec];
+    bool ok[kAtOnce][kVec];
+    load_chunk(k0, v, g, ok);
+#pragma unroll
+    for (int j = 0; j < kAtOnce; ++j) {
+      A out[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) out[e] = bwd_output(v[j][e], g[j][e], ok[j][e], dot, scale, log);
+      const int w = first_col + (k0 + j) * kStride;
+      if (inside)
+        store_vec_acc<kVec>(dst + w, out);
+      else
+        loader.store(dst, w, out);
+    }
+  }
+}
+
 // Kernels that follow RowOrder: rows with a bias or mask (the only ones it reorders) in batches of
 // fewer than 32 rows. Plain and windowed rows, and the short-row tiers' batches of 32 or more
 // rows (rows of up to 16 vectors), carry none of its index math: there a copy's operand would
@@ -992,6 +1068,10 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   constexpr int kBlock = Tier::kBlock, kRowsPerBlock = Tier::kRowsPerBlock, kPacks = Tier::kPacks;
   constexpr int64_t kChunk = Tier::kChunk;
   static_assert(kCluster == 1 || kGroup == kBlock, "a cluster splits whole-block rows");
+  // Float backward rows of more than 16 values per thread read y and dy twice
+  // (backward_row_reread).
+  constexpr bool kRereadBwd = kBwd && !Loader::kRawBwd && kElems > 16;
+  static_assert(!kRereadBwd || (kRows == 1 && kGroup == kBlock), "whole-block rows");
   wait_prior_grids_release_next();
 
   __shared__ S block_slots[2][32];
@@ -1058,7 +1138,12 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     bool any[kRows];               // forward: whether any of this thread's positions takes part
     // Built once per row: its bias/mask offsets and causal limit cost integer divisions.
     Loader loaders[kRows];
-    if constexpr (Loader::kRawBwd ||
+    if constexpr (kRereadBwd) {
+      const Loader loader(p, row0, row0 < p.rows);
+      backward_row_reread<kGroup, kCluster, kPacks>(p, loader, row0, first_col, block_slots[use & 1],
+                                                    exchange.buffer(use));
+      continue;
+    } else if constexpr (Loader::kRawBwd ||
                   (!kBwd && (Loader::kPlain || BatchOperands<Loader, kRows, kPacks, true>::kSplit))) {
       // 16-bit backward rows of 16-byte vectors, plain and windowed forward rows (their loaders
       // are cheap: no operands) and the general forward rows that BatchOperands splits (16-bit;
@@ -1103,10 +1188,10 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     if constexpr (Loader::kRawBwd)
       finish_batch_raw<kGroup, kCluster>(p, loaders, row0, group, first_col, partial, ys, gs, keep,
                                          block_slots[use & 1], exchange.buffer(use));
-    else if constexpr (kBwd)
+    else if constexpr (kBwd && !kRereadBwd)
       finish_batch<kGroup, kCluster>(p, loaders, row0, group, first_col, v, g, ok,
                                      block_slots[use & 1], exchange.buffer(use));
-    else
+    else if constexpr (!kBwd)
       finish_batch<kGroup, kCluster>(p, loaders, row0, group, first_col, v, any,
                                      block_slots[use & 1], exchange.buffer(use));
   }

@@ -26,6 +26,8 @@
 //   take 2E instead where that avoids a cluster or a 1024-thread CTA: one block of 512 threads
 //   for cols <= 512 * 2E, and beyond 16 * 512 * E clusters of 16 x 512 / 16 x 1024 threads of 2E
 //   (to 16 * 1024 * 2E) instead of 16 x 1024 of E and the two-pass kernel (LaunchTier says why).
+//   Float32 backward rows of V = 4 take the same 2E clusters beyond 16 * 512 * E, reading y and
+//   dy twice (backward_row_reread).
 // Staged tiers (sm_90+, forward rows of cols % V == 0 in aligned buffers; rows with a mask, bias
 // or causal limit where StageGeneralRows says so, with only x staged): the same shapes fed
 // through shared memory that cp.async.bulk fills (softmax_rows_staged_kernel): one tile per CTA
@@ -605,6 +607,13 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // -> 16 x 512, 304 -> 295; 524288: the two-pass kernel 344 -> 16 x 1024, 312) and lose where
   // both shapes are clusters (32768-131072: 224-264 -> 297-303), so they serve only those rows.
   constexpr bool kRawWide = RowLoader<T, kVec, kBwd, kAccess>::kRawBwd;
+  // Float32 backward rows of 16-byte vectors beyond 16 x 512 x 16 columns: clusters of 16 x 512
+  // and 16 x 1024 threads of 32 values, y and dy read again after the reduction
+  // (backward_row_reread), instead of 16 x 1024 threads of 16 (one CTA per SM, 56% of the DRAM
+  // bandwidth at N = 262144, ncu session 13) and the two-pass kernel. Measured (TUNING.md,
+  // session 14, H200, us per call): N = 262144 300 -> 274-279, 524288 335-341 -> 275-279; rows
+  // with a (rows, N) mask at 262144 unchanged (350-361).
+  constexpr bool kRereadWide = kBwd && sizeof(T) == 4 && kVec > 1;
   // Forward only: staged backward kernels (y and dy in each stage) measured 0-20% slower than the
   // register ones (TUNING.md), whose rows already keep two operands' loads in flight.
   if constexpr (!kBwd && kStageable<T, kVec, kAccess>) {
@@ -653,7 +662,7 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
     if (n <= 4 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 4, kBwd, kAccess>(c);
     if (n <= 8 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 8, kBwd, kAccess>(c);
     if (n <= 16 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 16, kBwd, kAccess>(c);
-    if constexpr (kRawWide) {
+    if constexpr (kRawWide || kRereadWide) {
       if (n <= 16 * 512 * 2 * kE) return LaunchCluster<T, 512, 2 * kE, kVec, 16, kBwd, kAccess>(c);
       if (n <= 16 * 1024 * 2 * kE) return LaunchCluster<T, 1024, 2 * kE, kVec, 16, kBwd, kAccess>(c);
     } else {

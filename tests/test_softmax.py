@@ -116,18 +116,42 @@ def test_special_values_like_jax_nn(backend, device, dtype, fname, masked):
     assert_close(ours, theirs.astype(np.float64), dtype, what=f"{fname} special")
 
 
+# Row lengths that take, on the GPU, a lane group (50), the staged lanes of 32 values per thread
+# (256), a block (8192) and a cluster (70000): the last three fold the row's shift into their
+# exps (FoldedExp), whose argument scale changes at |max| = 2^127.
+HUGE_ROW_LENGTHS = pytest.mark.parametrize("n", [50, 256, 8192, 70000])
+
+
 @pytest.mark.parametrize(
     "dtype,big",
-    [(jnp.float32, 1e30), (jnp.float16, 6e4), (jnp.bfloat16, 1e30)],
-    ids=["f32", "f16", "bf16"],
+    [(jnp.float32, 1e30), (jnp.float32, 2.0**127), (jnp.float32, 3e38), (jnp.float16, 6e4),
+     (jnp.bfloat16, 1e30), (jnp.bfloat16, 3e38)],
+    ids=["f32", "f32-2^127", "f32-3e38", "f16", "bf16", "bf16-3e38"],
 )
 @funcs
-def test_huge_magnitudes_no_overflow(backend, device, rng, dtype, fname, big):
+@HUGE_ROW_LENGTHS
+def test_huge_magnitudes_no_overflow(backend, device, rng, dtype, fname, big, n):
     f, _, log = FUNCS[fname]
-    x = rounded(rng.uniform(-1, 1, size=(3, 50)) * big, dtype)
+    x = rng.uniform(-1, 1, size=(3, n)) * big
+    x[0, n // 3] = big  # row 0's max is `big` itself (2^127: the first max scaled by 2^-96)
+    x[1, : n // 2] = -big  # row 1: half its values at the bottom of the range
+    x = rounded(x, dtype)
     y = run(device, f, x)
     assert not np.isnan(y).any()
     assert_close(y, np_softmax(x, log=log), dtype)
+
+
+@dtypes
+@funcs
+@pytest.mark.parametrize("n", [300, 8192, 70000])
+def test_large_offset_every_tier(backend, device, rng, dtype, fname, n):
+    """Rows far from zero, long enough that each warp (or lane group) of a row shifts its exps by
+    its own maximum: after the merge they must agree. On the GPU the folded exps carry each
+    warp's correction (FoldedExp); without it float32 would be off by up to 3e-4 here."""
+    f, _, log = FUNCS[fname]
+    offset = 2e3 if dtype == jnp.float16 else 1e4
+    x = rounded(rng.standard_normal((2, n)) * 3 + offset, dtype)
+    assert_close(run(device, f, x), np_softmax(x, log=log), dtype, what=f"{fname} offset {offset}")
 
 
 # --- where ----------------------------------------------------------------------------------------
