@@ -999,27 +999,31 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
       for (int j = 0; j < kAtOnce; ++j) loader.load_bwd(first_col + (k0 + j) * kStride, v[j], g[j], ok[j]);
     }
   };
-  Sum<A> mine{A(0)};
+  // One pass over the row: each chunk read, then handed to use(k0, v, g, ok).
+  auto each_chunk = [&](auto&& use) {
 #pragma unroll
-  for (int k0 = 0; k0 < kPacks; k0 += kAtOnce) {
-    A v[kAtOnce][kVec], g[kAtOnce][kVec];
-    bool ok[kAtOnce][kVec];
-    load_chunk(k0, v, g, ok);
+    for (int k0 = 0; k0 < kPacks; k0 += kAtOnce) {
+      A v[kAtOnce][kVec], g[kAtOnce][kVec];
+      bool ok[kAtOnce][kVec];
+      load_chunk(k0, v, g, ok);
+      use(k0, v, g, ok);
+    }
+  };
+  Sum<A> mine{A(0)};
+  each_chunk([&](int, const A (&v)[kAtOnce][kVec], const A (&g)[kAtOnce][kVec],
+                 const bool (&ok)[kAtOnce][kVec]) {
 #pragma unroll
     for (int j = 0; j < kAtOnce; ++j)
 #pragma unroll
       for (int e = 0; e < kVec; ++e)
         if (ok[j][e]) mine.s += bwd_term(v[j][e], g[j][e], log);
-  }
+  });
   const A dot = row_allreduce<S, kGroup, kCluster>(mine, block_slots, cluster).s;
   if (row >= p.rows) return;
   const A scale = static_cast<A>(p.scale);
   T* dst = loader.out_row(p, row);
-#pragma unroll
-  for (int k0 = 0; k0 < kPacks; k0 += kAtOnce) {
-    A v[kAtOnce][kVec], g[kAtOnce][kVec];
-    bool ok[kAtOnce][kVec];
-    load_chunk(k0, v, g, ok);
+  each_chunk([&](int k0, const A (&v)[kAtOnce][kVec], const A (&g)[kAtOnce][kVec],
+                 const bool (&ok)[kAtOnce][kVec]) {
 #pragma unroll
     for (int j = 0; j < kAtOnce; ++j) {
       A out[kVec];
@@ -1031,7 +1035,7 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
       else
         loader.store(dst, w, out);
     }
-  }
+  });
 }
 
 // Kernels that follow RowOrder: rows with a bias or mask (the only ones it reorders) in batches of
