@@ -9,8 +9,8 @@
 # each variant in AB_VARIANTS (words of comma-separated VAR=value settings, default
 # "JAX_SOFTMAX_STAGED=1 JAX_SOFTMAX_STAGED=0"); abbase: the same cases timed on another build of
 # the package, the source tree AB_BASE_SRC (e.g. `git archive BASE | tar -x -C .base`, carried),
-# built beside this one (give `build abbase`, in that order) and run as base / this / base / this,
-# one process each; ncu: Nsight Compute on NCU_CASES.
+# built beside this one (give `build abbase`, in that order) and run as base / this / base / this
+# (AB_ROUNDS processes, default 4), one process each; ncu: Nsight Compute on NCU_CASES.
 # Env: JAX_SOFTMAX_CUDA_ARCHS (default 90a-real: the device is an H100/H200), AB_BASE_SRC, BENCH_ARGS
 # (extra arguments for `python -m jax_softmax bench`), REGISTER_SUBSET=0 (skip the test step's
 # reruns under non-default knobs), NCU_REGEX / NCU_SECTIONS / NCU_METRICS (kernels, ncu sections, extra metrics), TEST_ARGS (extra pytest arguments), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), AB_CASES, NCU_CASES, SANITIZE_COLS / RACECHECK_COLS (row lengths of scripts/sanitize_cases.py to run), *_TIMEOUT (seconds).
@@ -119,13 +119,13 @@ fi
 
 if want abbase; then
   wait "$base_build" || { tail -20 "$OUT/build_base.log"; echo "BASE BUILD FAILED"; exit 1; }
-  for i in 1 2 3 4; do
+  for i in $(seq 1 "${AB_ROUNDS:-4}"); do
     if [ $((i % 2)) = 1 ]; then who=base; pp=$BASE_SITE; else who=this; pp=; fi
     (echo "build $who"; PYTHONPATH=$pp timeout "${AB_TIMEOUT:-150}" "$PY" "$REPO/scripts/profile_cases.py" time ${AB_CASES:-}) \
       >"$OUT/abbase_$i.log" 2>&1 || status=1
   done
   echo "== A/B against the base build: us per call (x over XLA), base / this / base / this =="
-  "$PY" - "$OUT"/abbase_[1-4].log <<'PYEOF'
+  "$PY" - "$OUT"/abbase_*.log <<'PYEOF'
 import re, sys
 runs = [dict(re.findall(r"^(\S+)\s+ours.*?(x\s*[\d.]+\s+\(\d+ us\))", open(f).read(), re.M)) for f in sys.argv[1:]]
 for name in runs[0]:

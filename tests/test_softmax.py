@@ -117,8 +117,8 @@ def test_special_values_like_jax_nn(backend, device, dtype, fname, masked):
 
 
 # Row lengths that take, on the GPU, a lane group (50), the staged lanes of 32 values per thread
-# (256), a block (8192) and a cluster (70000): the last three fold the row's shift into their
-# exps (FoldedExp), whose argument scale changes at |max| = 2^127.
+# (256), a block (8192) and a cluster (70000): every way a row's exps are shifted and merged.
+# (Session 14's exp with the shift folded into one FFMA overflowed here at 1e30: TUNING.md.)
 HUGE_ROW_LENGTHS = pytest.mark.parametrize("n", [50, 256, 8192, 70000])
 
 
@@ -133,7 +133,7 @@ HUGE_ROW_LENGTHS = pytest.mark.parametrize("n", [50, 256, 8192, 70000])
 def test_huge_magnitudes_no_overflow(backend, device, rng, dtype, fname, big, n):
     f, _, log = FUNCS[fname]
     x = rng.uniform(-1, 1, size=(3, n)) * big
-    x[0, n // 3] = big  # row 0's max is `big` itself (2^127: the first max scaled by 2^-96)
+    x[0, n // 3] = big  # row 0's max is `big` itself, in a middle warp
     x[1, : n // 2] = -big  # row 1: half its values at the bottom of the range
     x = rounded(x, dtype)
     y = run(device, f, x)
@@ -146,8 +146,9 @@ def test_huge_magnitudes_no_overflow(backend, device, rng, dtype, fname, big, n)
 @pytest.mark.parametrize("n", [300, 8192, 70000])
 def test_large_offset_every_tier(backend, device, rng, dtype, fname, n):
     """Rows far from zero, long enough that each warp (or lane group) of a row shifts its exps by
-    its own maximum: after the merge they must agree. On the GPU the folded exps carry each
-    warp's correction (FoldedExp); without it float32 would be off by up to 3e-4 here."""
+    its own maximum: after the merge they must agree. An exp whose shift is rounded per warp
+    (as a shift folded into an FFMA is, without a correction) is off by up to 3e-4 in float32
+    here (TUNING.md, session 14)."""
     f, _, log = FUNCS[fname]
     offset = 2e3 if dtype == jnp.float16 else 1e4
     x = rounded(rng.standard_normal((2, n)) * 3 + offset, dtype)
