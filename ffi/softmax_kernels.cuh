@@ -1131,6 +1131,12 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
       }
     }
 
+    if constexpr (kRereadBwd) {  // one row per block (or cluster), read twice
+      const Loader loader(p, row0, row0 < p.rows);
+      backward_row_reread<kGroup, kCluster, kPacks>(p, loader, row0, first_col, block_slots[use & 1],
+                                                    exchange.buffer(use));
+      continue;
+    }
     A v[kRows][kPacks][kVec];
     A g[kRows][kPacks][kVec];      // backward: dy
     bool ok[kRows][kPacks][kVec];  // backward: which positions take part
@@ -1142,12 +1148,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     bool any[kRows];               // forward: whether any of this thread's positions takes part
     // Built once per row: its bias/mask offsets and causal limit cost integer divisions.
     Loader loaders[kRows];
-    if constexpr (kRereadBwd) {
-      const Loader loader(p, row0, row0 < p.rows);
-      backward_row_reread<kGroup, kCluster, kPacks>(p, loader, row0, first_col, block_slots[use & 1],
-                                                    exchange.buffer(use));
-      continue;
-    } else if constexpr (Loader::kRawBwd ||
+    if constexpr (Loader::kRawBwd ||
                   (!kBwd && (Loader::kPlain || BatchOperands<Loader, kRows, kPacks, true>::kSplit))) {
       // 16-bit backward rows of 16-byte vectors, plain and windowed forward rows (their loaders
       // are cheap: no operands) and the general forward rows that BatchOperands splits (16-bit;

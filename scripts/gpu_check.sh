@@ -98,6 +98,24 @@ if want sanitize; then
   done
 fi
 
+# One process of scripts/profile_cases.py's timing: profile_round LOG LABEL [VAR=value ...].
+profile_round() {
+  local log=$1 label=$2
+  shift 2
+  (if [ $# -gt 0 ]; then export "$@"; fi; echo "$label"
+   timeout "${AB_TIMEOUT:-150}" "$PY" "$REPO/scripts/profile_cases.py" time ${AB_CASES:-}) \
+    >"$log" 2>&1 || status=1
+}
+# Each case's us per call (x over XLA) in every round's log, one column per log.
+profile_summary() {
+  "$PY" - "$@" <<'PYEOF'
+import re, sys
+runs = [dict(re.findall(r"^(\S+)\s+ours.*?(x\s*[\d.]+\s+\(\d+ us\))", open(f).read(), re.M)) for f in sys.argv[1:]]
+for name in runs[0]:
+    print(f"{name:22s}", "   ".join(r.get(name, "-").replace("x", "").replace(" us", "") for r in runs))
+PYEOF
+}
+
 if want bench; then
   "$PY" -m jax_softmax bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -70
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -111,26 +129,23 @@ if want ab; then
   i=0
   for variant in ${AB_VARIANTS:-JAX_SOFTMAX_STAGED=1 JAX_SOFTMAX_STAGED=0}; do
     i=$((i + 1))
-    (export ${variant//,/ }; echo "variant $variant"
-     timeout "${AB_TIMEOUT:-150}" "$PY" "$REPO/scripts/profile_cases.py" time ${AB_CASES:-}) \
-      >"$OUT/ab_$i.log" 2>&1 || status=1
+    profile_round "$OUT/ab_$i.log" "variant $variant" ${variant//,/ }
   done
 fi
 
 if want abbase; then
   wait "$base_build" || { tail -20 "$OUT/build_base.log"; echo "BASE BUILD FAILED"; exit 1; }
+  logs=()
   for i in $(seq 1 "${AB_ROUNDS:-4}"); do
-    if [ $((i % 2)) = 1 ]; then who=base; pp=$BASE_SITE; else who=this; pp=; fi
-    (echo "build $who"; PYTHONPATH=$pp timeout "${AB_TIMEOUT:-150}" "$PY" "$REPO/scripts/profile_cases.py" time ${AB_CASES:-}) \
-      >"$OUT/abbase_$i.log" 2>&1 || status=1
+    logs+=("$OUT/abbase_$i.log")
+    if [ $((i % 2)) = 1 ]; then
+      profile_round "$OUT/abbase_$i.log" "build base" PYTHONPATH="$BASE_SITE"
+    else
+      profile_round "$OUT/abbase_$i.log" "build this"
+    fi
   done
   echo "== A/B against the base build: us per call (x over XLA), base / this / base / this =="
-  "$PY" - "$OUT"/abbase_*.log <<'PYEOF'
-import re, sys
-runs = [dict(re.findall(r"^(\S+)\s+ours.*?(x\s*[\d.]+\s+\(\d+ us\))", open(f).read(), re.M)) for f in sys.argv[1:]]
-for name in runs[0]:
-    print(f"{name:22s}", "   ".join(r.get(name, "-").replace("x", "").replace(" us", "") for r in runs))
-PYEOF
+  profile_summary "${logs[@]}"
 fi
 
 if want ncu; then
@@ -145,8 +160,8 @@ if want ncu; then
 fi
 
 if want ab; then
-  echo "== A/B (% of copy, x over XLA) =="
-  paste "$OUT"/ab_*.log | cut -c1-200
+  echo "== A/B: us per call (x over XLA), one column per variant of AB_VARIANTS =="
+  profile_summary $(ls "$OUT"/ab_*.log | sort -V)
 fi
 
 # The device tool returns at most 8 files: bundle the logs, keep results (JSON/CSV/PNG) as they are.

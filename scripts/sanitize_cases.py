@@ -30,8 +30,9 @@ CASES = [  # (rows, cols, dtype)
     (2, 50257, jnp.float32),  # cluster of 8 x 256 threads (windowed; `where`: scalar path)
     (3, 65536, jnp.bfloat16),  # staged cluster of 8 x 256 threads (plain rows up to 65536)
     (2, 131072, jnp.float32),  # cluster of 8 x 512 threads
-    (33, 262144, jnp.float32),  # clusters of 16, more rows than clusters: exchange buffers reused
-    # (backward: 16 x 512 threads of 32 values, y and dy read again after the reduction)
+    # clusters of 16, more rows than clusters: exchange buffers reused (backward: 16 x 512 threads
+    # of 32 values, y and dy read again after the reduction)
+    (33, 262144, jnp.float32),
     (1, 524288, jnp.float32),  # backward: 16 x 1024 threads of 32 values, read again
     (1, 600000, jnp.float32),  # two-pass streaming kernel
     (3, 700, jnp.float64),
