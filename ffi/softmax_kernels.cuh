@@ -323,28 +323,25 @@ struct RowLoader {
     }
   }
 
-  // Backward (kRawBwd): y and dy of the vector at window offset w as stored, zeros at the positions
-  // outside the row (they add 0 to the dot product and are never stored) and, in general rows, at
-  // those that do not take part (masked or past the causal limit), whatever y and dy hold there.
-  // Returns the positions that take part (all for plain rows), which the store needs: dx is 0 at
-  // the others. Predicated loads, so that every vector's loads (and mask bytes) are in flight
-  // before the first is used.
+  // Backward (kRawBwd), in two steps like the forward's fetch and load_fwd, so that a batch has
+  // every load in flight before the first is used. fetch_bwd: y and dy of the vector at window
+  // offset w as stored (predicated loads), zeros at the positions outside the row (they add 0 to
+  // the dot product and are never stored); returns the vector's mask bytes as loaded (general
+  // rows; fetch_mask). Its caller runs fetch_bwd for all its vectors, then keep_bwd for each:
+  // with the mask bytes tested inside fetch_bwd (limit_bytes' branch), ptxas issued the next
+  // vector's mask load only after that test, a memory latency per vector (TUNING.md, session 15).
   __device__ __forceinline__ Bytes fetch_bwd(int w, Pairs<kVec>& ys, Pairs<kVec>& gs) const {
     static_assert(kRawBwd, "16-bit backward rows");
     const int c = w - shift;
     bool whole = c <= limit;
     if constexpr (kAccess == Access::kWindowed) whole = whole && c >= 0 && c + kVec <= cols;
     ys = gs = Pairs<kVec>{};
-    Bytes keep = kAllBytes;
+    Bytes mask_bytes = kAllBytes;
     // A general row's vector never straddles its end (cols % kVec == 0), only its causal limit.
-    if constexpr (!kPlain) keep = valid_bytes(w);
+    if constexpr (!kPlain) mask_bytes = fetch_mask(w);
     if (whole) {
       load_pairs(in + w, ys);
       load_pairs(grad + w, gs);
-    }
-    if constexpr (!kPlain) {
-      keep_pairs(keep, ys);
-      keep_pairs(keep, gs);
     }
     if constexpr (kAccess == Access::kWindowed) {
       if (!whole && c <= limit) {  // the partial vectors at the ends of the row
@@ -357,10 +354,26 @@ struct RowLoader {
         }
       }
     }
-    return keep;
+    return mask_bytes;
   }
 
-  // Backward (kRawBwd): stores a vector of dx at window offset w, zeros where `keep` (fetch_bwd's)
+  // Backward (kRawBwd), after fetch_bwd: the positions of the vector at window offset w that take
+  // part (all for plain rows), which the store needs (dx is 0 at the others), with y and dy zeroed
+  // at those that do not (masked or past the causal limit), whatever y and dy hold there.
+  __device__ __forceinline__ Bytes keep_bwd(int w, Bytes mask_bytes, Pairs<kVec>& ys,
+                                            Pairs<kVec>& gs) const {
+    static_assert(kRawBwd, "16-bit backward rows");
+    if constexpr (kPlain) {
+      return kAllBytes;
+    } else {
+      const Bytes keep = limit_bytes(w, mask_bytes);
+      keep_pairs(keep, ys);
+      keep_pairs(keep, gs);
+      return keep;
+    }
+  }
+
+  // Backward (kRawBwd): stores a vector of dx at window offset w, zeros where `keep` (keep_bwd's)
   // says the position does not take part. General rows only: plain rows store through store_row's
   // paths. A vector never straddles a general row's end; lanes past it store nothing.
   __device__ __forceinline__ void store_kept(T* dst, int w, const A (&o)[kVec], Bytes keep) const {
@@ -931,6 +944,11 @@ __device__ __forceinline__ void finish_batch_raw(
         keep[k] = loader.fetch_bwd(first_col + k * kStride, ys[k], gs[k]);
       }
     }
+    if constexpr (!kHold) {  // keep[k]: the mask bytes as fetched, then the positions kept
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k)
+        keep[k] = loader.keep_bwd(first_col + k * kStride, keep[k], ys[k], gs[k]);
+    }
     T* dst = loader.out_row(p, row);
     // Plain rows: one test for all of the thread's vectors, even where it holds one: through
     // store_row (one test per vector there) the lane groups took 64 registers instead of 56
@@ -976,14 +994,30 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
   constexpr int kAtOnce = 4;  // vectors of y and of dy in flight per thread: 32 registers
   static_assert(kPacks % kAtOnce == 0, "whole chunks");
   const bool log = p.log;
-  // Plain rows whose vectors all lie inside the row load them without per-vector tests
-  // (load_bwd's early return and windowed ends), so that every load of a chunk is in flight.
-  bool inside = false;
-  if constexpr (Loader::kPlain) inside = loader.holds(first_col, first_col + (kPacks - 1) * kStride);
+  // Rows whose vectors all lie inside the row (plain rows) or at or before its limit (rows with a
+  // mask or causal limit, whose vectors never straddle the row's end) load them without
+  // per-vector tests (load_bwd's early return and windowed ends), so that every load of a chunk
+  // is in flight. A chunk's mask words go first and are unpacked after all its loads. Through
+  // load_bwd each vector's mask word was unpacked in the vector's own branch; with y and dy
+  // loaded predicated (zeros past the limit), ptxas reused one register quad vector by vector.
+  // Either way each vector's loads waited a memory latency behind the last (sm_90a SASS,
+  // TUNING.md, session 15).
+  const int last_col = first_col + (kPacks - 1) * kStride;
+  bool inside;
+  if constexpr (Loader::kPlain)
+    inside = loader.holds(first_col, last_col);
+  else
+    inside = last_col <= loader.limit;  // the limit is -1 for a row past the end
   // One chunk: y into v, dy into g, ok where a position takes part.
   auto load_chunk = [&](int k0, A (&v)[kAtOnce][kVec], A (&g)[kAtOnce][kVec],
                         bool (&ok)[kAtOnce][kVec]) {
     if (inside) {
+      typename Loader::Bytes keep[kAtOnce];
+#pragma unroll
+      for (int j = 0; j < kAtOnce; ++j) {
+        keep[j] = Loader::kAllBytes;
+        if constexpr (!Loader::kPlain) keep[j] = loader.fetch_mask(first_col + (k0 + j) * kStride);
+      }
       T ys[kAtOnce][kVec], gs[kAtOnce][kVec];
 #pragma unroll
       for (int j = 0; j < kAtOnce; ++j) {
@@ -993,7 +1027,9 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
 #pragma unroll
       for (int j = 0; j < kAtOnce; ++j)
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) v[j][e] = to_acc(ys[j][e]), g[j][e] = to_acc(gs[j][e]), ok[j][e] = true;
+        for (int e = 0; e < kVec; ++e)
+          v[j][e] = to_acc(ys[j][e]), g[j][e] = to_acc(gs[j][e]),
+          ok[j][e] = Loader::takes_part(keep[j], e);
     } else {
 #pragma unroll
       for (int j = 0; j < kAtOnce; ++j) loader.load_bwd(first_col + (k0 + j) * kStride, v[j], g[j], ok[j]);
@@ -1164,6 +1200,13 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
 #pragma unroll
           for (int k = 0; k < kPacks; ++k)
             keep[r][k] = loaders[r].fetch_bwd(first_col + k * kGroup * kVec, ys[r][k], gs[r][k]);
+        // keep: the mask bytes as fetched, then the positions kept (every load is out by now).
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+#pragma unroll
+          for (int k = 0; k < kPacks; ++k)
+            keep[r][k] = loaders[r].keep_bwd(first_col + k * kGroup * kVec, keep[r][k], ys[r][k],
+                                             gs[r][k]);
 #pragma unroll
         for (int r = 0; r < kRows; ++r) partial[r] = raw_dot<T>(ys[r], gs[r], p.log);
       } else {

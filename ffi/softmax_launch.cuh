@@ -611,8 +611,9 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // and 16 x 1024 threads of 32 values, y and dy read again after the reduction
   // (backward_row_reread), instead of 16 x 1024 threads of 16 (one CTA per SM, 56% of the DRAM
   // bandwidth at N = 262144, ncu session 13) and the two-pass kernel. Measured (TUNING.md,
-  // session 14, H200, us per call): N = 262144 300 -> 274-279, 524288 335-341 -> 275-279; rows
-  // with a (rows, N) mask at 262144 unchanged (350-361).
+  // session 14, H200, us per call): N = 262144 300 -> 274-279, 524288 335-341 -> 275-279; with a
+  // (rows, N) mask (session 15, a chunk's mask words fetched with its loads) 262144 353 -> 312-315,
+  // 524288 358 -> 315.
   constexpr bool kRereadWide = kBwd && sizeof(T) == 4 && kVec > 1;
   // Forward only: staged backward kernels (y and dy in each stage) measured 0-20% slower than the
   // register ones (TUNING.md), whose rows already keep two operands' loads in flight.

@@ -13,7 +13,7 @@
 # (AB_ROUNDS processes, default 4), one process each; ncu: Nsight Compute on NCU_CASES.
 # Env: JAX_SOFTMAX_CUDA_ARCHS (default 90a-real: the device is an H100/H200), AB_BASE_SRC, BENCH_ARGS
 # (extra arguments for `python -m jax_softmax bench`), REGISTER_SUBSET=0 (skip the test step's
-# reruns under non-default knobs), NCU_REGEX / NCU_SECTIONS / NCU_METRICS (kernels, ncu sections, extra metrics), TEST_ARGS (extra pytest arguments), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), AB_CASES, NCU_CASES, SANITIZE_COLS / RACECHECK_COLS (row lengths of scripts/sanitize_cases.py to run), *_TIMEOUT (seconds).
+# reruns under non-default knobs), NCU_REGEX / NCU_SECTIONS / NCU_METRICS (kernels, ncu sections, extra metrics), TEST_ARGS (extra pytest arguments), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), AB_CASES, NCU_CASES, SANITIZE_COLS / RACECHECK_COLS (row lengths of scripts/sanitize_cases.py to run; SANITIZE_ALL_OPS=1 keeps all their calls), *_TIMEOUT (seconds).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/jax_softmax_out}

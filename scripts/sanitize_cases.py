@@ -9,7 +9,8 @@ past the cluster tier) plus odd lengths for the scalar path. Few rows keep the s
 
     SANITIZE_COLS=8192,131072,600000 ... runs only the cases of those row lengths, and only
     softmax forward and backward without `where` (racecheck is slow; the block, cluster, staged
-    and two-pass tiers use shared memory).
+    and two-pass tiers use shared memory); with SANITIZE_ALL_OPS=1 as well, every call of those
+    row lengths (log-softmax, `where`, causal and broadcast operands too).
 """
 
 import os
@@ -57,21 +58,22 @@ def main():
     assert "cuda" in jax_softmax.available_platforms(), "CUDA extension not built"
     only = os.environ.get("SANITIZE_COLS")
     only = {int(c) for c in only.split(",")} if only else None
+    every_op = only is None or os.environ.get("SANITIZE_ALL_OPS") == "1"
     for rows, cols, dtype in CASES:
         if only is not None and cols not in only:
             continue
         x = jnp.asarray(rng.standard_normal((rows, cols)), dtype)
         where = jnp.asarray(rng.random((1, cols)) > 0.3)
-        fns = (jax_softmax.softmax,) if only else (jax_softmax.softmax, jax_softmax.log_softmax)
+        fns = (jax_softmax.softmax, jax_softmax.log_softmax) if every_op else (jax_softmax.softmax,)
         for fn in fns:
-            for w in (None,) if only else (None, where):
+            for w in (None, where) if every_op else (None,):
                 y, vjp = jax.vjp(lambda a: fn(a, where=w), x)
                 vjp(jnp.ones_like(y))[0].block_until_ready()
-        if only is None:
+        if every_op:
             s = jnp.asarray(rng.standard_normal((2, 3, min(cols, 257), cols)), dtype)
             y, vjp = jax.vjp(lambda a: jax_softmax.attention_softmax(a, scale=0.5, is_causal=True), s)
             vjp(jnp.ones_like(y))[0].block_until_ready()
-        if only is None and cols <= 65536:
+        if every_op and cols <= 65536:
             # A (1, H, Sq, Sk) bias and a (1, 1, Sq, Sk) mask broadcast over the batch: CTAs take
             # the batches of rows copy by copy (RowOrder).
             s = jnp.asarray(rng.standard_normal((3, 2, 32, cols)), dtype)

@@ -305,6 +305,35 @@ def test_causal_long_keys(backend, device, rng, dtype):
     assert_close(y, expect, dtype, what=f"causal rows {sample.tolist()} of Sk={sk}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("sk", [2**18 - 4, 2**19 - 4], ids=str)
+def test_causal_masked_backward_long_keys(backend, device, rng, dtype, sk):
+    # Backward rows of the two widest cluster tiers (16 x 512 and 16 x 1024 threads of 32 values:
+    # float32 reads y and dy twice, 16-bit keeps them as pairs) with a (1, 1, Sq, Sk) mask and a
+    # causal limit. Query i sees keys 0..i, so every limit falls in the first CTA's first vectors:
+    # the vectors that straddle a limit, and threads with nothing to read. Row 3 is fully masked.
+    sq = 37
+    scores = rounded(rng.standard_normal((1, 1, sq, sk)) * 2.0, dtype)
+    mask = rng.random((1, 1, sq, sk)) < 0.7
+    mask[0, 0, 3] = False
+    g = rounded(rng.standard_normal(scores.shape), dtype)
+    sd, md, gd = put(device, scores, mask, g)
+    poison(device, scores.shape, dtype, count=3)
+
+    def fn(s_, m_, g_):
+        y, pull = jax.vjp(lambda s_: js.attention_softmax(s_, scale=0.5, mask=m_, is_causal=True), s_)
+        return y, pull(g_)[0]
+
+    y, ds = (np.asarray(o) for o in jax.jit(fn)(sd, md, gd))
+    assert_close(y, np_attention(scores, 0.5, None, mask, True), dtype, what=f"Sk={sk}")
+    valid = attention_valid(scores.shape, mask, True)
+    z = scores.astype(np.float64) * 0.5
+    dz = np_softmax_vjp(z, g, -1, valid)
+    mag = np_softmax_vjp_scale(z, g, -1, valid, dtype=dtype)
+    assert_close(ds, 0.5 * dz, dtype, tol=GRAD_TOL, mag=0.5 * mag, what=f"d scores Sk={sk}")
+
+
 def check_attention(device, rng, dtype, s):
     b, h = 1, 2
     scores = rounded(rng.standard_normal((b, h, s, s)) * 2.0, dtype)
