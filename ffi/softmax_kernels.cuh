@@ -144,6 +144,15 @@ struct RowLoader {
     if (mask && w <= limit) bytes = mask_cs ? load_bytes<kVec>(mask + w) : (mask[0] ? kAllBytes : 0);
     return bytes;
   }
+  // The same for a vector the caller knows to lie at or before the limit, without the test: where
+  // ptxas could not prove it true, it cost the float32 re-read clusters 8-12 bytes of spills.
+  // (fetch_mask written as the test around this function compiled 25 other kernels differently.)
+  __device__ __forceinline__ Bytes fetch_mask_live(int w) const {
+    static_assert(!kPlain, "plain rows have no mask");
+    Bytes bytes = kAllBytes;
+    if (mask) bytes = mask_cs ? load_bytes<kVec>(mask + w) : (mask[0] ? kAllBytes : 0);
+    return bytes;
+  }
 
   // The bias of the (general-access) vector at window offset w into bs (zeros without a bias or
   // past the limit). A batch fetches it ahead with x and the mask only for 16-bit types and one or
@@ -994,8 +1003,8 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
   constexpr int kAtOnce = 4;  // vectors of y and of dy in flight per thread: 32 registers
   static_assert(kPacks % kAtOnce == 0, "whole chunks");
   const bool log = p.log;
-  // Rows whose vectors all lie inside the row (plain rows) or at or before its limit (rows with a
-  // mask or causal limit, whose vectors never straddle the row's end) load them without
+  // Rows whose vectors all lie inside the row (plain rows) or wholly at or before its limit (rows
+  // with a mask or causal limit, whose vectors never straddle the row's end) load them without
   // per-vector tests (load_bwd's early return and windowed ends), so that every load of a chunk
   // is in flight. A chunk's mask words go first and are unpacked after all its loads. Through
   // load_bwd each vector's mask word was unpacked in the vector's own branch; with y and dy
@@ -1007,7 +1016,7 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
   if constexpr (Loader::kPlain)
     inside = loader.holds(first_col, last_col);
   else
-    inside = last_col <= loader.limit;  // the limit is -1 for a row past the end
+    inside = last_col + kVec - 1 <= loader.limit;  // the limit is -1 for a row past the end
   // One chunk: y into v, dy into g, ok where a position takes part.
   auto load_chunk = [&](int k0, A (&v)[kAtOnce][kVec], A (&g)[kAtOnce][kVec],
                         bool (&ok)[kAtOnce][kVec]) {
@@ -1016,7 +1025,7 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
 #pragma unroll
       for (int j = 0; j < kAtOnce; ++j) {
         keep[j] = Loader::kAllBytes;
-        if constexpr (!Loader::kPlain) keep[j] = loader.fetch_mask(first_col + (k0 + j) * kStride);
+        if constexpr (!Loader::kPlain) keep[j] = loader.fetch_mask_live(first_col + (k0 + j) * kStride);
       }
       T ys[kAtOnce][kVec], gs[kAtOnce][kVec];
 #pragma unroll

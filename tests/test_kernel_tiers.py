@@ -334,6 +334,49 @@ def test_causal_masked_backward_long_keys(backend, device, rng, dtype, sk):
     assert_close(ds, 0.5 * dz, dtype, tol=GRAD_TOL, mag=0.5 * mag, what=f"d scores Sk={sk}")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
+def test_causal_backward_limit_in_last_vector(backend, device, rng, dtype):
+    # The same 16 x 512 x 32 backward tier (Sk just past 16 x 512 x 16) where causal limits reach
+    # a thread's last vector: thread t of the first CTA holds the vectors at t * V + k * 512 * V,
+    # so rows last(t) - 1 .. last(t) + V (last(t) = t * V + (32 / V - 1) * 512 * V) have their
+    # limit before, inside and just past that thread's last vector, for threads 0 and 1. A thread
+    # may take its whole part at once only when the last vector lies wholly at or before the
+    # limit. Scores and dy are made on the device (a few GiB) and sampled rows compared, with a
+    # (1, 1, 1, Sk) padding mask.
+    v = VEC[dtype]
+    sk = 16 * 512 * 16 + v
+    last0 = (32 // v - 1) * 512 * v
+    sample = np.r_[0:2, last0 - 1 : last0 + 2 * v + 1]
+    sq = int(sample[-1]) + 1
+    k1, k2 = jax.random.split(jax.random.key(int(rng.integers(2**31))))
+    mask = rng.random((1, 1, 1, sk)) < 0.9
+    mask[..., 0] = True
+    with jax.default_device(device):
+        scores = jax.random.normal(k1, (1, 1, sq, sk), dtype) * 2
+        g = jax.random.normal(k2, (1, 1, sq, sk), dtype)
+        # NaN in dy past each row's limit: dx must stay clean (a position wrongly taken to be in
+        # the row would make its dot product NaN; its y, 0, would hide it otherwise).
+        past = jnp.arange(sk)[None, :] > jnp.arange(sq)[:, None]
+        g = jnp.where(past, jnp.nan, g).astype(dtype)
+    poison(device, scores.shape, dtype, count=1)
+
+    @jax.jit
+    def fn(s_, m_, g_):
+        y, pull = jax.vjp(lambda s: js.attention_softmax(s, scale=0.5, mask=m_, is_causal=True), s_)
+        ds = pull(g_)[0]
+        return y[0, 0, sample], ds[0, 0, sample], s_[0, 0, sample], g_[0, 0, sample]
+
+    y, ds, x, gs = (np.asarray(o) for o in fn(scores, put(device, mask), g))
+    valid = mask[0, 0] & (np.arange(sk)[None, :] <= sample[:, None])
+    z = x.astype(np.float64) * 0.5
+    what = f"causal rows {sample.tolist()} of Sk={sk}"
+    assert_close(y, np_attention(z, 1.0, None, valid, False), dtype, what=what)
+    dz = np_softmax_vjp(z, gs, -1, valid)
+    mag = np_softmax_vjp_scale(z, gs, -1, valid, dtype=dtype)
+    assert_close(ds, 0.5 * dz, dtype, tol=GRAD_TOL, mag=0.5 * mag, what="d scores " + what)
+
+
 def check_attention(device, rng, dtype, s):
     b, h = 1, 2
     scores = rounded(rng.standard_normal((b, h, s, s)) * 2.0, dtype)
