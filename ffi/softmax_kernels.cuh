@@ -137,20 +137,15 @@ struct RowLoader {
 
   // The mask bytes of the (general-access) vector at window offset w as stored: byte e nonzero
   // iff column w + e is unmasked (all bytes set without a mask; not read past the limit, where
-  // limit_bytes() clears them all anyway).
+  // limit_bytes() clears them all anyway). kLive: the caller knows the vector lies at or before
+  // the limit, and the test is left out (where ptxas could not prove it true, it cost the float32
+  // re-read clusters 8-12 bytes of spills).
+  template <bool kLive = false>
   __device__ __forceinline__ Bytes fetch_mask(int w) const {
     static_assert(!kPlain, "plain rows have no mask");
     Bytes bytes = kAllBytes;
-    if (mask && w <= limit) bytes = mask_cs ? load_bytes<kVec>(mask + w) : (mask[0] ? kAllBytes : 0);
-    return bytes;
-  }
-  // The same for a vector the caller knows to lie at or before the limit, without the test: where
-  // ptxas could not prove it true, it cost the float32 re-read clusters 8-12 bytes of spills.
-  // (fetch_mask written as the test around this function compiled 25 other kernels differently.)
-  __device__ __forceinline__ Bytes fetch_mask_live(int w) const {
-    static_assert(!kPlain, "plain rows have no mask");
-    Bytes bytes = kAllBytes;
-    if (mask) bytes = mask_cs ? load_bytes<kVec>(mask + w) : (mask[0] ? kAllBytes : 0);
+    if (mask && (kLive || w <= limit))
+      bytes = mask_cs ? load_bytes<kVec>(mask + w) : (mask[0] ? kAllBytes : 0);
     return bytes;
   }
 
@@ -1025,7 +1020,8 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
 #pragma unroll
       for (int j = 0; j < kAtOnce; ++j) {
         keep[j] = Loader::kAllBytes;
-        if constexpr (!Loader::kPlain) keep[j] = loader.fetch_mask_live(first_col + (k0 + j) * kStride);
+        if constexpr (!Loader::kPlain)
+          keep[j] = loader.template fetch_mask</*kLive=*/true>(first_col + (k0 + j) * kStride);
       }
       T ys[kAtOnce][kVec], gs[kAtOnce][kVec];
 #pragma unroll
