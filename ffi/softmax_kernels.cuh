@@ -52,7 +52,7 @@ struct RowTier {
 enum class Access { kGeneral, kPlain, kWindowed };
 
 // Per-row state for reading x (or y and dy) plus the optional bias and mask of a row. Positions
-// passed to load_fwd() and load_bwd() are window offsets: column = w - shift (shift is 0 unless
+// passed to load_fwd() and fetch_bwd() are window offsets: column = w - shift (shift is 0 unless
 // kWindowed).
 template <typename T, int kVec, bool kBwd, Access kAccess>
 struct RowLoader {
@@ -64,7 +64,7 @@ struct RowLoader {
   // them twice (for the dot product and for the output): half the registers of float values, so
   // that some of their tiers take 32 values per thread like the forward's (fetch_bwd,
   // finish_batch_raw, LaunchTier). Not rows read element by element (kVec == 1: masked rows with
-  // cols % 8 != 0, or unaligned buffers), which load float values (load_bwd).
+  // cols % 8 != 0, or unaligned buffers), which load float values (fetch_bwd's other overload).
   static constexpr bool kRawBwd = kBwd && sizeof(T) == 2 && kVec > 1;
   // One byte per position of a vector, byte e (from the least significant) for column c + e:
   // the mask bytes as loaded, so that testing a position is one LOP3 on the word.
@@ -388,51 +388,58 @@ struct RowLoader {
     store_pairs(dst + w, out);
   }
 
-  // Backward in float values (float32, float64, 16-bit rows of kVec == 1, the two-pass kernel):
-  // v = y, g = dy. ok[e] says whether column w - shift + e takes part in the row; dx
-  // must be 0 there whatever dy holds, so the flags stay per position. Plain and windowed rows
-  // keep ok uniform over a vector: the partial vectors at a windowed row's ends load positions
-  // outside the row as 0, which drops out of the dot product, and are never stored. (Per-element
-  // flags there cost ~40 registers: 103 vs 64 at 512 threads, bfloat16.)
-  __device__ __forceinline__ void load_bwd(int w, A (&v)[kVec], A (&g)[kVec],
-                                           bool (&ok)[kVec]) const {
+  // Backward in float values (float32, float64, 16-bit rows of kVec == 1, the two-pass kernel), in
+  // the same two steps as fetch_bwd / keep_bwd: the caller runs this fetch_bwd for all its
+  // vectors, then flags_bwd for each. Loaded and flagged in one step (load_bwd, before session
+  // 16), each vector's mask word was unpacked in the vector's own branch before the next vector's
+  // loads were issued: a memory latency per vector in every float32 general backward tier
+  // (TUNING.md, sessions 15-16). fetch_bwd: y into v and dy into g for the vector at window
+  // offset w (zeros where nothing is read: past the limit, and outside a windowed row, whose
+  // positions then add 0 to the dot product and are never stored); returns the mask bytes as
+  // loaded (general rows; fetch_mask), fetched before the limit test. Only loads and conversions
+  // sit behind its early returns. (Loaded predicated into zeroed vectors instead, the windowed
+  // 32-lane two-row kernel spilled 4 bytes.)
+  __device__ __forceinline__ Bytes fetch_bwd(int w, A (&v)[kVec], A (&g)[kVec]) const {
     static_assert(kBwd, "backward rows");
     const int c = w - shift;
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) ok[e] = false, v[e] = A(0), g[e] = A(0);
-    if (c > limit) return;
-    T xs[kVec], gs[kVec];
+    for (int e = 0; e < kVec; ++e) v[e] = A(0), g[e] = A(0);
+    Bytes mask_bytes = kAllBytes;
+    if constexpr (!kPlain) mask_bytes = fetch_mask(w);
+    if (c > limit) return mask_bytes;
     if (kAccess == Access::kWindowed && (c < 0 || c + kVec > cols)) {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        ok[e] = true;
         if (c + e >= 0 && c + e < cols) {
           v[e] = to_acc(in[w + e]);
           g[e] = to_acc(grad[w + e]);
         }
       }
-      return;  // a windowed row is plain: no bias or mask
-    } else {
-      load_vec<kVec>(in + w, xs);
-      load_vec<kVec>(grad + w, gs);
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        v[e] = to_acc(xs[e]);
-        g[e] = to_acc(gs[e]);
-        // A vector never straddles the row end unless windowed (handled above).
-        ok[e] = kPlain ? true : c + e <= limit;
-      }
+      return mask_bytes;
     }
-    if (!kPlain && mask) {
-      uint8_t ms[kVec];
-      if (mask_cs) {
-        load_vec<kVec>(mask + c, ms);
-      } else {
+    T ys[kVec], gs[kVec];
+    load_vec<kVec>(in + w, ys);
+    load_vec<kVec>(grad + w, gs);
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) ms[e] = mask[0];
-      }
+    for (int e = 0; e < kVec; ++e) v[e] = to_acc(ys[e]), g[e] = to_acc(gs[e]);
+    return mask_bytes;
+  }
+
+  // After fetch_bwd: ok[e] says whether column w - shift + e takes part in the row (dx must be 0
+  // where it does not, whatever dy holds there, so the flags stay per position). Plain and windowed
+  // rows keep ok uniform over a vector: a windowed row's partial end vectors hold 0 outside the
+  // row, which drops out of the dot product, and are never stored there. (Per-element flags there
+  // cost ~40 registers: 103 vs 64 at 512 threads, bfloat16.)
+  __device__ __forceinline__ void flags_bwd(int w, Bytes mask_bytes, bool (&ok)[kVec]) const {
+    static_assert(kBwd, "backward rows");
+    if constexpr (kPlain) {
+      const bool read = w - shift <= limit;
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) ok[e] = ok[e] && ms[e] != 0;
+      for (int e = 0; e < kVec; ++e) ok[e] = read;
+    } else {
+      const Bytes keep = limit_bytes(w, mask_bytes);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) ok[e] = takes_part(keep, e);
     }
   }
 
@@ -1000,12 +1007,12 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
   const bool log = p.log;
   // Rows whose vectors all lie inside the row (plain rows) or wholly at or before its limit (rows
   // with a mask or causal limit, whose vectors never straddle the row's end) load them without
-  // per-vector tests (load_bwd's early return and windowed ends), so that every load of a chunk
+  // per-vector tests (fetch_bwd's early returns and windowed ends), so that every load of a chunk
   // is in flight. A chunk's mask words go first and are unpacked after all its loads. Through
-  // load_bwd each vector's mask word was unpacked in the vector's own branch; with y and dy
-  // loaded predicated (zeros past the limit), ptxas reused one register quad vector by vector.
-  // Either way each vector's loads waited a memory latency behind the last (sm_90a SASS,
-  // TUNING.md, session 15).
+  // the per-vector path (session 14's load_bwd; fetch_bwd + flags_bwd since session 16, which
+  // still leave every vector's loads in one register quad here, 8 bytes spilled) or with y and dy
+  // loaded predicated (zeros past the limit), each vector's loads waited a memory latency behind
+  // the last (sm_90a SASS, TUNING.md, sessions 15-16). Other threads take the per-vector path.
   const int last_col = first_col + (kPacks - 1) * kStride;
   bool inside;
   if constexpr (Loader::kPlain)
@@ -1015,8 +1022,8 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
   // One chunk: y into v, dy into g, ok where a position takes part.
   auto load_chunk = [&](int k0, A (&v)[kAtOnce][kVec], A (&g)[kAtOnce][kVec],
                         bool (&ok)[kAtOnce][kVec]) {
+    typename Loader::Bytes keep[kAtOnce];
     if (inside) {
-      typename Loader::Bytes keep[kAtOnce];
 #pragma unroll
       for (int j = 0; j < kAtOnce; ++j) {
         keep[j] = Loader::kAllBytes;
@@ -1037,7 +1044,11 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
           ok[j][e] = Loader::takes_part(keep[j], e);
     } else {
 #pragma unroll
-      for (int j = 0; j < kAtOnce; ++j) loader.load_bwd(first_col + (k0 + j) * kStride, v[j], g[j], ok[j]);
+      for (int j = 0; j < kAtOnce; ++j)
+        keep[j] = loader.fetch_bwd(first_col + (k0 + j) * kStride, v[j], g[j]);
+#pragma unroll
+      for (int j = 0; j < kAtOnce; ++j)
+        loader.flags_bwd(first_col + (k0 + j) * kStride, keep[j], ok[j]);
     }
   };
   // One pass over the row: each chunk read, then handed to use(k0, v, g, ok).
@@ -1184,7 +1195,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     using Raw = Pairs<Loader::kRawBwd ? kVec : 2>;
     Raw ys[kRows][kPacks];  // backward, kRawBwd: y and dy as loaded (finish_batch_raw says how
     Raw gs[kRows][kPacks];  // long they live)
-    typename Loader::Bytes keep[kRows][kPacks];  // backward, kRawBwd: positions that take part
+    // Backward: the mask bytes as fetched, then (kRawBwd) the positions that take part.
+    typename Loader::Bytes keep[kRows][kPacks];
     A partial[kRows];       // backward, kRawBwd: this thread's part of each row's dot product
     bool any[kRows];               // forward: whether any of this thread's positions takes part
     // Built once per row: its bias/mask offsets and causal limit cost integer divisions.
@@ -1220,9 +1232,10 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
         load_batch_fwd<true>(loaders, first_col, kGroup * kVec, ops, v, any);
       }
     } else {
-      // Backward, and the other float32/float64 general forward rows: each row's loader built
-      // just before its loads (its index math's temporaries then die before the next row's: built
-      // all first, float32 spilled), each vector loaded and computed in one step.
+      // Backward rows in float values, and the other float32/float64 general forward rows: each
+      // row's loader built just before its loads (its index math's temporaries then die before the
+      // next row's: built all first, float32 spilled). Forward vectors are loaded and computed in
+      // one step; backward ones are fetched for every row first, then flagged (fetch_bwd).
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         const int64_t row = row0 + r * (kBlock / kGroup) + group;
@@ -1232,10 +1245,17 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
         for (int k = 0; k < kPacks; ++k) {
           const int w = first_col + k * kGroup * kVec;
           if constexpr (kBwd)
-            loaders[r].load_bwd(w, v[r][k], g[r][k], ok[r][k]);
+            keep[r][k] = loaders[r].fetch_bwd(w, v[r][k], g[r][k]);
           else
             any[r] |= loaders[r].load_fwd_direct(w, v[r][k]);
         }
+      }
+      if constexpr (kBwd) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+#pragma unroll
+          for (int k = 0; k < kPacks; ++k)
+            loaders[r].flags_bwd(first_col + k * kGroup * kVec, keep[r][k], ok[r][k]);
       }
     }
     if constexpr (Loader::kRawBwd)
@@ -1454,11 +1474,16 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
       A vb[1][kUnroll][kVec], g[kUnroll][kVec];
       A (&v)[kUnroll][kVec] = vb[0];
       bool ok[kUnroll][kVec];
+      typename Loader::Bytes fetched[kUnroll];  // backward: the mask bytes as fetched
       bool any[1] = {false};
       const int first = t0 + int(threadIdx.x) * kVec;
       if constexpr (kBwd) {
 #pragma unroll
-        for (int k = 0; k < kUnroll; ++k) loader.load_bwd(first + k * kBlock * kVec, v[k], g[k], ok[k]);
+        for (int k = 0; k < kUnroll; ++k)
+          fetched[k] = loader.fetch_bwd(first + k * kBlock * kVec, v[k], g[k]);
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k)
+          loader.flags_bwd(first + k * kBlock * kVec, fetched[k], ok[k]);
       } else {
         BatchOperands<Loader, 1, kUnroll, true> ops;
         fetch_batch_operands(loaders, first, kBlock * kVec, ops);
@@ -1491,6 +1516,7 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
       A vb[1][kUnroll][kVec], g[kUnroll][kVec];
       A (&v)[kUnroll][kVec] = vb[0];
       bool ok[kUnroll][kVec];
+      typename Loader::Bytes fetched[kUnroll];  // backward: the mask bytes as fetched
       if constexpr (!kBwd) {
         // As forward_row: the formula unless a general row's sum is not positive.
         if (Loader::kPlain || st.sum > A(0)) {
@@ -1524,7 +1550,10 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
       } else {
 #pragma unroll
         for (int k = 0; k < kUnroll; ++k)
-          loader.load_bwd(t0 + (k * kBlock + int(threadIdx.x)) * kVec, v[k], g[k], ok[k]);
+          fetched[k] = loader.fetch_bwd(t0 + (k * kBlock + int(threadIdx.x)) * kVec, v[k], g[k]);
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k)
+          loader.flags_bwd(t0 + (k * kBlock + int(threadIdx.x)) * kVec, fetched[k], ok[k]);
 #pragma unroll
         for (int k = 0; k < kUnroll; ++k) {
           A o[kVec];

@@ -59,9 +59,9 @@ def _xla_bwd(y, g, mask=None):
 
 
 def _attention_case(kind, s, dtype=jnp.bfloat16):
-    """(B, 16, s, s) scores (bfloat16; float32 for the attn32_ cases) with a padding mask
-    (B, 1, 1, s), a full mask (1, 1, s, s), a per-head bias, the causal rule or none of them
-    (scale only); the XLA side is the benchmark's own expression
+    """(B, 16, s, s) scores (bfloat16; float32 for the attn32_ and attnbwd32_ cases) with a
+    padding mask (B, 1, 1, s), a full mask (1, 1, s, s), a per-head bias, the causal rule or none
+    of them (scale only); the XLA side is the benchmark's own expression
     (jax_softmax._bench.xla_attention_softmax)."""
     b, h = max(1, TENSOR_BYTES // (16 * s * s * jnp.dtype(dtype).itemsize)), 16
     rng = np.random.default_rng(1)
@@ -144,6 +144,8 @@ for _kind in ("none", "pad", "full", "bias", "causal"):
         CASES[f"attn32_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_case(k, s, jnp.float32))
         if _kind != "bias":
             CASES[f"attnbwd_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_bwd_case(k, s))
+            CASES[f"attnbwd32_{_kind}_{_s}"] = (
+                lambda k=_kind, s=_s: _attention_bwd_case(k, s, jnp.float32))
 
 NCU_DEFAULT = ["bf16_fwd_32", "bf16_fwd_256", "f32_fwd_4096", "f32_fwd_16384", "f32_fwd_50257",
                "f32_fwd_65536", "f32_fwd_262144", "attn_pad_1024", "attn_causal_1024"]
