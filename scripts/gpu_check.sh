@@ -4,8 +4,9 @@
 #
 #   bash scripts/gpu_check.sh [all|build|test|sanitize|bench|attention|ab|ncu]...   (default: all)
 #
-# all = build test sanitize bench attention (bench: the row-length sweep; attention: the
-# (B, H, S, S) sweep; ATTN_ARGS passes it options). ab: quick A/B timing of scripts/profile_cases.py cases under
+# all = build test sanitize bench attention (test: the suite in six parallel pytest processes, and
+# the tier tests under other knobs and in command buffers beside them, logs $OUT/pytest_*.log;
+# bench: the row-length sweep; attention: the (B, H, S, S) sweep; ATTN_ARGS passes it options). ab: quick A/B timing of scripts/profile_cases.py cases under
 # each variant in AB_VARIANTS (words of comma-separated VAR=value settings, default
 # "JAX_SOFTMAX_STAGED=1 JAX_SOFTMAX_STAGED=0"); abbase: the same cases timed on another build of
 # the package, the source tree AB_BASE_SRC (e.g. `git archive BASE | tar -x -C .base`, carried),
@@ -54,32 +55,66 @@ fi
 
 # Run from outside the checkout so Python imports the installed package, not the source tree.
 cd /tmp
+# One pytest process in the background: test_job NAME [VAR=value]... -- PYTEST_ARGS...
+# Its log is $OUT/pytest_NAME.log, its JUnit XML $OUT/pytest_NAME.xml. No preallocation: several
+# processes share the GPU, each taking what its tensors need.
+test_pids=()
+test_names=()
+test_job() {
+  local name=$1 envs=()
+  shift
+  while [ "$1" != -- ]; do envs+=("$1"); shift; done
+  shift
+  env XLA_PYTHON_CLIENT_PREALLOCATE=false ${envs[@]+"${envs[@]}"} timeout "${TEST_TIMEOUT:-1800}" \
+    "$PY" -m pytest "$REPO/tests" -q -p no:cacheprovider -rf --maxfail=25 \
+    --junitxml="$OUT/pytest_$name.xml" "$@" >"$OUT/pytest_$name.log" 2>&1 &
+  test_pids+=($!)
+  test_names+=("$name")
+}
+# A -k expression narrowed by TEST_K.
+with_test_k() { if [ -n "${TEST_K:-}" ]; then echo "($TEST_K) and ($1)"; else echo "$1"; fi; }
+
 if want test; then
-  timeout "${TEST_TIMEOUT:-1800}" "$PY" -m pytest "$REPO/tests" -q --maxfail=25 -p no:cacheprovider \
-    -rf --junitxml="$OUT/pytest.xml" ${TEST_K:+-k "$TEST_K"} ${TEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -25
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  # The kernel-tier tests again under non-default knobs (REGISTER_SUBSET=0 skips them, 2.5 min
-  # each): the register tiers for plain rows, which sm_90 replaces by the staged ones (older GPUs
-  # run them); staged row tiers with a ring (3 tiles per CTA; by default each CTA reduces one tile)
-  # and persistent register row grids (by default one CTA per batch); every masked, biased or
-  # causal row staged (by default only short ones and padding-style masks), whose one-row tiles
-  # copy only up to the causal limit.
+  # The suite in parallel processes (a GPU test spends most of its time in XLA's compiler, on the
+  # CPU; one process ran past a device call's 10 minutes). -k selects by test and module name;
+  # the shards cover every test once: the kernel-tier module in four, the rest in two.
+  tiers_split="tier_boundaries or two_pass or many_long_rows or staged_ring or dependent_calls or causal_attention_sizes"
+  shards=(
+    "tiers_boundaries:test_kernel_tiers and tier_boundaries"
+    "tiers_long:test_kernel_tiers and (two_pass or many_long_rows)"
+    "tiers_staged:test_kernel_tiers and (staged_ring or dependent_calls or causal_attention_sizes)"
+    "tiers_rest:test_kernel_tiers and not ($tiers_split)"
+    "softmax:not test_kernel_tiers and (test_softmax or test_transforms or test_errors)"
+    "rest:not (test_kernel_tiers or test_softmax or test_transforms or test_errors)"
+  )
+  for shard in "${shards[@]}"; do
+    test_job "${shard%%:*}" -- -k "$(with_test_k "${shard#*:}")" ${TEST_ARGS:-}
+  done
+  # The kernel-tier tests again under non-default knobs (REGISTER_SUBSET=0 skips them): the
+  # register tiers for plain rows, which sm_90 replaces by the staged ones (older GPUs run them);
+  # staged row tiers with a ring (3 tiles per CTA; by default each CTA reduces one tile) and
+  # persistent register row grids (by default one CTA per batch); every masked, biased or causal
+  # row staged (by default only short ones and padding-style masks), whose one-row tiles copy only
+  # up to the causal limit.
   if [ "${REGISTER_SUBSET:-1}" != 0 ]; then
     for knobs in JAX_SOFTMAX_STAGED=0 JAX_SOFTMAX_TILES_PER_CTA=3,JAX_SOFTMAX_WAVES=1 JAX_SOFTMAX_STAGED_GENERAL=2; do
-      echo "kernel tiers under ${knobs//,/ }:"
-      (export ${knobs//,/ }; timeout "${TEST_TIMEOUT:-1800}" "$PY" -m pytest "$REPO/tests/test_kernel_tiers.py" \
-         -q -p no:cacheprovider -rf -k "gpu and (many_long_rows or staged_ring or causal)") \
-        2>&1 | tee "$OUT/pytest_${knobs//[=,]/_}.log" | tail -5
-      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      test_job "${knobs//[=,]/_}" ${knobs//,/ } -- \
+        -k "gpu and test_kernel_tiers and (many_long_rows or staged_ring or causal)"
     done
   fi
   # Chained calls (each kernel launched with programmatic dependent launch) inside CUDA graphs:
   # XLA records every fusion and custom call of these programs into command buffers.
-  echo "dependent calls in command buffers:"
-  (export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
-   timeout "${TEST_TIMEOUT:-1800}" "$PY" -m pytest "$REPO/tests/test_kernel_tiers.py" -q -p no:cacheprovider \
-     -rf -k "gpu and dependent_calls") 2>&1 | tee "$OUT/pytest_command_buffers.log" | tail -3
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  test_job command_buffers \
+    "XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
+    -- -k "gpu and test_kernel_tiers and dependent_calls"
+  for i in "${!test_pids[@]}"; do
+    name=${test_names[$i]}
+    wait "${test_pids[$i]}"
+    rc=$?
+    [ $rc -eq 0 ] || [ $rc -eq 5 ] || status=1  # 5: TEST_K left the shard no tests
+    echo "tests $name: $(tail -1 "$OUT/pytest_$name.log")"
+    grep -E "^(FAILED|ERROR)" "$OUT/pytest_$name.log" | head -10
+  done
 fi
 
 if want sanitize; then
