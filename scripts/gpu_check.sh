@@ -14,7 +14,7 @@
 # (AB_ROUNDS processes, default 4), one process each; ncu: Nsight Compute on NCU_CASES.
 # Env: JAX_SOFTMAX_CUDA_ARCHS (default 90a-real: the device is an H100/H200), AB_BASE_SRC, BENCH_ARGS
 # (extra arguments for `python -m jax_softmax bench`), REGISTER_SUBSET=0 (skip the test step's
-# reruns under non-default knobs), NCU_REGEX / NCU_SECTIONS / NCU_METRICS (kernels, ncu sections, extra metrics), TEST_ARGS (extra pytest arguments), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), AB_CASES, NCU_CASES, SANITIZE_COLS / RACECHECK_COLS (row lengths of scripts/sanitize_cases.py to run; SANITIZE_ALL_OPS=1 keeps all their calls), *_TIMEOUT (seconds).
+# reruns under non-default knobs), NCU_REGEX / NCU_SECTIONS / NCU_METRICS (kernels, ncu sections, extra metrics), TEST_ARGS (extra pytest arguments), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), TEST_MEM_FRACTION (each test process's share of GPU memory), AB_CASES, NCU_CASES, SANITIZE_COLS / RACECHECK_COLS (row lengths of scripts/sanitize_cases.py to run; SANITIZE_ALL_OPS=1 keeps all their calls), *_TIMEOUT (seconds).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/jax_softmax_out}
@@ -56,8 +56,11 @@ fi
 # Run from outside the checkout so Python imports the installed package, not the source tree.
 cd /tmp
 # One pytest process in the background: test_job NAME [VAR=value]... -- PYTEST_ARGS...
-# Its log is $OUT/pytest_NAME.log, its JUnit XML $OUT/pytest_NAME.xml. No preallocation: several
-# processes share the GPU, each taking what its tensors need.
+# Its log is $OUT/pytest_NAME.log, its JUnit XML $OUT/pytest_NAME.xml. No preallocation, and each
+# process's allocator capped at TEST_MEM_FRACTION of the GPU (default 0.075; a job's own
+# XLA_PYTHON_CLIENT_MEM_FRACTION overrides it): ten processes share the GPU, and uncapped they ran
+# the H200 out of memory (session 17: launches, module loads and 24 KiB allocations failed with
+# CUDA_ERROR_OUT_OF_MEMORY in every shard).
 test_pids=()
 test_names=()
 test_job() {
@@ -65,7 +68,8 @@ test_job() {
   shift
   while [ "$1" != -- ]; do envs+=("$1"); shift; done
   shift
-  env XLA_PYTHON_CLIENT_PREALLOCATE=false ${envs[@]+"${envs[@]}"} timeout "${TEST_TIMEOUT:-1800}" \
+  env XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION="${TEST_MEM_FRACTION:-0.075}" \
+    ${envs[@]+"${envs[@]}"} timeout "${TEST_TIMEOUT:-1800}" \
     "$PY" -m pytest "$REPO/tests" -q -p no:cacheprovider -rf --maxfail=25 \
     --junitxml="$OUT/pytest_$name.xml" "$@" >"$OUT/pytest_$name.log" 2>&1 &
   test_pids+=($!)
@@ -78,12 +82,15 @@ if want test; then
   # The suite in parallel processes (a GPU test spends most of its time in XLA's compiler, on the
   # CPU; one process ran past a device call's 10 minutes). -k selects by test and module name;
   # the shards cover every test once: the kernel-tier module in four, the rest in two.
+  # The tests of keys up to 2^19 long (arrays of several GiB: one allocated 14 GiB) run last, alone
+  # (tiers_big), as the cap on the others' memory would not hold them.
   tiers_split="tier_boundaries or two_pass or many_long_rows or staged_ring or dependent_calls or causal_attention_sizes"
+  big="long_keys or limit_in_last_vector"
   shards=(
     "tiers_boundaries:test_kernel_tiers and tier_boundaries"
     "tiers_long:test_kernel_tiers and (two_pass or many_long_rows)"
     "tiers_staged:test_kernel_tiers and (staged_ring or dependent_calls or causal_attention_sizes)"
-    "tiers_rest:test_kernel_tiers and not ($tiers_split)"
+    "tiers_rest:test_kernel_tiers and not ($tiers_split) and not ($big)"
     "softmax:not test_kernel_tiers and (test_softmax or test_transforms or test_errors)"
     "rest:not (test_kernel_tiers or test_softmax or test_transforms or test_errors)"
   )
@@ -95,26 +102,33 @@ if want test; then
   # staged row tiers with a ring (3 tiles per CTA; by default each CTA reduces one tile) and
   # persistent register row grids (by default one CTA per batch); every masked, biased or causal
   # row staged (by default only short ones and padding-style masks), whose one-row tiles copy only
-  # up to the causal limit.
+  # up to the causal limit. Not the long-key tests: with them, the three jobs ran past 400 s.
   if [ "${REGISTER_SUBSET:-1}" != 0 ]; then
     for knobs in JAX_SOFTMAX_STAGED=0 JAX_SOFTMAX_TILES_PER_CTA=3,JAX_SOFTMAX_WAVES=1 JAX_SOFTMAX_STAGED_GENERAL=2; do
       test_job "${knobs//[=,]/_}" ${knobs//,/ } -- \
-        -k "gpu and test_kernel_tiers and (many_long_rows or staged_ring or causal)"
+        -k "$(with_test_k "gpu and test_kernel_tiers and (many_long_rows or staged_ring or causal) and not ($big)")"
     done
   fi
   # Chained calls (each kernel launched with programmatic dependent launch) inside CUDA graphs:
   # XLA records every fusion and custom call of these programs into command buffers.
   test_job command_buffers \
     "XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
-    -- -k "gpu and test_kernel_tiers and dependent_calls"
-  for i in "${!test_pids[@]}"; do
-    name=${test_names[$i]}
-    wait "${test_pids[$i]}"
-    rc=$?
-    [ $rc -eq 0 ] || [ $rc -eq 5 ] || status=1  # 5: TEST_K left the shard no tests
-    echo "tests $name: $(tail -1 "$OUT/pytest_$name.log")"
-    grep -E "^(FAILED|ERROR)" "$OUT/pytest_$name.log" | head -10
-  done
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and dependent_calls")"
+  wait_tests() {
+    for i in "${!test_pids[@]}"; do
+      name=${test_names[$i]}
+      wait "${test_pids[$i]}"
+      rc=$?
+      [ $rc -eq 0 ] || [ $rc -eq 5 ] || status=1  # 5: TEST_K left the shard no tests
+      echo "tests $name: $(tail -1 "$OUT/pytest_$name.log")"
+      grep -E "^(FAILED|ERROR)" "$OUT/pytest_$name.log" | head -10
+    done
+    test_pids=()
+    test_names=()
+  }
+  wait_tests
+  test_job tiers_big XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 -- -k "$(with_test_k "test_kernel_tiers and ($big)")"
+  wait_tests
 fi
 
 if want sanitize; then
@@ -186,11 +200,11 @@ fi
 if want ncu; then
   # No preallocation and 128 MiB tensors: ncu saves and restores device memory on every replay.
   XLA_PYTHON_CLIENT_PREALLOCATE=false PROFILE_MIB=128 timeout "${NCU_TIMEOUT:-300}" \
-    ncu --clock-control none -k "regex:${NCU_REGEX:-softmax_rows|fwd_tile|fwd_loop}" \
+    ncu --clock-control none -k "regex:${NCU_REGEX:-softmax_rows|fwd_tile|fwd_loop|bwd_tile|bwd_loop}" \
     $(for s in ${NCU_SECTIONS:-SpeedOfLight Occupancy LaunchStats WarpStateStats}; do echo --section $s; done) \
     ${NCU_METRICS:+--metrics "$NCU_METRICS"} \
     "$PY" "$REPO/scripts/profile_cases.py" ncu ${NCU_CASES:-} >"$OUT/ncu.log" 2>&1 || status=1
-  grep -E "profiled|softmax_rows|fwd_tile|fwd_loop|Duration|DRAM Throughput|Achieved Occupancy|Registers Per Thread|Block Limit Registers|No Eligible|Issued Warp Per|L2 Hit Rate  |Mem Busy|Max Bandwidth|Eligible Warps|Active Warps Per|Waves Per SM|Grid Size|Block Size|Dynamic Shared|Stall|stalled|Memory Throughput" \
+  grep -E "profiled|softmax_rows|fwd_tile|fwd_loop|bwd_tile|bwd_loop|Duration|DRAM Throughput|Achieved Occupancy|Registers Per Thread|Block Limit Registers|No Eligible|Issued Warp Per|L2 Hit Rate  |Mem Busy|Max Bandwidth|Eligible Warps|Active Warps Per|Waves Per SM|Grid Size|Block Size|Dynamic Shared|Stall|stalled|Memory Throughput" \
     "$OUT/ncu.log" | sed -E 's/\(jax_softmax::RowParams\)//; s/jax_softmax:://g' >"$OUT/ncu_summary.log"
 fi
 

@@ -117,27 +117,31 @@ def _row_case(dtype, n, bwd=False, masked=False):
     return _bwd, _xla_bwd, [y, x], 3 * x.nbytes
 
 
-def _triton_case(dtype, n):
-    """The benchmark's Triton tutorial-style kernel (jax_softmax._bench) on a torch tensor, for
-    comparing its counters and timing with ours in one process. Its case has no XLA function
-    (None): main() times it as launched from Python."""
+def _triton_case(dtype, n, bwd=False):
+    """The benchmark's Triton tutorial-style kernels (jax_softmax._bench) on torch tensors, for
+    comparing their counters and timing with ours in one process: the forward, or the backward
+    from y and dy. Its case has no XLA function (None): main() times it as launched from Python."""
     torch = _bench.torch_cuda()
     x = torch.randn(_rows(n, jnp.dtype(dtype)), n, device="cuda").to(getattr(torch, dtype))
-    return _bench.triton_softmax_fwd, None, [x], 2 * x.numel() * x.element_size()
+    if not bwd:
+        return _bench.triton_softmax_fwd, None, [x], 2 * x.numel() * x.element_size()
+    y = torch.softmax(x.float(), -1).to(x.dtype)
+    return _bench.triton_softmax_bwd, None, [y, torch.randn_like(x)], 3 * x.numel() * x.element_size()
 
 
 CASES = {}
 for _dt, _name in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16")):
-    for _n in (32, 128, 256, 1000, 1024, 2048, 3000, 4096, 8192, 16384, 32768, 50257, 65536, 131072,
+    for _n in (32, 128, 256, 512, 1000, 1024, 2048, 3000, 4096, 8192, 16384, 32768, 50257, 65536, 131072,
                262144, 1000001, 1048576):  # the last two: past the clusters, the two-pass kernel
         CASES[f"{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n))
     for _n in (32, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 50257, 65536, 131072,
                262144, 524288):
         CASES[f"{_name}_bwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n, bwd=True))
         CASES[f"{_name}_bwdmask_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n, True, True))
-for _n in (1024, 4096, 8192, 16384, 32768):
+for _n in (256, 1024, 4096, 8192, 16384, 32768):
     for _dt, _name in (("float32", "f32"), ("bfloat16", "bf16")):
         CASES[f"triton_{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _triton_case(dt, n))
+        CASES[f"triton_{_name}_bwd_{_n}"] = (lambda dt=_dt, n=_n: _triton_case(dt, n, True))
 for _kind in ("none", "pad", "full", "bias", "causal"):
     for _s in (128, 256, 512, 1024, 2048, 4096, 8192):
         CASES[f"attn_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_case(k, s))

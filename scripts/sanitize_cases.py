@@ -28,6 +28,7 @@ CASES = [  # (rows, cols, dtype)
     (3, 1001, jnp.bfloat16),  # warp per row, scalar
     (2, 8192, jnp.float32),  # block per row
     (2, 20000, jnp.bfloat16),  # block (backward: cluster)
+    (3, 16384, jnp.float32),  # backward: one 1024-thread block
     (2, 50257, jnp.float32),  # cluster of 8 x 256 threads (windowed; `where`: scalar path)
     (3, 65536, jnp.bfloat16),  # staged cluster of 8 x 256 threads (plain rows up to 65536)
     (2, 131072, jnp.float32),  # cluster of 8 x 512 threads

@@ -9,7 +9,8 @@ float64):
   threads; N <= 16 * 1024 E: a cluster of 2..16 blocks (sm_90+); beyond: the two-pass kernel.
 16-bit backward rows on the vector path (V = 8, masked or not) also take 2E per thread (one
 512-thread block to 512 * 2E, 16-CTA clusters from 16 * 512 E to 16 * 1024 * 2E = 2^19, the
-two-pass kernel only beyond).
+two-pass kernel only beyond). Float32 backward rows on the vector path take one 1024-thread block
+to 1024 E = 2^14 instead of a cluster.
 Plain rows (no mask) with N % V != 0 are read through aligned 16-byte windows, masked ones with
 V = 1. Every boundary is a power of two between 1 and 2^19, so N = 2^k - 1, 2^k, 2^k + 1 for
 k = 0..19 hits each tier's last and first sizes on the vector path (2^k) and the windowed or
