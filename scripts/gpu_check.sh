@@ -2,10 +2,12 @@
 # The one device call: build, GPU tests, compute-sanitizer, benchmark; a short table last.
 # Full logs and results go under $OUT (the device tool brings them back).
 #
-#   bash scripts/gpu_check.sh [all|build|test|sanitize|bench|attention|ab|ncu]...   (default: all)
+#   bash scripts/gpu_check.sh [all|build|test|knobs|sanitize|bench|attention|ab|ncu]...   (default: all)
 #
-# all = build test sanitize bench attention (test: the suite in six parallel pytest processes, and
-# the tier tests under other knobs and in command buffers beside them, logs $OUT/pytest_*.log;
+# all = build test knobs sanitize bench attention, more than one device call holds: give the steps
+# over several calls (a call's build takes 100 s). test: the suite in six parallel pytest processes
+# and the tier tests in command buffers beside them, then the long-key tests alone (session 17:
+# 300 s, with the build 490 s); knobs: the tier tests under other knobs; logs $OUT/pytest_*.log;
 # bench: the row-length sweep; attention: the (B, H, S, S) sweep; ATTN_ARGS passes it options). ab: quick A/B timing of scripts/profile_cases.py cases under
 # each variant in AB_VARIANTS (words of comma-separated VAR=value settings, default
 # "JAX_SOFTMAX_STAGED=1 JAX_SOFTMAX_STAGED=0"); abbase: the same cases timed on another build of
@@ -13,8 +15,7 @@
 # built beside this one (give `build abbase`, in that order) and run as base / this / base / this
 # (AB_ROUNDS processes, default 4), one process each; ncu: Nsight Compute on NCU_CASES.
 # Env: JAX_SOFTMAX_CUDA_ARCHS (default 90a-real: the device is an H100/H200), AB_BASE_SRC, BENCH_ARGS
-# (extra arguments for `python -m jax_softmax bench`), REGISTER_SUBSET=0 (skip the test step's
-# reruns under non-default knobs), NCU_REGEX / NCU_SECTIONS / NCU_METRICS (kernels, ncu sections, extra metrics), TEST_ARGS (extra pytest arguments), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), TEST_MEM_FRACTION (each test process's share of GPU memory), AB_CASES, NCU_CASES, SANITIZE_COLS / RACECHECK_COLS (row lengths of scripts/sanitize_cases.py to run; SANITIZE_ALL_OPS=1 keeps all their calls), *_TIMEOUT (seconds).
+# (extra arguments for `python -m jax_softmax bench`), NCU_REGEX / NCU_SECTIONS / NCU_METRICS (kernels, ncu sections, extra metrics), TEST_ARGS (extra pytest arguments), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), TEST_MEM_FRACTION (each test process's share of GPU memory), AB_CASES, NCU_CASES, SANITIZE_COLS / RACECHECK_COLS (row lengths of scripts/sanitize_cases.py to run; SANITIZE_ALL_OPS=1 keeps all their calls), *_TIMEOUT (seconds).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/jax_softmax_out}
@@ -22,7 +23,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 steps=${*:-all}
-want() { [[ " $steps " == *" $1 "* || (" $steps " == *" all "* && " build test sanitize bench attention " == *" $1 "*) ]]; }
+want() { [[ " $steps " == *" $1 "* || (" $steps " == *" all "* && " build test knobs sanitize bench attention " == *" $1 "*) ]]; }
 status=0
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/device.txt"
@@ -58,8 +59,8 @@ cd /tmp
 # One pytest process in the background: test_job NAME [VAR=value]... -- PYTEST_ARGS...
 # Its log is $OUT/pytest_NAME.log, its JUnit XML $OUT/pytest_NAME.xml. No preallocation, and each
 # process's allocator capped at TEST_MEM_FRACTION of the GPU (default 0.075; a job's own
-# XLA_PYTHON_CLIENT_MEM_FRACTION overrides it): ten processes share the GPU, and uncapped they ran
-# the H200 out of memory (session 17: launches, module loads and 24 KiB allocations failed with
+# XLA_PYTHON_CLIENT_MEM_FRACTION overrides it): several processes share the GPU, and eleven uncapped
+# ran the H200 out of memory (session 17: launches, module loads and 24 KiB allocations failed with
 # CUDA_ERROR_OUT_OF_MEMORY in every shard).
 test_pids=()
 test_names=()
@@ -74,6 +75,19 @@ test_job() {
     --junitxml="$OUT/pytest_$name.xml" "$@" >"$OUT/pytest_$name.log" 2>&1 &
   test_pids+=($!)
   test_names+=("$name")
+}
+# Waits for the jobs started so far; prints each one's last line and failures.
+wait_tests() {
+  for i in "${!test_pids[@]}"; do
+    name=${test_names[$i]}
+    wait "${test_pids[$i]}"
+    rc=$?
+    [ $rc -eq 0 ] || [ $rc -eq 5 ] || status=1  # 5: TEST_K left the shard no tests
+    echo "tests $name: $(tail -1 "$OUT/pytest_$name.log")"
+    grep -E "^(FAILED|ERROR)" "$OUT/pytest_$name.log" | head -10
+  done
+  test_pids=()
+  test_names=()
 }
 # A -k expression narrowed by TEST_K.
 with_test_k() { if [ -n "${TEST_K:-}" ]; then echo "($TEST_K) and ($1)"; else echo "$1"; fi; }
@@ -97,37 +111,29 @@ if want test; then
   for shard in "${shards[@]}"; do
     test_job "${shard%%:*}" -- -k "$(with_test_k "${shard#*:}")" ${TEST_ARGS:-}
   done
-  # The kernel-tier tests again under non-default knobs (REGISTER_SUBSET=0 skips them): the
-  # register tiers for plain rows, which sm_90 replaces by the staged ones (older GPUs run them);
-  # staged row tiers with a ring (3 tiles per CTA; by default each CTA reduces one tile) and
-  # persistent register row grids (by default one CTA per batch); every masked, biased or causal
-  # row staged (by default only short ones and padding-style masks), whose one-row tiles copy only
-  # up to the causal limit. Not the long-key tests: with them, the three jobs ran past 400 s.
-  if [ "${REGISTER_SUBSET:-1}" != 0 ]; then
-    for knobs in JAX_SOFTMAX_STAGED=0 JAX_SOFTMAX_TILES_PER_CTA=3,JAX_SOFTMAX_WAVES=1 JAX_SOFTMAX_STAGED_GENERAL=2; do
-      test_job "${knobs//[=,]/_}" ${knobs//,/ } -- \
-        -k "$(with_test_k "gpu and test_kernel_tiers and (many_long_rows or staged_ring or causal) and not ($big)")"
-    done
-  fi
   # Chained calls (each kernel launched with programmatic dependent launch) inside CUDA graphs:
   # XLA records every fusion and custom call of these programs into command buffers.
   test_job command_buffers \
     "XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and dependent_calls")"
-  wait_tests() {
-    for i in "${!test_pids[@]}"; do
-      name=${test_names[$i]}
-      wait "${test_pids[$i]}"
-      rc=$?
-      [ $rc -eq 0 ] || [ $rc -eq 5 ] || status=1  # 5: TEST_K left the shard no tests
-      echo "tests $name: $(tail -1 "$OUT/pytest_$name.log")"
-      grep -E "^(FAILED|ERROR)" "$OUT/pytest_$name.log" | head -10
-    done
-    test_pids=()
-    test_names=()
-  }
   wait_tests
   test_job tiers_big XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 -- -k "$(with_test_k "test_kernel_tiers and ($big)")"
+  wait_tests
+fi
+
+if want knobs; then
+  # The kernel-tier tests again under non-default knobs, a step of their own (beside the suite,
+  # session 17, the three processes had run 42-44 of their 68 tests each, all passing, when a
+  # 370 s limit stopped them): the
+  # register tiers for plain rows, which sm_90 replaces by the staged ones (older GPUs run them);
+  # staged row tiers with a ring (3 tiles per CTA; by default each CTA reduces one tile) and
+  # persistent register row grids (by default one CTA per batch); every masked, biased or causal
+  # row staged (by default only short ones and padding-style masks), whose one-row tiles copy only
+  # up to the causal limit. Not the long-key tests (tiers_big), too large for three at once.
+  for knobs in JAX_SOFTMAX_STAGED=0 JAX_SOFTMAX_TILES_PER_CTA=3,JAX_SOFTMAX_WAVES=1 JAX_SOFTMAX_STAGED_GENERAL=2; do
+    test_job "${knobs//[=,]/_}" ${knobs//,/ } XLA_PYTHON_CLIENT_MEM_FRACTION=0.25 -- \
+      -k "$(with_test_k "gpu and test_kernel_tiers and (many_long_rows or staged_ring or causal) and not (long_keys or limit_in_last_vector)")"
+  done
   wait_tests
 fi
 
