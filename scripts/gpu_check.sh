@@ -7,8 +7,9 @@
 # all = build test knobs sanitize bench attention, more than one device call holds: give the steps
 # over several calls (a call's build takes 100 s). test: the suite in six parallel pytest processes
 # and the tier tests in command buffers beside them, then the long-key tests alone (session 17:
-# 300 s, with the build 490 s); knobs: the tier tests under other knobs; logs $OUT/pytest_*.log;
-# bench: the row-length sweep; attention: the (B, H, S, S) sweep; ATTN_ARGS passes it options). ab: quick A/B timing of scripts/profile_cases.py cases under
+# 300 s, with the build 490 s); knobs: the tier tests under other knobs (400 s); logs
+# $OUT/pytest_*.log; bench: the row-length sweep; attention: the (B, H, S, S) sweep; ATTN_ARGS
+# passes it options. ab: quick A/B timing of scripts/profile_cases.py cases under
 # each variant in AB_VARIANTS (words of comma-separated VAR=value settings, default
 # "JAX_SOFTMAX_STAGED=1 JAX_SOFTMAX_STAGED=0"); abbase: the same cases timed on another build of
 # the package, the source tree AB_BASE_SRC (e.g. `git archive BASE | tar -x -C .base`, carried),
@@ -123,8 +124,8 @@ fi
 
 if want knobs; then
   # The kernel-tier tests again under non-default knobs, a step of their own (beside the suite,
-  # session 17, the three processes had run 42-44 of their 68 tests each, all passing, when a
-  # 370 s limit stopped them): the
+  # session 17, the three processes had run 42-44 of their 68 tests each when a 370 s limit
+  # stopped them; alone, 390-400 s, with the build 500 s): the
   # register tiers for plain rows, which sm_90 replaces by the staged ones (older GPUs run them);
   # staged row tiers with a ring (3 tiles per CTA; by default each CTA reduces one tile) and
   # persistent register row grids (by default one CTA per batch); every masked, biased or causal
