@@ -650,16 +650,19 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   if (n <= 512 * kEB) JS_ROWS(512, kEB, 1);
   if constexpr (kEB != kE) if (n <= 512 * kE) JS_ROWS(512, kE, 1);
   if constexpr (kRawWide) if (n <= 512 * 2 * kE) JS_ROWS(512, 2 * kE, 1);
-  // Float32 backward rows of 16-byte vectors (kRereadWide's rows) up to 1024 x E columns (16384):
-  // one 1024-thread block of E values held through the reduction (one CTA per SM, 56-64 registers)
-  // rather than a cluster of 4 x 256 threads (2 x 512 with a mask, bias or causal limit).
+  // One 1024-thread block of E values per row up to 1024 x E columns: before sm_90 (no clusters),
+  // and for float32 backward rows of 16-byte vectors (kRereadWide's rows, to 16384 columns) on
+  // every GPU, held through the reduction (one CTA per SM, 56-64 registers), rather than a cluster
+  // of 4 x 256 threads (2 x 512 with a mask, bias or causal limit). 16-bit raw rows have the
+  // 512 x 2E block above.
   // Measured (TUNING.md, session 17, H200, us per call in chained calls): N = 16384 213-216 ->
   // 197-199, with a (rows, N) mask 232-234 -> 213-215. Nsight Compute times the two kernels alike
   // run alone (95 us at 128 MiB), so the gain is where calls follow each other: the block grid has
   // a CTA per row, the cluster grid one persistent wave. A 512 x 32 block reading y and dy twice
   // (backward_row_reread) took 240 us, and clusters of 2-8 x 512 x 32 lost 20-40% to the
   // clusters of 16 values at N = 32768-131072.
-  if constexpr (kRereadWide) if (n <= 1024 * kE) JS_ROWS(1024, kE, 1);
+  if constexpr (!kRawWide)
+    if ((kRereadWide || c.dev.cc_major < 9) && n <= 1024 * kE) JS_ROWS(1024, kE, 1);
   if (c.dev.cc_major >= 9) {
     // Hopper and newer: a cluster of 512-thread blocks per row (256-thread blocks for plain rows
     // up to 8 * 256 * E, NarrowClusters), reduced through distributed shared memory; 16 blocks of
@@ -680,8 +683,6 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
     } else {
       if (n <= 16 * 1024 * kE) return LaunchCluster<T, 1024, kE, kVec, 16, kBwd, kAccess>(c);
     }
-  } else if (n <= 1024 * kE) {
-    if constexpr (!kRawWide) JS_ROWS(1024, kE, 1);  // 16-bit raw rows: the 512 x 2E block above
   }
 #undef JS_ROWS
   return LaunchTwoPass<T, kVec, kBwd, kAccess>(c);

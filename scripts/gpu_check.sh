@@ -90,6 +90,10 @@ wait_tests() {
   test_pids=()
   test_names=()
 }
+# The tests of keys up to 2^19 long (arrays of several GiB: one allocated 14 GiB): the test step
+# runs them last, alone (tiers_big), as the cap on the others' memory would not hold them; the
+# knobs step leaves them out.
+big="long_keys or limit_in_last_vector"
 # A -k expression narrowed by TEST_K.
 with_test_k() { if [ -n "${TEST_K:-}" ]; then echo "($TEST_K) and ($1)"; else echo "$1"; fi; }
 
@@ -97,10 +101,7 @@ if want test; then
   # The suite in parallel processes (a GPU test spends most of its time in XLA's compiler, on the
   # CPU; one process ran past a device call's 10 minutes). -k selects by test and module name;
   # the shards cover every test once: the kernel-tier module in four, the rest in two.
-  # The tests of keys up to 2^19 long (arrays of several GiB: one allocated 14 GiB) run last, alone
-  # (tiers_big), as the cap on the others' memory would not hold them.
   tiers_split="tier_boundaries or two_pass or many_long_rows or staged_ring or dependent_calls or causal_attention_sizes"
-  big="long_keys or limit_in_last_vector"
   shards=(
     "tiers_boundaries:test_kernel_tiers and tier_boundaries"
     "tiers_long:test_kernel_tiers and (two_pass or many_long_rows)"
@@ -130,10 +131,10 @@ if want knobs; then
   # staged row tiers with a ring (3 tiles per CTA; by default each CTA reduces one tile) and
   # persistent register row grids (by default one CTA per batch); every masked, biased or causal
   # row staged (by default only short ones and padding-style masks), whose one-row tiles copy only
-  # up to the causal limit. Not the long-key tests (tiers_big), too large for three at once.
+  # up to the causal limit. Not the long-key tests ($big), too large for three at once.
   for knobs in JAX_SOFTMAX_STAGED=0 JAX_SOFTMAX_TILES_PER_CTA=3,JAX_SOFTMAX_WAVES=1 JAX_SOFTMAX_STAGED_GENERAL=2; do
     test_job "${knobs//[=,]/_}" ${knobs//,/ } XLA_PYTHON_CLIENT_MEM_FRACTION=0.25 -- \
-      -k "$(with_test_k "gpu and test_kernel_tiers and (many_long_rows or staged_ring or causal) and not (long_keys or limit_in_last_vector)")"
+      -k "$(with_test_k "gpu and test_kernel_tiers and (many_long_rows or staged_ring or causal) and not ($big)")"
   done
   wait_tests
 fi
@@ -206,12 +207,14 @@ fi
 
 if want ncu; then
   # No preallocation and 128 MiB tensors: ncu saves and restores device memory on every replay.
+  # Our kernels and the benchmark's Triton ones (fwd_tile, bwd_tile, ...).
+  ncu_kernels=${NCU_REGEX:-softmax_rows|fwd_tile|fwd_loop|bwd_tile|bwd_loop}
   XLA_PYTHON_CLIENT_PREALLOCATE=false PROFILE_MIB=128 timeout "${NCU_TIMEOUT:-300}" \
-    ncu --clock-control none -k "regex:${NCU_REGEX:-softmax_rows|fwd_tile|fwd_loop|bwd_tile|bwd_loop}" \
+    ncu --clock-control none -k "regex:$ncu_kernels" \
     $(for s in ${NCU_SECTIONS:-SpeedOfLight Occupancy LaunchStats WarpStateStats}; do echo --section $s; done) \
     ${NCU_METRICS:+--metrics "$NCU_METRICS"} \
     "$PY" "$REPO/scripts/profile_cases.py" ncu ${NCU_CASES:-} >"$OUT/ncu.log" 2>&1 || status=1
-  grep -E "profiled|softmax_rows|fwd_tile|fwd_loop|bwd_tile|bwd_loop|Duration|DRAM Throughput|Achieved Occupancy|Registers Per Thread|Block Limit Registers|No Eligible|Issued Warp Per|L2 Hit Rate  |Mem Busy|Max Bandwidth|Eligible Warps|Active Warps Per|Waves Per SM|Grid Size|Block Size|Dynamic Shared|Stall|stalled|Memory Throughput" \
+  grep -E "profiled|$ncu_kernels|Duration|DRAM Throughput|Achieved Occupancy|Registers Per Thread|Block Limit Registers|No Eligible|Issued Warp Per|L2 Hit Rate  |Mem Busy|Max Bandwidth|Eligible Warps|Active Warps Per|Waves Per SM|Grid Size|Block Size|Dynamic Shared|Stall|stalled|Memory Throughput" \
     "$OUT/ncu.log" | sed -E 's/\(jax_softmax::RowParams\)//; s/jax_softmax:://g' >"$OUT/ncu_summary.log"
 fi
 

@@ -123,10 +123,11 @@ def _triton_case(dtype, n, bwd=False):
     from y and dy. Its case has no XLA function (None): main() times it as launched from Python."""
     torch = _bench.torch_cuda()
     x = torch.randn(_rows(n, jnp.dtype(dtype)), n, device="cuda").to(getattr(torch, dtype))
+    nbytes = x.numel() * x.element_size()
     if not bwd:
-        return _bench.triton_softmax_fwd, None, [x], 2 * x.numel() * x.element_size()
+        return _bench.triton_softmax_fwd, None, [x], 2 * nbytes
     y = torch.softmax(x.float(), -1).to(x.dtype)
-    return _bench.triton_softmax_bwd, None, [y, torch.randn_like(x)], 3 * x.numel() * x.element_size()
+    return _bench.triton_softmax_bwd, None, [y, torch.randn_like(x)], 3 * nbytes
 
 
 CASES = {}
