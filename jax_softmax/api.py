@@ -40,7 +40,11 @@ def _fused_fwd(x, bias, mask, log, scale, has_bias, has_mask, causal):
     # The primitive, not _fused: under jax.hessian (forward over reverse) the outer JVP must see
     # primitives with JVP rules, never a custom_vjp function.
     y = _forward(x, bias, mask, log, scale, has_bias, has_mask, causal)
-    return y, (y, bias, mask)
+    # Only real operands are saved: the stand-ins for an absent bias or mask are host (NumPy)
+    # constants, and as residuals they would become arguments of a vjp function called across a
+    # jit boundary, each one a host-to-device copy per call (the GPU then idled ~58 us per
+    # execution of the benchmark's jitted backward; TUNING.md session 18).
+    return y, (y, bias if has_bias else None, mask if has_mask else None)
 
 
 def _bias_cotangent(dx, bias, scale, y, dy, mask, log, has_mask, causal):
@@ -63,11 +67,13 @@ def _bias_cotangent(dx, bias, scale, y, dy, mask, log, has_mask, causal):
 
 def _fused_bwd(log, scale, has_bias, has_mask, causal, res, dy):
     y, bias, mask = res
+    dummy_bias, dummy_mask = dummy_operands(y.ndim, y.dtype)
+    mask = dummy_mask if mask is None else mask
     dx = _backward(y, dy, mask, log, scale, has_mask, causal)
     if has_bias:
         dbias = _bias_cotangent(dx, bias, scale, y, dy, mask, log, has_mask, causal)
     else:
-        dbias = jnp.zeros_like(bias)
+        dbias = jnp.zeros_like(dummy_bias)
     return dx, dbias, None
 
 
