@@ -1,4 +1,4 @@
-// Handler symbols of the CUDA extension (defined in softmax_cuda.cu).
+// Handler symbols of the CUDA extension (softmax_cuda.cu; the benchmark's clock: gpu_clock.cu).
 #pragma once
 
 #include "xla/ffi/api/c_api.h"
@@ -6,4 +6,5 @@
 extern "C" {
 XLA_FFI_Error* JaxSoftmaxFwdCuda(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxSoftmaxBwdCuda(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxSoftmaxGpuClockCuda(XLA_FFI_CallFrame* call_frame);
 }

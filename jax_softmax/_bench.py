@@ -37,37 +37,47 @@ import just skips them. The ceiling is a large device-to-device copy, measured t
 away nor alias the output to the input; a pure streaming read+write) and ``copy_torch``
 (``dst.copy_(src)``); bytes = read + write; the ceiling is the max and both are recorded.
 
-How dispatch overhead is kept out of the JAX figures
-----------------------------------------------------
-A JAX call timed from the host includes the dispatch of the jitted function and the
-``block_until_ready`` round trip, which would swamp small shapes; and on an H200, timing each
-execution with its own ``block_until_ready`` also carried a fixed 250-600 us per execution at
-256 MiB (found with a K = 1..16 fit; not dispatch, which is ~20 us at 1 MiB). So:
+How every provider is timed, and how dispatch overhead is kept out
+------------------------------------------------------------------
+Every provider is timed the same way: a chain of K (``--chain``, default 8) calls back to back on
+K distinct input sets, timed on the GPU from before the first call's kernel to after the last
+one's, divided by K.
 
-1. Each measured executable is ONE jitted function making K (``--chain``, default 8) calls of
-   the provider back to back, each on its OWN input buffers. Distinct inputs are essential: XLA's
-   CSE merged identical calls on shared inputs even across ``lax.optimization_barrier`` (seen on
-   CPU). Consecutive calls are sequenced with ``lax.optimization_barrier((args_k, out_{k-1}))``
-   so fusion cannot reach across calls (on the GPU the compiled program runs the K kernels one
-   after another). All K outputs are returned, so nothing is dead-code eliminated, and they are
-   written into donated buffers (the previous execution's outputs), so nothing is allocated
-   while timing.
-2. One sample = R (``--pipeline``, default 20) executions enqueued back to back, then one
-   ``block_until_ready``; the host enqueues execution r+1 while the GPU runs r, so host costs are
-   paid once per sample. Per-call time = sample / (R*K); the median over ``--reps`` samples is
-   reported. (H200, 256 MiB softmax, fit over K = 1..16: the fixed part per execution was
-   13-18 us with R = 20, 35-90 us with R = 5, so about 2 us per call remain at K = 8, R = 20.)
+* JAX providers (``jax_softmax``, ``jax_nn``, ``copy_jax``): ONE jitted function makes the K
+  calls. Distinct inputs are essential: XLA's CSE merged identical calls on shared inputs even
+  across ``lax.optimization_barrier`` (seen on CPU). Consecutive calls are sequenced with
+  ``lax.optimization_barrier((args_k, out_{k-1}))`` so fusion cannot reach across calls (on the
+  GPU the compiled program runs the K kernels one after another). All K outputs are returned, so
+  nothing is dead-code eliminated, and they are written into donated buffers (the previous
+  execution's outputs), so nothing is allocated while timing. Around the chain the function reads
+  the GPU's own clock (``jax_softmax_gpu_clock``, an FFI call of the package's CUDA extension: a
+  one-thread kernel reading the nanosecond global timer on XLA's stream), ordered by the same
+  barriers: before the first call and after every output of the last. One sample = R
+  (``--pipeline``, default 20) executions enqueued back to back, then one ``block_until_ready``;
+  the sample's per-call time is the executions' GPU spans summed over R*K calls. The median over
+  ``--reps`` samples is reported as ``time_us``.
+* torch and triton: the same K calls launched from Python between two CUDA events (the method of
+  ``triton.testing.do_bench``, over a chain): before every sample a scratch buffer of 2 x L2 is
+  zeroed, which flushes L2 and keeps the GPU busy while the host enqueues the timed launches, so
+  host launch cost is not in the events' interval. Median over max(``--reps``, 50) samples.
+
+Both measure the GPU from the start of the first kernel's launch to the end of the last, gaps
+between the K kernels included, and leave out the host's dispatch. The JAX providers are also
+timed from the host as before this clock existed (R executions pipelined, sample time /
+(R*K)); that figure is stored beside every point as ``time_us_host``, with ``gpu_gap_us``, the
+GPU's median idle time between one execution's last call and the next one's first (TUNING.md,
+session 18, compares the two). Where the
+clock is missing (CPU, or no CUDA extension), the host figure is the reported one and each
+record's ``timing`` says so.
 
 This is CHECKED at the start of every run (``dispatch_check``): at a small shape (1 MiB) and at
 the sweep's size, chains of K = 1, 2, 4, 8 calls are timed the same way and fitted to
-T_exec = D + K*t. D (what each execution costs beyond its calls) and the share D/K left in each
-per-call figure are printed and stored in the JSON meta; every point records
-``dispatch_residual_us`` = max(D)/K and ``dispatch_residual_pct`` (its share of the point's time).
-
-torch and triton are timed with CUDA events around each single call (the method of
-``triton.testing.do_bench``): before every sample a scratch buffer of 2 x L2 is zeroed, which
-flushes L2 and keeps the GPU busy while the host enqueues the timed launch, so host launch cost
-is not in the events' interval. Median over max(``--reps``, 50) samples, after warm-up.
+T_exec = D + K*t, for the reported figure and for the host one. D (what each execution costs
+beyond its calls) and the share D/K left in each per-call figure are printed and stored in the
+JSON meta; every point records ``dispatch_residual_us`` = max(D)/K of the reported figure and
+``dispatch_residual_pct`` (its share of the point's time). (H200, host-timed, 256 MiB softmax,
+fit over K = 1..16: the fixed part per execution was 13-18 us with R = 20 and 35-90 us with
+R = 5; timing each execution with its own ``block_until_ready`` carried 250-600 us.)
 
 Every point is also checked for correctness against a float64 NumPy reference on the first and
 last rows of the tensor (relative Frobenius error; ``check`` = ok / FAIL); a FAIL is reported but
@@ -382,6 +392,9 @@ def collect_meta(api_label: str, standin: bool) -> dict:
         meta["git"] = rev + ("-dirty" if dirty else "")
     else:
         meta["git"] = None
+    meta["timing"] = ("gpu_clock: JAX chains between two reads of the GPU's global timer, torch "
+                      "and triton chains between CUDA events" if gpu_clock_available() else
+                      "host: JAX chains timed from the host (no GPU clock here)")
     return meta
 
 
@@ -389,28 +402,62 @@ def collect_meta(api_label: str, standin: bool) -> dict:
 # JAX timing: K chained calls in one jit (see module docstring).
 # ----------------------------------------------------------------------------------------------
 
-def make_chain(fn, k: int):
-    """chain(arg_sets) -> list of K outputs; call i uses arg_sets[i] (K distinct input sets).
+GPU_CLOCK_TARGET = "jax_softmax_gpu_clock"
+
+
+def gpu_clock_available() -> bool:
+    """True when the GPU's own clock can be read inside a jitted chain: JAX runs on a CUDA GPU
+    and the package's CUDA extension (which holds the clock's FFI target) is built."""
+    if not on_gpu():
+        return False
+    try:
+        from jax_softmax import _ffi
+        return _ffi.has_platform("cuda")
+    except Exception:
+        return False
+
+
+def gpu_clock(after):
+    """u32[2]: the GPU's nanosecond global timer (low, high word) when this call runs on XLA's
+    stream, after the op that produced ``after`` (which is not read). See ffi/gpu_clock.cu."""
+    jax, jnp = _jax()
+    return jax.ffi.ffi_call(GPU_CLOCK_TARGET, jax.ShapeDtypeStruct((2,), jnp.uint32),
+                            has_side_effect=True)(after)
+
+
+def make_chain(fn, k: int, clock=None):
+    """chain(arg_sets) -> (list of K outputs, stamps); call i uses arg_sets[i] (K distinct input
+    sets). With ``clock`` (gpu_clock), stamps is u32[2, 2]: the GPU clock read just before the
+    first call and just after the last one; otherwise None.
 
     Distinct inputs are what keep the K calls from collapsing: XLA's CSE merges identical calls
     on the same buffers even across lax.optimization_barrier (its expander turns barriers into
     control dependencies, and CSE then merged the calls; seen with jaxlib 0.10 on CPU). The
     barriers order the calls and keep fusion from reaching across them (on the GPU they survive
-    into the compiled program: one kernel after the other)."""
+    into the compiled program: one kernel after the other); they also put the first clock read
+    before the first call and the second after every output of the last."""
+    jax, jnp = _jax()
     from jax import lax
 
     def chain(arg_sets):
         assert len(arg_sets) == k, (len(arg_sets), k)
         outs = []
         prev = None
+        start = None
         for i in range(k):
             args = arg_sets[i]
+            if i == 0 and clock is not None:
+                start = clock(jnp.zeros((), jnp.uint32))
+                args, start = lax.optimization_barrier((args, start))
             if prev is not None:
                 args, _ = lax.optimization_barrier((args, prev))
             out = fn(*args)
             outs.append(out)
             prev = out
-        return outs
+        if clock is None:
+            return outs, None
+        _, after_last = lax.optimization_barrier((prev, jnp.zeros((), jnp.uint32)))
+        return outs, jnp.stack([start, clock(after_last)])
 
     return chain
 
@@ -418,43 +465,71 @@ def make_chain(fn, k: int):
 _DUMP_COUNT = 0
 
 
-def lower_chain(fn, arg_sets, k: int, donate: bool = True):
-    """(lowered, bufs): the jitted chain of K calls (make_chain), lowered for arg_sets. With
-    donate, the executable takes (arg_sets, bufs) and writes its outputs into bufs (zeros of the
-    outputs' shapes to start with; afterwards, the previous execution's outputs); without, it
-    takes arg_sets alone and bufs is None."""
+def lower_chain(fn, arg_sets, k: int, donate: bool = True, clock=None):
+    """(lowered, bufs): the jitted chain of K calls (make_chain), lowered for arg_sets; the
+    executable returns (outputs, stamps). With donate, it takes (arg_sets, bufs) and writes its
+    outputs into bufs (zeros of the outputs' shapes to start with; afterwards, the previous
+    execution's outputs); without, it takes arg_sets alone and bufs is None. The stamps are never
+    donated, so every execution's stay readable."""
     jax, _ = _jax()
-    chain = make_chain(fn, k)
+    chain = make_chain(fn, k, clock)
     if not donate:
         return jax.jit(chain).lower(arg_sets), None
     bufs = jax.tree.map(lambda sd: jax.numpy.zeros(sd.shape, sd.dtype),
-                        jax.eval_shape(chain, arg_sets))
+                        jax.eval_shape(chain, arg_sets)[0])
     jitted = jax.jit(lambda sets, out_bufs: chain(sets), donate_argnums=1, keep_unused=True)
     return jitted.lower(arg_sets, bufs), bufs
 
 
+def _stamp_ns(stamps) -> tuple[int, int]:
+    a = np.asarray(stamps).astype(np.uint64)
+    t = a[:, 0] | (a[:, 1] << np.uint64(32))
+    return int(t[0]), int(t[1])
+
+
+class ChainTiming:
+    """What time_jax measured, per call, in us. ``times``: the figure the benchmark reports (the
+    GPU span where the clock is used, else the host figure); ``host``: host-timed samples;
+    ``span``: GPU-clock samples or None; ``gap``: median idle time on the GPU between one
+    execution's last call and the next execution's first, per sample (None without the clock)."""
+
+    def __init__(self, host, span, gap, first, compile_s):
+        self.host, self.span, self.gap = host, span, gap
+        self.times = span if span is not None else host
+        self.method = "gpu_clock" if span is not None else "host"
+        self.first, self.compile_s = first, compile_s
+
+
 def time_jax(fn, arg_sets, k: int, reps: int, warmup: int, on_first=None, pipeline: int = 20,
-             donate=None):
-    """Times K chained calls of fn per execution; returns (per-call us list, on_first(first
-    call's output) or None, compile seconds).
+             donate=None, clock=None) -> ChainTiming:
+    """Times K chained calls of fn per execution.
 
     One sample = ``pipeline`` (R) executions enqueued back to back, then one
-    ``block_until_ready``; per-call time = sample / (R*K); the median over ``reps`` samples is
-    reported. Executions are asynchronous, so while the GPU runs one the host enqueues the next:
-    host dispatch and the synchronisation are paid once per sample, not per execution. (Timing
-    each execution with its own block_until_ready carried a fixed 250-600 us per execution at
-    256 MiB on an H200, with a K = 1..16 fit, far above the ~20 us dispatch seen at 1 MiB;
-    pipelined, what is left is the one synchronisation per sample spread over R executions: the
-    fit's fixed part per execution was 35-90 us with R = 5 and 13-18 us with R = 20, and the
-    jitted copy then ran at torch's CUDA-event figure.) The outputs are written into donated
-    buffers (the previous execution's outputs, passed back in with donate_argnums and
-    keep_unused=True, so XLA aliases them to the results), so memory stays at one execution's
-    worth and no output is allocated while timing.
+    ``block_until_ready``; host per-call time = sample / (R*K). Executions are asynchronous, so
+    while the GPU runs one the host enqueues the next: host dispatch and the synchronisation are
+    paid once per sample, not per execution. (Timing each execution with its own
+    block_until_ready carried a fixed 250-600 us per execution at 256 MiB on an H200, with a
+    K = 1..16 fit, far above the ~20 us dispatch seen at 1 MiB; pipelined, what is left is the
+    one synchronisation per sample spread over R executions: the fit's fixed part per execution
+    was 35-90 us with R = 5 and 13-18 us with R = 20.)
+
+    With the GPU clock (``clock=None`` means: where gpu_clock_available()), every execution
+    also reads the GPU's timer before its first call and after its last (make_chain); the
+    span / K, averaged over the sample's executions, is the GPU-side per-call time, the way CUDA
+    events time torch's and Triton's chains (time_cuda). That is the figure reported: it leaves
+    out what the host-timed figure also carries (the sample's first dispatch and final
+    synchronisation, and whatever idle time the GPU has between executions), which a chain of
+    back-to-back launches in torch does not pay either. Both are returned. The outputs are
+    written into donated buffers (the previous execution's outputs, passed back in with
+    donate_argnums and keep_unused=True, so XLA aliases them to the results), so memory stays
+    at one execution's worth and no output is allocated while timing.
     ``JAX_SOFTMAX_BENCH_NO_DONATE=1`` turns donation off for comparison."""
     jax, _ = _jax()
     if donate is None:
         donate = not os.environ.get("JAX_SOFTMAX_BENCH_NO_DONATE")
-    lowered, bufs = lower_chain(fn, arg_sets, k, donate)
+    if clock is None:
+        clock = gpu_clock_available()
+    lowered, bufs = lower_chain(fn, arg_sets, k, donate, gpu_clock if clock else None)
     t0 = time.perf_counter()
     compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
@@ -469,32 +544,43 @@ def time_jax(fn, arg_sets, k: int, reps: int, warmup: int, on_first=None, pipeli
     def run(bufs):
         return compiled(arg_sets, bufs) if donate else compiled(arg_sets)
 
-    outs = run(bufs)
+    outs, _ = run(bufs)
     jax.block_until_ready(outs)
     first = on_first(outs[0]) if on_first is not None else None
     if not donate:
         del outs
         outs = None
     for _ in range(warmup):
-        outs = run(outs)
+        outs, _ = run(outs)
     jax.block_until_ready(outs)
     r = max(1, int(pipeline))
-    times = []
+    host, span, gap = [], [], []
     for _ in range(reps):
+        stamps = []
         t0 = time.perf_counter()
         for _ in range(r):
-            outs = run(outs)
+            outs, st = run(outs)
+            stamps.append(st)
         jax.block_until_ready(outs)
-        times.append((time.perf_counter() - t0) * 1e6 / (r * k))
+        host.append((time.perf_counter() - t0) * 1e6 / (r * k))
+        if clock:
+            ns = [_stamp_ns(st) for st in stamps]
+            span.append(sum(b - a for a, b in ns) / 1e3 / (r * k))
+            gaps = [c - b for (_, b), (c, _) in zip(ns, ns[1:])]
+            gap.append(statistics.median(gaps) / 1e3 if gaps else float("nan"))
     del outs, bufs
-    return times, first, compile_s
+    return ChainTiming(host, span if clock else None, gap if clock else None, first, compile_s)
 
 
 # ----------------------------------------------------------------------------------------------
-# CUDA-event timing for torch / triton (the method of triton.testing.do_bench).
+# CUDA-event timing for torch / triton (the method of triton.testing.do_bench, over a chain).
 # ----------------------------------------------------------------------------------------------
 
-def time_cuda(fn, reps: int, warmup: int):
+def time_cuda(fn, reps: int, warmup: int, k: int = 1):
+    """Per-call us samples of ``fn``, which makes K calls back to back (on K distinct input
+    sets, as the JAX chains do): CUDA events around fn(), divided by K. Before every sample a
+    scratch buffer of 2 x L2 is zeroed, which flushes L2 and keeps the GPU busy while the host
+    enqueues the timed launches, so host launch cost is not in the events' interval."""
     torch = torch_cuda()
     flush = torch.empty(2 * l2_bytes(), dtype=torch.int8, device="cuda")
     out = fn()
@@ -509,7 +595,7 @@ def time_cuda(fn, reps: int, warmup: int):
         fn()
         ends[i].record()
     torch.cuda.synchronize()
-    times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+    times = [s.elapsed_time(e) * 1e3 / k for s, e in zip(starts, ends)]
     del flush
     return times, out
 
@@ -713,6 +799,16 @@ def summarize(times):
             "spread_pct": 100.0 * (p90 - p10) / med if med > 0 else None, "reps": len(times)}
 
 
+def chain_record(t) -> dict:
+    """A record's timing fields from a ChainTiming: summarize(t.times) (the reported figure),
+    the host-timed median beside it, the GPU's median idle time between executions, and the
+    method ("gpu_clock" or "host")."""
+    rec = summarize(t.times)
+    rec.update(time_us_host=statistics.median(t.host), timing=t.method, compile_s=t.compile_s,
+               gpu_gap_us=statistics.median(t.gap) if t.gap else None)
+    return rec
+
+
 def parse_list(values, aliases=None, allowed=None, what="value"):
     out = []
     for v in values or []:
@@ -793,28 +889,34 @@ def measure_ceilings(copy_mib: int, providers, k: int, reps: int, warmup: int, l
             a = jax.random.normal(jax.random.key(7), (n,), jnp.float32)
             s = jnp.zeros((), jnp.float32)
             sets = tuple((a if i == 0 else a + float(i), s) for i in range(k))
-            times, out, _ = time_jax(lambda v, c: v + c, sets, k, reps, warmup,
-                                     pipeline=pipeline)
-            st = summarize(times)
+            t = time_jax(lambda v, c: v + c, sets, k, reps, warmup, pipeline=pipeline)
+            st = chain_record(t)
             res["copy_jax_gbps"] = 2 * nbytes / (st["time_us"] * 1e-6) / 1e9
             res["copy_jax_time_us"] = st["time_us"]
+            res["copy_jax_time_us_host"] = st["time_us_host"]
             res["copy_jax_method"] = (f"jit(a + s), s a traced scalar; chain K={k}, "
-                                      f"{pipeline} executions pipelined per sample")
-            del a, sets, out
+                                      f"{pipeline} executions pipelined per sample; timed by "
+                                      f"{t.method}")
+            del a, sets, t
         except Exception as e:
             res["copy_jax_error"] = f"{type(e).__name__}: {e}"
         free_memory()
     torch = torch_cuda()
     if "copy_torch" in providers and torch is not None:
         try:
-            src = torch.randn(n, device="cuda", dtype=torch.float32)
-            dst = torch.empty_like(src)
-            times, _ = time_cuda(lambda: dst.copy_(src), max(reps, 50), warmup)
+            srcs = [torch.randn(n, device="cuda", dtype=torch.float32) for _ in range(k)]
+            dsts = [torch.empty_like(a) for a in srcs]
+
+            def copies():
+                for d, a in zip(dsts, srcs):
+                    d.copy_(a)
+
+            times, _ = time_cuda(copies, max(reps, 50), warmup, k)
             st = summarize(times)
             res["copy_torch_gbps"] = 2 * nbytes / (st["time_us"] * 1e-6) / 1e9
             res["copy_torch_time_us"] = st["time_us"]
-            res["copy_torch_method"] = "dst.copy_(src), CUDA events"
-            del src, dst
+            res["copy_torch_method"] = f"dst.copy_(src), K={k} pairs back to back, CUDA events"
+            del srcs, dsts
         except Exception as e:
             res["copy_torch_error"] = f"{type(e).__name__}: {e}"
         free_memory()
@@ -829,14 +931,26 @@ def measure_ceilings(copy_mib: int, providers, k: int, reps: int, warmup: int, l
 CHECK_KS = (1, 2, 4, 8)
 
 
+def _fit_chain(tk: dict) -> tuple[float, float]:
+    """Least-squares fit of {K: T_K} to T_K = D + K*t; returns (t, D)."""
+    ks = list(tk)
+    mk = sum(ks) / len(ks)
+    mt = sum(tk.values()) / len(ks)
+    t = sum((kk - mk) * (tk[kk] - mt) for kk in ks) / sum((kk - mk) ** 2 for kk in ks)
+    return t, mt - t * mk
+
+
 def dispatch_check(fns: dict, k: int, reps: int, warmup: int, log=print, shapes=None,
                    pipeline: int = 20) -> dict:
     """Fixed cost per jitted execution (D) vs per-call time (t), at a small and a large shape.
 
     For K in CHECK_KS a chain of K calls (K distinct float32 inputs) is timed; the medians are
-    fitted by least squares to T_K = D + K*t. D is what dispatching, synchronising and any other
-    per-execution cost add; in the sweep it is spread over K calls, so each per-call figure
-    carries D/K. The residual stored with every point is max(D over the shapes checked)/K."""
+    fitted by least squares to T_K = D + K*t, once for the reported figure (the GPU clock's span
+    where it is used) and once for the host-timed figure. D is what each execution adds beyond
+    its calls: for the host figure, dispatch, synchronisation and the GPU's idle time between
+    executions; for the GPU span, the clock reads and the first call's launch after the first
+    read. In the sweep it is spread over K calls, so each per-call figure carries D/K; the
+    residual stored with every point is max(D of the reported figure over the shapes)/K."""
     jax, jnp = _jax()
     shapes = shapes or {"small_1MiB": (256, 1024)}
     res = {"chain_ks": list(CHECK_KS), "sweep_chain_k": k, "dtype": "float32", "shapes": {}}
@@ -848,22 +962,24 @@ def dispatch_check(fns: dict, k: int, reps: int, warmup: int, log=print, shapes=
         for name, fn in fns.items():
             entry = res.setdefault(name, {})
             try:
-                tk = {kk: statistics.median(time_jax(fn, tuple((x,) for x in xs[:kk]), kk,
-                                                     max(reps, 10), warmup,
-                                                     pipeline=pipeline)[0]) * kk
-                      for kk in CHECK_KS}
-                ks = list(tk)
-                mk = sum(ks) / len(ks)
-                mt = sum(tk.values()) / len(ks)
-                t = sum((kk - mk) * (tk[kk] - mt) for kk in ks) / sum((kk - mk) ** 2 for kk in ks)
-                d = mt - t * mk
-                entry[tag] = {"chain_us": {str(kk): v for kk, v in tk.items()},
+                runs = {kk: time_jax(fn, tuple((x,) for x in xs[:kk]), kk, max(reps, 10), warmup,
+                                     pipeline=pipeline) for kk in CHECK_KS}
+                tk = {kk: statistics.median(r.times) * kk for kk, r in runs.items()}
+                hk = {kk: statistics.median(r.host) * kk for kk, r in runs.items()}
+                t, d = _fit_chain(tk)
+                th, dh = _fit_chain(hk)
+                method = runs[CHECK_KS[0]].method
+                entry[tag] = {"timing": method, "chain_us": {str(kk): v for kk, v in tk.items()},
                               "per_call_us": t, "overhead_us": d,
+                              "host_chain_us": {str(kk): v for kk, v in hk.items()},
+                              "host_per_call_us": th, "host_overhead_us": dh,
                               "fwd_gbps_from_slope": nbytes / (t * 1e-6) / 1e9 if t > 0 else None}
-                log(f"dispatch check [{name}] {tag} {tuple(shape)} f32: chain of K calls "
-                    + ", ".join(f"K={kk}: {v:.0f}" for kk, v in tk.items())
+                log(f"dispatch check [{name}] {tag} {tuple(shape)} f32, {method}: chain of K "
+                    "calls " + ", ".join(f"K={kk}: {v:.0f}" for kk, v in tk.items())
                     + f" us -> per call {t:.1f} us, fixed per execution D = {d:.1f} us "
-                    f"(~{max(d, 0) / k:.2f} us per call at K={k})")
+                    f"(~{max(d, 0) / k:.2f} us per call at K={k})"
+                    + ("" if method == "host" else
+                       f"; host-timed: per call {th:.1f} us, D = {dh:.1f} us"))
             except Exception as e:
                 entry[tag] = {"error": f"{type(e).__name__}: {e}"}
                 log(f"dispatch check [{name}] {tag} failed: {e}")
@@ -884,6 +1000,7 @@ def dispatch_check(fns: dict, k: int, reps: int, warmup: int, log=print, shapes=
 
 CSV_FIELDS = ["bench", "op", "provider", "dtype", "mode", "variant", "N", "S", "shape",
               "size_mib", "bytes", "time_us", "time_us_min", "time_us_p10", "time_us_p90",
+              "time_us_host", "timing", "gpu_gap_us",
               "spread_pct", "reps", "gbps", "pct_of_ceiling", "speedup_vs_baseline", "baseline",
               "chain_k", "arg_sets", "dispatch_residual_us", "dispatch_residual_pct",
               "compile_s", "rel_err", "rel_err_dx", "check", "error"]
@@ -1170,11 +1287,11 @@ def _jax_softmax_point(fn, op, dtype, mode, rows, n, cfg, key_seed):
     def host_rows(out):  # copied before the output buffers are donated to the next execution
         return jax.tree.map(lambda a: jax_rows_host(a, r), out) if cfg["check"] else None
 
-    times, first, compile_s = time_jax(call, tuple(sets), cfg["chain"], cfg["reps"],
-                                       cfg["warmup"], on_first=host_rows,
-                                       pipeline=cfg["pipeline"])
-    rec = summarize(times)
-    rec.update(compile_s=compile_s, arg_sets=m, chain_k=cfg["chain"])
+    t = time_jax(call, tuple(sets), cfg["chain"], cfg["reps"], cfg["warmup"],
+                 on_first=host_rows, pipeline=cfg["pipeline"])
+    first = t.first
+    rec = chain_record(t)
+    rec.update(arg_sets=m, chain_k=cfg["chain"])
     if cfg["check"]:
         log = op == "log_softmax"
         x64 = jax_rows_host(xs[0], r)
@@ -1194,12 +1311,17 @@ def _jax_softmax_point(fn, op, dtype, mode, rows, n, cfg, key_seed):
 
 
 def _torch_softmax_point(provider, op, dtype, mode, rows, n, cfg, seed):
+    """Times torch or Triton at one point: a chain of K calls on K distinct input sets (as the
+    JAX chains), CUDA events around the chain (time_cuda); returns a partial record."""
     torch = torch_cuda()
     tdt = torch_dtype(dtype)
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x = (2.0 * torch.randn(rows, n, device="cuda", generator=g, dtype=torch.float32)).to(tdt)
-    dy = None if mode == "fwd" else torch.randn(rows, n, device="cuda", generator=g,
-                                                dtype=torch.float32).to(tdt)
+    k = cfg["chain"]
+    xs = [(2.0 * torch.randn(rows, n, device="cuda", generator=g, dtype=torch.float32)).to(tdt)
+          for _ in range(k)]
+    dys = [None if mode == "fwd" else
+           torch.randn(rows, n, device="cuda", generator=g, dtype=torch.float32).to(tdt)
+           for _ in range(k)]
     log = op == "log_softmax"
     if provider == "torch":
         fwd = (lambda a: torch.log_softmax(a, -1)) if log else (lambda a: torch.softmax(a, -1))
@@ -1213,34 +1335,38 @@ def _torch_softmax_point(provider, op, dtype, mode, rows, n, cfg, seed):
         if log:
             raise NotImplementedError("triton provider implements softmax only")
         fwd, bwd = triton_softmax_fwd, triton_softmax_bwd
-    y0 = fwd(x) if mode != "fwd" else None
+    y0s = [fwd(x) for x in xs] if mode == "bwd" else None
     if mode == "fwd":
         def run():
-            return fwd(x)
+            return [fwd(x) for x in xs]
     elif mode == "bwd":
         def run():
-            return bwd(y0, dy)
+            return [bwd(y, d) for y, d in zip(y0s, dys)]
     else:
         def run():
-            y = fwd(x)
-            return y, bwd(y, dy)
-    times, out = time_cuda(run, max(cfg["reps"], 50), cfg["warmup"])
+            outs = []
+            for x, d in zip(xs, dys):
+                y = fwd(x)
+                outs.append((y, bwd(y, d)))
+            return outs
+    times, outs = time_cuda(run, max(cfg["reps"], 50), cfg["warmup"], k)
+    out = outs[0]
     rec = summarize(times)
-    rec.update(chain_k=None, arg_sets=1, dispatch_residual_us=None)
+    rec.update(chain_k=k, arg_sets=k, dispatch_residual_us=None, timing="cuda_events")
     if cfg["check"]:
         r = check_rows(rows, n)
-        x64 = torch_rows_host(x, r)
+        x64 = torch_rows_host(xs[0], r)
         y64 = np_softmax(x64, log=log)
         if mode == "fwd":
             rec["rel_err"] = rel_err(torch_rows_host(out, r), y64)
         else:
-            dx64 = np_softmax_bwd(y64, torch_rows_host(dy, r), log=log)
+            dx64 = np_softmax_bwd(y64, torch_rows_host(dys[0], r), log=log)
             if mode == "bwd":
                 rec["rel_err_dx"] = rel_err(torch_rows_host(out, r), dx64)
             else:
                 rec["rel_err"] = rel_err(torch_rows_host(out[0], r), y64)
                 rec["rel_err_dx"] = rel_err(torch_rows_host(out[1], r), dx64)
-    del x, dy, y0, out
+    del xs, dys, y0s, out, outs
     return rec
 
 
@@ -1571,11 +1697,11 @@ def _attention_point(fn, dtype, mode, variant, b, h, s, cfg, seed):
     def host_rows(out):  # copied before the output buffers are donated to the next execution
         return jax.tree.map(lambda a: jax_rows_host(a, r), out) if cfg["check"] else None
 
-    times, first, compile_s = time_jax(call, tuple(sets), cfg["chain"], cfg["reps"],
-                                       cfg["warmup"], on_first=host_rows,
-                                       pipeline=cfg["pipeline"])
-    rec = summarize(times)
-    rec.update(bytes=byts, compile_s=compile_s, arg_sets=m, chain_k=cfg["chain"])
+    t = time_jax(call, tuple(sets), cfg["chain"], cfg["reps"], cfg["warmup"],
+                 on_first=host_rows, pipeline=cfg["pipeline"])
+    first = t.first
+    rec = chain_record(t)
+    rec.update(bytes=byts, arg_sets=m, chain_k=cfg["chain"])
     if cfg["check"]:
         y64, _ = _attention_ref_rows(scores, bias, mask, causal, scale, r)
         if mode == "fwd":

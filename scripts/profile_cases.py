@@ -5,7 +5,8 @@
     python3 scripts/profile_cases.py trace [CASE ...]  # GPU timeline: kernel time vs the gaps
 
 `time` times 256 MiB tensors the benchmark's way (K = 4 calls chained in one jit, executions
-pipelined), so per-call dispatch stays out of the figure; it is a quick
+pipelined, the chain's span read from the GPU's clock; Triton's K launches between CUDA events),
+so per-call dispatch stays out of the figure; it is a quick
 probe for comparing kernel variants in one session (tier knobs such as JAX_SOFTMAX_STAGED are read
 once per process, so run one process per variant). The committed figures come from
 `python -m jax_softmax bench`, which also checks the dispatch residual.
@@ -23,7 +24,6 @@ function runs once after ours (profile it without the kernel filter).
 
 import os
 import sys
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch (Triton cases) shares the GPU
 
@@ -172,21 +172,15 @@ def _arg_sets(args, k):
 
 
 def timeit(fn, args, k=4, reps=5, jit=True):
-    """Seconds per call. JAX: the benchmark's method (jax_softmax._bench.time_jax: K calls chained
-    in one jit on K distinct input copies, executions pipelined), so per-call dispatch stays out.
-    Not jitted (Triton, launched from Python): back-to-back asynchronous launches."""
+    """Seconds per call, the benchmark's way: K calls on the GPU clock. JAX: chained in one jit
+    on K distinct input copies, executions pipelined (jax_softmax._bench.time_jax; the GPU span
+    where the clock is built). Not jitted (Triton, launched from Python): K launches back to back
+    between CUDA events (_bench.time_cuda)."""
     if jit:
-        times, _, _ = _bench.time_jax(fn, _arg_sets(args, k), k, reps, warmup=2, pipeline=10)
-        return sorted(times)[len(times) // 2] * 1e-6
-    _sync(fn(*args))
-    samples = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(20):
-            r = fn(*args)
-        _sync(r)
-        samples.append((time.perf_counter() - t) / 20)
-    return sorted(samples)[len(samples) // 2]
+        t = _bench.time_jax(fn, _arg_sets(args, k), k, reps, warmup=2, pipeline=10)
+        return sorted(t.times)[len(t.times) // 2] * 1e-6
+    times, _ = _bench.time_cuda(lambda: [fn(*args) for _ in range(k)], max(reps, 20), 2, k)
+    return sorted(times)[len(times) // 2] * 1e-6
 
 
 def trace_case(fn, args, k=4, pipeline=10):
@@ -203,12 +197,12 @@ def trace_case(fn, args, k=4, pipeline=10):
     lowered, outs = _bench.lower_chain(fn, sets, k)
     run = lowered.compile()
     for _ in range(3):
-        outs = run(sets, outs)
+        outs, _ = run(sets, outs)
     jax.block_until_ready(outs)
     d = tempfile.mkdtemp()
     jax.profiler.start_trace(d)
     for _ in range(pipeline):
-        outs = run(sets, outs)
+        outs, _ = run(sets, outs)
     jax.block_until_ready(outs)
     jax.profiler.stop_trace()
     data = ProfileData.from_file(sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))[-1])
@@ -270,7 +264,7 @@ def main(argv):
     print(f"copy {bw / 1e9:.0f} GB/s  ({knobs or 'default knobs'})", flush=True)
     for name in names:
         ours, xla, args, nbytes, xla_args = _case(name)
-        if xla is None:  # Triton: launched from Python, back to back like ours
+        if xla is None:  # Triton: launched from Python, timed with CUDA events
             t_o = timeit(ours, args, jit=False)
             print(f"{name:22s} ours {100 * nbytes / t_o / bw:5.1f}%  ({t_o * 1e6:.0f} us)", flush=True)
             del args

@@ -1,0 +1,58 @@
+"""The benchmark's timing (jax_softmax._bench): the chain's records on any backend, and on a GPU
+the clock reads that bracket a chain of calls (they must not run together, nor outside it)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from conftest import gpu_available
+
+from jax_softmax import _bench
+
+
+def test_cpu_chain_is_host_timed():
+    """Without the GPU clock the reported figure is the host one, and the record says so."""
+    xs = tuple((jnp.full((8, 128), float(i), jnp.float32),) for i in range(3))
+    t = _bench.time_jax(jax.nn.softmax, xs, 3, reps=2, warmup=1, pipeline=2, clock=False)
+    assert t.method == "host" and t.span is None and t.gap is None
+    assert t.times == t.host and len(t.host) == 2 and all(v > 0 for v in t.host)
+    rec = _bench.chain_record(t)
+    assert rec["timing"] == "host" and rec["time_us"] == rec["time_us_host"]
+
+
+def test_sweep_writes_timing_fields(tmp_path):
+    """A tiny sweep on the default backend: every JAX record carries its timing method and the
+    host-timed figure, and the meta says how the run was timed."""
+    rc = _bench.run_softmax(["--quick", "--ns", "32", "--dtypes", "float32", "--modes", "fwd",
+                             "--sizes-mib", "1", "--copy-mib", "1", "--reps", "2",
+                             "--providers", "jax_softmax", "jax_nn", "--no-plot",
+                             "--out", str(tmp_path), "--tag", "t"])
+    assert rc == 0
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["meta"]["timing"].split(":")[0] == (
+        "gpu_clock" if _bench.gpu_clock_available() else "host")
+    recs = [r for r in data["records"] if r["provider"] in ("jax_softmax", "jax_nn")]
+    assert recs and all(r["timing"] in ("gpu_clock", "host") and r["time_us_host"] > 0
+                        and r["check"] == "ok" for r in recs)
+
+
+@pytest.mark.skipif(not gpu_available(), reason="needs a CUDA device")
+def test_gpu_clock_brackets_the_chain():
+    """Four 64 MiB copies between the two clock reads: the span per call cannot be shorter than
+    moving 128 MiB at 10 TB/s (more than any GPU here), which fails if XLA ran both reads next
+    to each other; nor longer than the host-timed figure, which also carries the dispatch."""
+    if not _bench.gpu_clock_available():
+        pytest.fail("a GPU is present but the CUDA extension (and its clock) is not built")
+    n = 16 * 2**20  # 64 MiB of float32
+    sets = tuple((jnp.full((n,), float(i), jnp.float32), jnp.float32(1)) for i in range(4))
+    t = _bench.time_jax(lambda a, s: a + s, sets, 4, reps=5, warmup=2, pipeline=10)
+    assert t.method == "gpu_clock" and len(t.span) == 5
+    span, host = statistics.median(t.span), statistics.median(t.host)
+    floor_us = 2 * n * 4 / 10e12 * 1e6
+    assert floor_us < span <= 1.02 * host, (span, host)
+    assert all(g >= 0 for g in t.gap), t.gap
