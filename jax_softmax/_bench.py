@@ -66,9 +66,8 @@ between the K kernels included, and leave out the host's dispatch. The JAX provi
 timed from the host as before this clock existed (R executions pipelined, sample time /
 (R*K)); that figure is stored beside every point as ``time_us_host``, with ``gpu_gap_us``, the
 GPU's median idle time between one execution's last call and the next one's first (TUNING.md,
-session 18, compares the two). Where the
-clock is missing (CPU, or no CUDA extension), the host figure is the reported one and each
-record's ``timing`` says so.
+session 18, compares the two). Where the clock is missing (CPU, or no CUDA extension), the host
+figure is the reported one and each record's ``timing`` says so.
 
 This is CHECKED at the start of every run (``dispatch_check``): at a small shape (1 MiB) and at
 the sweep's size, chains of K = 1, 2, 4, 8 calls are timed the same way and fitted to
