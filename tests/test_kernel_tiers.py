@@ -11,8 +11,10 @@ float64):
 512-thread block to 512 * 2E, 16-CTA clusters from 16 * 512 E to 16 * 1024 * 2E = 2^19, the
 two-pass kernel only beyond). Float32 backward rows on the vector path take one 1024-thread block
 to 1024 E = 2^14 instead of a cluster.
-Plain rows (no mask) with N % V != 0 are read through aligned 16-byte windows, masked ones with
-V = 1. Every boundary is a power of two between 1 and 2^19, so N = 2^k - 1, 2^k, 2^k + 1 for
+On sm_90+ plain forward rows of whole vectors take the staged tiers (the same shapes fed through
+shared memory), except 16-bit rows of 2049-65536 columns, which take the register tiers: 2^11,
+2^11 + V, 2^16 and 2^16 + V below hit both sides of that switch. Plain rows (no mask) with
+N % V != 0 are read through aligned 16-byte windows, masked ones with V = 1. Every boundary is a power of two between 1 and 2^19, so N = 2^k - 1, 2^k, 2^k + 1 for
 k = 0..19 hits each tier's last and first sizes on the vector path (2^k) and the windowed or
 scalar path (2^k +- 1, odd); 3 * 2^k and 2^k +- V fill a tier only partly. Several rows per test,
 so that odd rows start at unaligned addresses. On CPU the same sizes run with 3 rows (the CPU
