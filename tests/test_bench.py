@@ -56,3 +56,18 @@ def test_gpu_clock_brackets_the_chain():
     floor_us = 2 * n * 4 / 10e12 * 1e6
     assert floor_us < span <= 1.02 * host, (span, host)
     assert all(g >= 0 for g in t.gap), t.gap
+
+
+def test_main_job_runs(tmp_path):
+    """`python -m jax_softmax`: the self-check passes and the quick table is printed, timed the
+    benchmark's way (run from outside the checkout, so the installed package is imported)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "jax_softmax"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "self-check: PASS" in r.stdout
+    how = "on the GPU's clock" if _bench.gpu_clock_available() else "from the host"
+    assert f"chained in one jit, timed {how}" in r.stdout, r.stdout
+    assert len([ln for ln in r.stdout.splitlines() if ln.split()[:1] in (["128"], ["32768"])]) == 2
