@@ -30,7 +30,7 @@ def _time_per_call(fn, xs):
     from jax_softmax import _bench
 
     t = _bench.time_jax(fn, tuple((x,) for x in xs), len(xs), reps=5, warmup=1, pipeline=5)
-    return sorted(t.times)[len(t.times) // 2], t.method
+    return t.median, t.method
 
 
 def self_check() -> bool:

@@ -435,7 +435,7 @@ def make_chain(fn, k: int, clock=None):
     barriers order the calls and keep fusion from reaching across them (on the GPU they survive
     into the compiled program: one kernel after the other); they also put the first clock read
     before the first call and the second after every output of the last."""
-    jax, jnp = _jax()
+    _, jnp = _jax()
     from jax import lax
 
     def chain(arg_sets):
@@ -487,41 +487,40 @@ def _stamp_ns(stamps) -> tuple[int, int]:
 
 
 class ChainTiming:
-    """What time_jax measured, per call, in us. ``times``: the figure the benchmark reports (the
-    GPU span where the clock is used, else the host figure); ``host``: host-timed samples;
-    ``span``: GPU-clock samples or None; ``gap``: median idle time on the GPU between one
-    execution's last call and the next execution's first, per sample (None without the clock)."""
+    """What time_jax measured, per call, in us. ``host``: host-timed samples; ``span``: GPU-clock
+    samples or None; ``gap``: median idle time on the GPU between one execution's last call and
+    the next execution's first, per sample (None without the clock); ``times``: the samples the
+    benchmark reports (the GPU span where the clock is used, else the host figure)."""
 
     def __init__(self, host, span, gap, first, compile_s):
         self.host, self.span, self.gap = host, span, gap
-        self.times = span if span is not None else host
-        self.method = "gpu_clock" if span is not None else "host"
         self.first, self.compile_s = first, compile_s
+
+    @property
+    def times(self):
+        return self.span if self.span is not None else self.host
+
+    @property
+    def method(self) -> str:
+        return "gpu_clock" if self.span is not None else "host"
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
 
 
 def time_jax(fn, arg_sets, k: int, reps: int, warmup: int, on_first=None, pipeline: int = 20,
              donate=None, clock=None) -> ChainTiming:
-    """Times K chained calls of fn per execution.
+    """Times K chained calls of fn per execution (the module docstring says why this way).
 
     One sample = ``pipeline`` (R) executions enqueued back to back, then one
-    ``block_until_ready``; host per-call time = sample / (R*K). Executions are asynchronous, so
-    while the GPU runs one the host enqueues the next: host dispatch and the synchronisation are
-    paid once per sample, not per execution. (Timing each execution with its own
-    block_until_ready carried a fixed 250-600 us per execution at 256 MiB on an H200, with a
-    K = 1..16 fit, far above the ~20 us dispatch seen at 1 MiB; pipelined, what is left is the
-    one synchronisation per sample spread over R executions: the fit's fixed part per execution
-    was 35-90 us with R = 5 and 13-18 us with R = 20.)
-
-    With the GPU clock (``clock=None`` means: where gpu_clock_available()), every execution
-    also reads the GPU's timer before its first call and after its last (make_chain); the
-    span / K, averaged over the sample's executions, is the GPU-side per-call time, the way CUDA
-    events time torch's and Triton's chains (time_cuda). That is the figure reported: it leaves
-    out what the host-timed figure also carries (the sample's first dispatch and final
-    synchronisation, and whatever idle time the GPU has between executions), which a chain of
-    back-to-back launches in torch does not pay either. Both are returned. The outputs are
-    written into donated buffers (the previous execution's outputs, passed back in with
-    donate_argnums and keep_unused=True, so XLA aliases them to the results), so memory stays
-    at one execution's worth and no output is allocated while timing.
+    ``block_until_ready``; host per-call time = sample / (R*K). With the GPU clock
+    (``clock=None`` means: where gpu_clock_available()), every execution also reads the GPU's
+    timer before its first call and after its last (make_chain); the spans over R*K calls are
+    the GPU-side per-call time, the figure reported. Both are returned. The outputs are written
+    into donated buffers (the previous execution's outputs, passed back in with donate_argnums
+    and keep_unused=True, so XLA aliases them to the results), so memory stays at one
+    execution's worth and no output is allocated while timing.
     ``JAX_SOFTMAX_BENCH_NO_DONATE=1`` turns donation off for comparison."""
     jax, _ = _jax()
     if donate is None:
@@ -963,7 +962,7 @@ def dispatch_check(fns: dict, k: int, reps: int, warmup: int, log=print, shapes=
             try:
                 runs = {kk: time_jax(fn, tuple((x,) for x in xs[:kk]), kk, max(reps, 10), warmup,
                                      pipeline=pipeline) for kk in CHECK_KS}
-                tk = {kk: statistics.median(r.times) * kk for kk, r in runs.items()}
+                tk = {kk: r.median * kk for kk, r in runs.items()}
                 hk = {kk: statistics.median(r.host) * kk for kk, r in runs.items()}
                 t, d = _fit_chain(tk)
                 th, dh = _fit_chain(hk)

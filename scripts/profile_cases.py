@@ -177,8 +177,7 @@ def timeit(fn, args, k=4, reps=5, jit=True):
     where the clock is built). Not jitted (Triton, launched from Python): K launches back to back
     between CUDA events (_bench.time_cuda)."""
     if jit:
-        t = _bench.time_jax(fn, _arg_sets(args, k), k, reps, warmup=2, pipeline=10)
-        return sorted(t.times)[len(t.times) // 2] * 1e-6
+        return _bench.time_jax(fn, _arg_sets(args, k), k, reps, warmup=2, pipeline=10).median * 1e-6
     times, _ = _bench.time_cuda(lambda: [fn(*args) for _ in range(k)], max(reps, 20), 2, k)
     return sorted(times)[len(times) // 2] * 1e-6
 
