@@ -48,13 +48,24 @@ struct RowTier {
 //              byte of float32).
 //   kWindowed: plain, but cols % kVec != 0 (odd rows such as a 50257-entry vocabulary): each row is
 //              read through the 16-byte-aligned window that starts `shift` elements before it;
-//              only its first and last vectors are partial and go element by element.
+//              only its first and last vectors are partial and go element by element. Forward
+//              rows: the window is W = cols rounded up to whole vectors wide, and the columns
+//              that would lie past it (cols + shift > W) wrap around into the first vector's
+//              slots before the row, which hold nothing: so a row takes the tier of W window
+//              offsets, not of cols + shift (at N = 2^k - 1 that was a tier twice as wide, half
+//              empty). Backward rows keep the window of cols + shift offsets (their wrap blocks
+//              made bfloat16 N = 50257, which never wraps, 17% slower: TUNING.md, session 19).
 enum class Access { kGeneral, kPlain, kWindowed };
 
 // Per-row state for reading x (or y and dy) plus the optional bias and mask of a row. Positions
 // passed to load_fwd() and fetch_bwd() are window offsets: column = w - shift (shift is 0 unless
-// kWindowed).
-template <typename T, int kVec, bool kBwd, Access kAccess>
+// kWindowed). Windowed forward rows read columns up to `limit` at their own offset; window offsets
+// w < nwrap() (in the first vector, before the row) hold the columns after it, limit + 1 + w,
+// which lie W elements further on: in x at in + w + (kWrapSlot ? kWrapSlot : W) (a staged cluster
+// keeps them in a slot of its own, kWrapSlot elements after the start of its first CTA's stage),
+// in y, dy and the output at W. (Kept as fields, nwrap and the wrap distance cost the 16-bit
+// four-row lane groups 16-28 bytes of spills and the 16-bit backward clusters 56-68.)
+template <typename T, int kVec, bool kBwd, Access kAccess, int kWrapSlot = 0>
 struct RowLoader {
   using A = acc_t<T>;
   using Elem = T;
@@ -66,6 +77,8 @@ struct RowLoader {
   // finish_batch_raw, LaunchTier). Not rows read element by element (kVec == 1: masked rows with
   // cols % 8 != 0, or unaligned buffers), which load float values (fetch_bwd's other overload).
   static constexpr bool kRawBwd = kBwd && sizeof(T) == 2 && kVec > 1;
+  // Windowed forward rows wrap their last columns into their first vector (see Access).
+  static constexpr bool kWraps = kAccess == Access::kWindowed && !kBwd;
   // One byte per position of a vector, byte e (from the least significant) for column c + e:
   // the mask bytes as loaded, so that testing a position is one LOP3 on the word.
   using Bytes = std::conditional_t<(kVec > 4), uint64_t, uint32_t>;
@@ -97,7 +110,9 @@ struct RowLoader {
     cols = static_cast<int>(p.cols);
     if constexpr (kPlain) {
       // Launched only without bias, mask and causal limit: none of their code is compiled in.
-      limit = row_ok ? cols - 1 : -1;
+      // Windowed forward rows: the columns inside the window, at most W - shift.
+      const int inside = kWraps ? min(cols, window_width(cols) - shift) : cols;
+      limit = row_ok ? inside - 1 : -1;
     } else {
       if (!kBwd && p.bias.data) {
         bias = static_cast<const T*>(p.bias.data) + p.bias.row_offset(row);
@@ -130,7 +145,7 @@ struct RowLoader {
   __device__ __forceinline__ void fetch_x(int w, T (&xs)[kVec]) const {
     const int c = w - shift;
     bool whole = c <= limit;
-    if constexpr (kAccess == Access::kWindowed) whole = whole && c >= 0 && c + kVec <= cols;
+    if constexpr (kAccess == Access::kWindowed) whole = whole && c >= 0 && c + kVec <= end();
     zero_vec(xs);
     if (whole) load_vec<kVec>(in + w, xs);
   }
@@ -201,13 +216,53 @@ struct RowLoader {
       for (int e = 0; e < N; ++e) v[e] *= scale;
     }
   }
-  // A windowed row's partial end vector (column c = w - shift), element by element, -inf outside
-  // the row. Only the loaded values are scaled: -inf * scale is +inf or NaN for a scale <= 0.
+  // Windowed rows: the window width W, cols rounded up to whole vectors.
+  static __device__ __forceinline__ int window_width(int cols) { return (cols + kVec - 1) & -kVec; }
+
+  // Windowed rows: column c is read at its own window offset c + shift iff 0 <= c < end(): cols,
+  // or limit + 1 for forward rows (W - shift where the row wraps; 0 for a row past the end).
+  __device__ __forceinline__ int end() const {
+    if constexpr (kWraps)
+      return limit + 1;
+    else
+      return cols;
+  }
+  // Windowed rows: how many columns wrap (0 for a row past the end, whose limit is -1).
+  __device__ __forceinline__ int nwrap() const { return limit < 0 ? 0 : cols - 1 - limit; }
+  // Windowed rows: whether the vector at window offset w has wrapped slots (the first vector of a
+  // row that wraps). The partial paths handle them in a block of their own, after the slots read
+  // at their own offset, so that rows which do not wrap run the code of before (an offset chosen
+  // per element, 0 or the wrap, grew the windowed kernels' PTX by 30% and made bfloat16 N = 1001,
+  // which never wraps, 17% slower).
+  // (Window offsets are multiples of kVec and nwrap() < kVec: only offset 0 can. Tested as
+  // w == 0, which the compiler can rule out for a thread's later vectors, w = first + k * stride.)
+  __device__ __forceinline__ bool wraps_at(int w) const {
+    if constexpr (kWraps)
+      return w == 0 && nwrap() > 0;
+    else
+      return false;
+  }
+  // Windowed rows: where the wrapped columns of window offset w lie, in x (as `in` reads it) and
+  // in the output, y and dy.
+  __device__ __forceinline__ const T* wrapped_in(int w) const {
+    return in + w + (kWrapSlot ? kWrapSlot : window_width(cols));
+  }
+  __device__ __forceinline__ int wrapped_at(int w) const { return w + window_width(cols); }
+
+  // A windowed row's partial vector (column c = w - shift), element by element, -inf outside the
+  // row. Only the loaded values are scaled: -inf * scale is +inf or NaN for a scale <= 0.
   __device__ __forceinline__ void partial_values(int w, int c, A (&v)[kVec]) const {
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
       v[e] = neg_inf<A>();
-      if (c + e >= 0 && c + e < cols) v[e] = scale * to_acc(in[w + e]);
+      if (c + e >= 0 && c + e < end()) v[e] = scale * to_acc(in[w + e]);
+    }
+    if (wraps_at(w)) {
+      const T* wrapped = wrapped_in(w);
+      const int nw = nwrap();
+#pragma unroll
+      for (int e = 0; e < kVec; ++e)
+        if (e < nw) v[e] = scale * to_acc(wrapped[e]);
     }
   }
 
@@ -265,7 +320,7 @@ struct RowLoader {
         return false;
       }
       if constexpr (kAccess == Access::kWindowed) {
-        if (c < 0 || c + kVec > cols) {  // the partial vectors at the ends of the row
+        if (c < 0 || c + kVec > end()) {  // the partial vectors at the ends of the row
           partial_values(w, c, v);
           return true;
         }
@@ -315,7 +370,7 @@ struct RowLoader {
       for (int e = 0; e < kVec; ++e) v[e] = neg_inf<A>();
       if (c > limit) return false;
       if constexpr (kAccess == Access::kWindowed) {
-        if (c < 0 || c + kVec > cols) {  // the partial vectors at the ends of the row
+        if (c < 0 || c + kVec > end()) {  // the partial vectors at the ends of the row
           partial_values(w, c, v);
           return true;
         }
@@ -338,7 +393,7 @@ struct RowLoader {
     static_assert(kRawBwd, "16-bit backward rows");
     const int c = w - shift;
     bool whole = c <= limit;
-    if constexpr (kAccess == Access::kWindowed) whole = whole && c >= 0 && c + kVec <= cols;
+    if constexpr (kAccess == Access::kWindowed) whole = whole && c >= 0 && c + kVec <= end();
     ys = gs = Pairs<kVec>{};
     Bytes mask_bytes = kAllBytes;
     // A general row's vector never straddles its end (cols % kVec == 0), only its causal limit.
@@ -351,9 +406,19 @@ struct RowLoader {
       if (!whole && c <= limit) {  // the partial vectors at the ends of the row
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
-          if (c + e >= 0 && c + e < cols) {
+          if (c + e >= 0 && c + e < end()) {
             set_pair_value(ys, e, in[w + e]);
             set_pair_value(gs, e, grad[w + e]);
+          }
+        }
+        if (wraps_at(w)) {
+          const int wrap_at = wrapped_at(w), nw = nwrap();
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            if (e < nw) {
+              set_pair_value(ys, e, in[wrap_at + e]);
+              set_pair_value(gs, e, grad[wrap_at + e]);
+            }
           }
         }
       }
@@ -407,15 +472,27 @@ struct RowLoader {
     Bytes mask_bytes = kAllBytes;
     if constexpr (!kPlain) mask_bytes = fetch_mask(w);
     if (c > limit) return mask_bytes;
-    if (kAccess == Access::kWindowed && (c < 0 || c + kVec > cols)) {
+    if constexpr (kAccess == Access::kWindowed) {
+      if (c < 0 || c + kVec > end()) {
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        if (c + e >= 0 && c + e < cols) {
-          v[e] = to_acc(in[w + e]);
-          g[e] = to_acc(grad[w + e]);
+        for (int e = 0; e < kVec; ++e) {
+          if (c + e >= 0 && c + e < end()) {
+            v[e] = to_acc(in[w + e]);
+            g[e] = to_acc(grad[w + e]);
+          }
         }
+        if (wraps_at(w)) {
+          const int wrap_at = wrapped_at(w), nw = nwrap();
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) {
+            if (e < nw) {
+              v[e] = to_acc(in[wrap_at + e]);
+              g[e] = to_acc(grad[wrap_at + e]);
+            }
+          }
+        }
+        return mask_bytes;
       }
-      return mask_bytes;
     }
     T ys[kVec], gs[kVec];
     load_vec<kVec>(in + w, ys);
@@ -447,14 +524,25 @@ struct RowLoader {
   // Every column of the row is written, including those past the causal limit.
   __device__ __forceinline__ void store(T* dst, int w, const A (&o)[kVec]) const {
     const int c = w - shift;
-    if (c >= cols) return;
-    if (kAccess == Access::kWindowed && (c < 0 || c + kVec > cols)) {
+    if constexpr (kAccess == Access::kWindowed) {
+      if (c >= end()) return;
+      if (c < 0 || c + kVec > end()) {
 #pragma unroll
-      for (int e = 0; e < kVec; ++e)
-        if (c + e >= 0 && c + e < cols) dst[w + e] = from_acc<T>(o[e]);
+        for (int e = 0; e < kVec; ++e)
+          if (c + e >= 0 && c + e < end()) dst[w + e] = from_acc<T>(o[e]);
+        if (wraps_at(w)) {
+          T* wrapped = dst + wrapped_at(w);
+          const int nw = nwrap();
+#pragma unroll
+          for (int e = 0; e < kVec; ++e)
+            if (e < nw) wrapped[e] = from_acc<T>(o[e]);
+        }
+        return;
+      }
     } else {
-      store_vec_acc<kVec>(dst + w, o);
+      if (c >= cols) return;
     }
+    store_vec_acc<kVec>(dst + w, o);
   }
 
   __device__ __forceinline__ T* out_row(const RowParams& p, int64_t row) const {
@@ -1285,14 +1373,88 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
 // A stage is refilled as soon as every thread has copied it into registers, before the
 // reduction: tiles it + 1 .. it + stages are in flight while tile it is reduced (one stage
 // suffices for that; a CTA with a single tile has no refill at all).
-// Shared memory per stage: the tile of x, kRowsPerBlock rows of `span` elements (span = cols, or
-// kChunk for a cluster CTA). Forward only: a backward variant with y and dy in each stage measured
-// 0-20% slower than the register kernel (TUNING.md).
+// Shared memory per stage: the tile of x, kRowsPerBlock rows of cols elements, or kChunk for a
+// cluster CTA. Windowed rows (cols % kVec != 0) are staged too: a tile then starts at its first
+// row's 16-byte window (a few elements of the row before it) and ends at the vector holding its
+// last element, so that the copy and the stage's vector reads stay 16-byte aligned; each loader
+// reads its row's window at the offset its window start has from the tile's start (StagedTile).
+// Forward only: a backward variant with y and dy in each stage measured 0-20% slower than the
+// register kernel (TUNING.md).
 struct StagedTiles {
   int stages;            // 1 .. kMaxStages buffers in the ring
   uint32_t stage_bytes;  // distance between stages in dynamic shared memory (multiple of 128)
 };
 constexpr int kMaxStages = 4;
+
+// A range of x that a stage holds: elements [first, first + bulk) copied by cp.async.bulk, then
+// [first + bulk, first + elems) by ordinary loads. A windowed range rounded up to whole vectors
+// can reach up to kVec - 1 elements past the end of x at the last row: x's last elements (fewer
+// than kVec) then come through ordinary loads instead, and nothing past x is read.
+struct StagedRange {
+  int64_t first;  // element index in x (16-byte aligned)
+  int64_t bulk;   // elements copied in bulk (whole vectors)
+  int64_t elems;  // elements staged
+};
+
+// The range [first, stop) of x (stop a whole vector, first aligned), cut at x's end.
+template <int kVec>
+__device__ __forceinline__ StagedRange staged_range(const RowParams& p, int64_t first, int64_t stop) {
+  const int64_t total = p.rows * p.cols;
+  StagedRange t{first, stop > first ? stop - first : 0, 0};
+  if (stop > total) {
+    const int64_t whole_end = total & ~int64_t{kVec - 1};  // x's last whole vector ends here
+    t.bulk = whole_end > first ? whole_end - first : 0;
+    t.elems = total > first ? total - first : 0;
+  } else {
+    t.elems = t.bulk;
+  }
+  return t;
+}
+
+// The tile of kRowsPerBlock rows from row0 (a cluster CTA: its chunk of row0, from offset
+// col_base of the row's window). Windowed rows: from the first row's window start to the end of
+// the last row's last vector (a cluster CTA: its chunk of the row's W window offsets; the first
+// CTA's wrapped columns come through staged_wrap).
+template <typename T, int kVec, int kRowsPerBlock, int kCluster, Access kAccess>
+__device__ __forceinline__ StagedRange staged_tile(const RowParams& p, int64_t row0, int64_t col_base,
+                                                   int64_t chunk) {
+  const int64_t start = row0 * p.cols;
+  const int64_t nrows = p.rows - row0 < kRowsPerBlock ? p.rows - row0 : kRowsPerBlock;
+  if constexpr (kAccess == Access::kWindowed) {
+    const int64_t window = start & ~int64_t{kVec - 1};
+    const int64_t first = window + col_base;
+    int64_t stop = (start + nrows * p.cols + kVec - 1) & ~int64_t{kVec - 1};
+    if (kCluster > 1) {
+      const int64_t width = (p.cols + kVec - 1) & ~int64_t{kVec - 1};  // W
+      stop = std::min(window + width, first + chunk);
+    }
+    return staged_range<kVec>(p, first, stop);
+  } else {
+    // Tile rows are contiguous in memory: nrows * cols elements (for a cluster CTA, nrows == 1
+    // and the copy is its chunk, none for a rank past the row end).
+    int64_t elems = kCluster > 1 ? std::min(std::max(p.cols - col_base, int64_t{0}), chunk)
+                                 : nrows * p.cols;
+    if constexpr (kAccess == Access::kGeneral && kRowsPerBlock == 1) {
+      // A one-row tile stops at the causal limit's vector, as the register tiers' loads do
+      // (causal rows skip the half of the score matrix they never read).
+      const int64_t valid = (p.causal_limit(row0) + kVec) / kVec * kVec - col_base;
+      elems = std::min(elems, std::max(valid, int64_t{0}));
+    }
+    return StagedRange{start + col_base, elems, elems};
+  }
+}
+
+// A windowed row's wrapped columns (RowLoader: its last ones, read at window offset W of the row's
+// window), which the first CTA of a cluster reads but another CTA's chunk holds: the vector there,
+// staged after the CTA's chunk. Empty where the row does not wrap.
+template <int kVec>
+__device__ __forceinline__ StagedRange staged_wrap(const RowParams& p, int64_t row0) {
+  const int64_t start = row0 * p.cols;
+  const int64_t window = start & ~int64_t{kVec - 1};
+  const int64_t width = (p.cols + kVec - 1) & ~int64_t{kVec - 1};
+  if (start + p.cols <= window + width) return StagedRange{window + width, 0, 0};
+  return staged_range<kVec>(p, window + width, window + width + kVec);
+}
 
 template <typename T, int kGroup, int kElems, int kVec, int kCluster, Access kAccess, int kRows = 1>
 __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThreads(kGroup)))
@@ -1300,12 +1462,16 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
   using S = MaxSum<A>;
-  using Loader = RowLoader<T, kVec, /*kBwd=*/false, kAccess>;
-  static_assert(kAccess != Access::kWindowed && kVec > 1, "tiles are whole 16-byte vectors");
+  static_assert(kVec > 1, "tiles are copied as 16-byte vectors");
   using Tier = RowTier<kGroup, kElems, kVec, kRows>;
   constexpr int kBlock = Tier::kBlock, kRowsPerBlock = Tier::kRowsPerBlock, kPacks = Tier::kPacks;
   constexpr int64_t kChunk = Tier::kChunk;
   static_assert(kCluster == 1 || kGroup == kBlock, "a cluster splits whole-block rows");
+  // The first CTA of a cluster of windowed rows also stages the row's wrapped columns, in a slot
+  // after its chunk (LaunchStagedCluster's stage bytes leave a vector for them), where its
+  // loaders read them.
+  constexpr bool kStagesWrap = kAccess == Access::kWindowed && kCluster > 1;
+  using Loader = RowLoader<T, kVec, /*kBwd=*/false, kAccess, kStagesWrap ? int(kChunk) : 0>;
 
   extern __shared__ __align__(128) unsigned char staged_smem[];
   __shared__ uint64_t full[kMaxStages];
@@ -1320,31 +1486,28 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   const int first_col = static_cast<int>(col_base) + lane * kVec;
   const int64_t num_ctas = gridDim.x / kCluster;
   const int64_t num_tiles = (p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  // Elements per tile row in shared memory: whole rows, or this CTA's chunk of the row.
-  const int64_t span = kCluster > 1 ? kChunk : p.cols;
-  // This CTA's columns of a row: all of them, or its chunk (none for a rank past the row end).
-  const int64_t cta_cols =
-      kCluster > 1 ? std::min(std::max(p.cols - col_base, int64_t{0}), kChunk) : p.cols;
   const int stages = tiles.stages;
 
   // Thread 0 only: fill `stage` with the tile of rows from row0 (kRowsPerBlock rows, fewer at the
-  // end).
+  // end). The ordinary loads of x's last elements (a windowed tile at the end of x) land before
+  // the arrival, which releases them to the waiting threads with the bulk copy.
   auto fill = [&](int stage, int64_t row0) {
     T* dst = reinterpret_cast<T*>(staged_smem + size_t(stage) * tiles.stage_bytes);
-    const int64_t nrows = p.rows - row0 < kRowsPerBlock ? p.rows - row0 : kRowsPerBlock;
-    // Tile rows are contiguous in memory: nrows * cols elements from row0's first column (for a
-    // cluster CTA, nrows == 1 and the copy starts at its chunk).
-    const int64_t first = row0 * p.cols + col_base;
-    int64_t elems = kCluster > 1 ? cta_cols : nrows * p.cols;
-    if constexpr (kAccess == Access::kGeneral && kRowsPerBlock == 1) {
-      // A one-row tile stops at the causal limit's vector, as the register tiers' loads do
-      // (causal rows skip the half of the score matrix they never read).
-      const int64_t valid = (p.causal_limit(row0) + kVec) / kVec * kVec - col_base;
-      elems = std::min(elems, std::max(valid, int64_t{0}));
+    const StagedRange t = staged_tile<T, kVec, kRowsPerBlock, kCluster, kAccess>(p, row0, col_base, kChunk);
+    const T* src = static_cast<const T*>(p.in) + t.first;
+    StagedRange wrap{0, 0, 0};
+    if constexpr (kStagesWrap)
+      if (col_base == 0) wrap = staged_wrap<kVec>(p, row0);
+    const T* wrap_src = static_cast<const T*>(p.in) + wrap.first;
+    if constexpr (kAccess == Access::kWindowed) {
+      for (int64_t i = t.bulk; i < t.elems; ++i) dst[i] = src[i];
+      for (int64_t i = wrap.bulk; i < wrap.elems; ++i) dst[kChunk + i] = wrap_src[i];
     }
-    const uint32_t bytes = static_cast<uint32_t>(elems * sizeof(T));
-    mbarrier_arrive_expect_tx(&full[stage], bytes);
-    if (bytes) bulk_load_shared(dst, static_cast<const T*>(p.in) + first, bytes, &full[stage]);
+    const uint32_t bytes = static_cast<uint32_t>(t.bulk * sizeof(T));
+    const uint32_t wrap_bytes = static_cast<uint32_t>(wrap.bulk * sizeof(T));
+    mbarrier_arrive_expect_tx(&full[stage], bytes + wrap_bytes);
+    if (bytes) bulk_load_shared(dst, src, bytes, &full[stage]);
+    if (wrap_bytes) bulk_load_shared(dst + kChunk, wrap_src, wrap_bytes, &full[stage]);
   };
 
   if (threadIdx.x == 0) {
@@ -1388,15 +1551,17 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     const T* stage_in = reinterpret_cast<const T*>(staged_smem + size_t(stage) * tiles.stage_bytes);
     Loader loaders[kRows];
     BatchOperands<Loader, kRows, kPacks, false> ops;
+    const int64_t tile_first =
+        staged_tile<T, kVec, kRowsPerBlock, kCluster, kAccess>(p, row0, col_base, kChunk).first;
     auto build_loader = [&](int r) {
       const int local = r * (kBlock / kGroup) + group;
       const int64_t row = row0 + local;
       loaders[r] = Loader(p, row, row < p.rows);
       // Read x from the stage instead of global memory (bias and mask still come from global
-      // memory, usually L2: they are broadcast): the loads read in[w] at column w, and the stage
-      // holds columns col_base.. of each tile row. They read no vector past the causal limit,
-      // where a one-row tile's copy stopped.
-      loaders[r].in = stage_in + local * span - col_base;
+      // memory, usually L2: they are broadcast): the loader's window start lies as far into the
+      // stage as into the tile in x. Its loads read no vector past the causal limit, where a
+      // one-row tile's copy stopped, nor outside its row's window.
+      loaders[r].in = stage_in + (loaders[r].in - static_cast<const T*>(p.in) - tile_first);
     };
     auto prepare = [&] {
 #pragma unroll
@@ -1512,7 +1677,10 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
       st.log_sum = log ? log_acc(total.s) : A(0);
       st.factor = log ? A(0) : rcp_acc(total.s);
     }
-    for (int t0 = 0; t0 < loader.cols + loader.shift; t0 += kTile) {
+    // Window offsets to store: every column (general rows store zeros past the causal limit);
+    // a windowed row's wrapped columns are stored with its first vector.
+    const int span = (Loader::kPlain ? loader.limit + 1 : loader.cols) + loader.shift;
+    for (int t0 = 0; t0 < span; t0 += kTile) {
       A vb[1][kUnroll][kVec], g[kUnroll][kVec];
       A (&v)[kUnroll][kVec] = vb[0];
       bool ok[kUnroll][kVec];

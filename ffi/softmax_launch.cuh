@@ -396,11 +396,11 @@ bool AllowDynamicSmem(int device, const DeviceInfo& dev) {
   return ok[device];
 }
 
-// The staged kernels take rows of whole 16-byte vectors from aligned buffers (one contiguous copy
-// per tile), on sm_90+: plain rows, and rows with a mask, bias or causal limit (kGeneral with
-// kVec > 1) where StageGeneralRows says so.
+// The staged kernels take rows from aligned buffers read as 16-byte vectors (one contiguous copy
+// per tile), on sm_90+: plain and windowed rows, and rows with a mask, bias or causal limit
+// (kGeneral with kVec > 1) where StageGeneralRows says so.
 template <typename T, int kVec, Access kAccess>
-constexpr bool kStageable = kAccess != Access::kWindowed && kVec > 1 && sizeof(T) <= 4;
+constexpr bool kStageable = kVec > 1 && sizeof(T) <= 4;
 
 // Float32 forward rows with a mask, bias or causal limit on 16-byte vectors: 16 values per thread
 // in the row tiers (LaunchTier's kEB), so that BatchOperands fetches all their operands ahead.
@@ -436,6 +436,16 @@ inline bool StageGeneralRows(const RowParams& p, int64_t short_cols, bool regist
   if (!register_tiers_ahead) return mask_only;
   const bool shared_mask = p.mask.ndims == 0 || p.mask.strides[p.mask.ndims - 1] == 0;
   return mask_only && shared_mask;
+}
+
+// Window offsets a row takes: its columns; for windowed forward rows, rounded up to whole vectors
+// (their last columns wrap into the first vector's free slots where the window would be wider:
+// Access, RowLoader), so that they take the tier of their rounded length; windowed backward rows
+// span up to kVec - 1 more offsets than they have columns.
+template <int kVec, bool kBwd, Access kAccess>
+constexpr int64_t WindowWidth(int64_t cols) {
+  if (kAccess != Access::kWindowed) return cols;
+  return kBwd ? cols + kVec - 1 : (cols + kVec - 1) / kVec * kVec;
 }
 
 struct LaunchCtx {
@@ -496,7 +506,10 @@ Launched LaunchStagedRows(const LaunchCtx& c) {
   constexpr auto kernel = softmax_rows_staged_kernel<T, kGroup, kElems, kVec, 1, kAccess, kRows>;
   auto reg = BlocksPerSm<kernel, kBlock>(c.device);
   if (reg.has_error()) return reg.error();
-  const uint64_t tile = uint64_t(kRowsPerBlock) * uint64_t(c.p.cols) * sizeof(T);
+  // A windowed tile also holds the few elements before its first row and after its last that
+  // share their vectors (staged_tile).
+  const uint64_t tile = (uint64_t(kRowsPerBlock) * uint64_t(c.p.cols) +
+                         (kAccess == Access::kWindowed ? 2 * kVec : 0)) * sizeof(T);
   const int tiles_per_cta = TilesPerCta();
   const StagePlan plan = PlanStages(tile, *reg, c.dev, tiles_per_cta);
   if (plan.tiles.stages == 0 || !AllowDynamicSmem<kernel>(c.device, c.dev)) return std::nullopt;
@@ -516,7 +529,8 @@ Launched LaunchStagedCluster(const LaunchCtx& c) {
   if (reg.has_error()) return reg.error();
   // A tile is one row's chunk of kBlock * kElems elements per CTA: the plan and the cluster
   // occupancy depend on the kernel only.
-  const uint64_t tile = uint64_t(kBlock) * kElems * sizeof(T);
+  // Windowed rows: and a vector for the row's wrapped columns (softmax_rows_staged_kernel).
+  const uint64_t tile = (uint64_t(kBlock) * kElems + (kAccess == Access::kWindowed ? kVec : 0)) * sizeof(T);
   const StagePlan plan = PlanStages(tile, *reg, c.dev, /*tiles_per_cta=*/0);
   if (plan.tiles.stages == 0 || !AllowDynamicSmem<kernel>(c.device, c.dev)) return std::nullopt;
   const int active = ActiveClusters<kernel, kBlock, kCluster>(c.device, plan.smem);
@@ -549,7 +563,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     const bool register_ahead = c.p.cols <= 512 * kEB ? kAheadRows : kAheadLong;
     if (!StageGeneralRows(c.p, 16 * kE, register_ahead)) return std::nullopt;
   }
-  const int64_t n = c.p.cols;
+  const int64_t n = WindowWidth<kVec, /*kBwd=*/false, kAccess>(c.p.cols);
   // Plain 16-bit rows of 2049-65536 columns run faster on the register tiers (H200, session 18,
   // sweep of every forward row length with JAX_SOFTMAX_STAGED=1 and =0, us per call, bfloat16 /
   // float16 staged -> register: 3000 150 / 146 -> 137 / 135, 8192 133 / 132 -> 131 / 131, 16384
@@ -559,25 +573,43 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   if constexpr (sizeof(T) == 2 && kAccess == Access::kPlain) {
     if (n > 64 * kE && n <= 4 * 512 * kE) return std::nullopt;
   }
+  // Windowed rows (odd lengths; n = W, cols rounded up to whole vectors) measured (H200, session
+  // 19, us per call at 256 MiB, staged / register tiers): float32 255 161 / 140, 1001 137 / 135,
+  // 4097 139 / 139, 16383 136 / 137, 32769 165 / 179, 50257 167 / 152, 100003 150 / 164, 262143
+  // 152 / 163; bfloat16 255 151 / 254, 1001 150 / 162, 4097 219 / 201, 16383 157 / 189, 32769
+  // 247 / 271, 50257 169 / 185, 100003 192 / 214, 262143 169 / 199. So float32 rows stay on the
+  // register tiers up to 4 x 512 x E = 65536 (32769 gives up 8% to keep 50257's 9%), and so do
+  // 16-bit rows of 4097-8192 (the one 16-bit point the register tiers won; 8192 untested) and of
+  // up to 8 vectors (staged, 8 float32 rows per lane group spilled 44-48 bytes).
+  constexpr bool kWindowedF32 = kAccess == Access::kWindowed && sizeof(T) == 4;
+  if constexpr (kWindowedF32) {
+    if (n <= 4 * 512 * kE) return std::nullopt;
+  } else if constexpr (kAccess == Access::kWindowed) {
+    if (n <= 8 * kVec || (n > 128 * kE && n <= 256 * kE)) return std::nullopt;
+  }
 #define JS_STAGED(G, E, R) return LaunchStagedRows<T, G, E, kVec, kAccess, R>(c)
-  if (n <= 1 * kVec) JS_STAGED(1, kVec, kEB / kVec);
-  if (n <= 2 * kVec) JS_STAGED(2, kVec, kEB / kVec);
-  if (n <= 4 * kVec) JS_STAGED(4, kVec, kEB / kVec);
-  if (n <= 8 * kVec) JS_STAGED(8, kVec, kEB / kVec);
-  if (n <= 8 * 2 * kVec) JS_STAGED(8, 2 * kVec, kEB / (2 * kVec));
-  if (n <= 8 * kEB) JS_STAGED(8, kEB, 1);
-  if (n <= 16 * kEB) JS_STAGED(16, kEB, 1);
-  if (n <= 32 * kEB) JS_STAGED(32, kEB, 1);
-  // Wider rows (float32 general rows here are mask-only ones: StageGeneralRows) hold kE values:
-  // a tile's bytes per thread, and so per SM, are what a staged tier has in flight (float32
-  // padding mask, S = 8192: 512 x 16 took 155 us where 256 x 32 took 137).
-  if (n <= 32 * kE) JS_STAGED(32, kE, 1);
-  if (n <= 64 * kE) JS_STAGED(64, kE, 1);
-  if (n <= 128 * kE) JS_STAGED(128, kE, 1);
-  if (n <= 256 * kE) JS_STAGED(256, kE, 1);
-  if (n <= 512 * kE) JS_STAGED(512, kE, 1);
+  if constexpr (!kWindowedF32) {
+    if constexpr (kAccess != Access::kWindowed) {
+      if (n <= 1 * kVec) JS_STAGED(1, kVec, kEB / kVec);
+      if (n <= 2 * kVec) JS_STAGED(2, kVec, kEB / kVec);
+      if (n <= 4 * kVec) JS_STAGED(4, kVec, kEB / kVec);
+      if (n <= 8 * kVec) JS_STAGED(8, kVec, kEB / kVec);
+    }
+    if (n <= 8 * 2 * kVec) JS_STAGED(8, 2 * kVec, kEB / (2 * kVec));
+    if (n <= 8 * kEB) JS_STAGED(8, kEB, 1);
+    if (n <= 16 * kEB) JS_STAGED(16, kEB, 1);
+    if (n <= 32 * kEB) JS_STAGED(32, kEB, 1);
+    // Wider rows (float32 general rows here are mask-only ones: StageGeneralRows) hold kE values:
+    // a tile's bytes per thread, and so per SM, are what a staged tier has in flight (float32
+    // padding mask, S = 8192: 512 x 16 took 155 us where 256 x 32 took 137).
+    if (n <= 32 * kE) JS_STAGED(32, kE, 1);
+    if (n <= 64 * kE) JS_STAGED(64, kE, 1);
+    if (n <= 128 * kE) JS_STAGED(128, kE, 1);
+    if (n <= 256 * kE) JS_STAGED(256, kE, 1);
+    if (n <= 512 * kE) JS_STAGED(512, kE, 1);
+  }
 #undef JS_STAGED
-  if constexpr (kAccess == Access::kPlain) {
+  if constexpr (kAccess != Access::kGeneral && !kWindowedF32) {
     if (WideClusters()) {
       // Experiment (JAX_SOFTMAX_WIDE_CLUSTERS=1): 1024-thread CTAs, half the cluster size. One
       // CTA per SM (63 registers x 1024 threads), but clusters of 8 fit twice per GPC where
@@ -591,8 +623,10 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
       if (n <= 8 * 256 * kE) return LaunchStagedCluster<T, 256, kE, kVec, 8, kAccess>(c);
     }
   }
-  if (n <= 2 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 2, kAccess>(c);
-  if (n <= 4 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 4, kAccess>(c);
+  if constexpr (!kWindowedF32) {
+    if (n <= 2 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 2, kAccess>(c);
+    if (n <= 4 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 4, kAccess>(c);
+  }
   if (n <= 8 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 8, kAccess>(c);
   if (n <= 16 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 16, kAccess>(c);
   if (n <= 16 * 1024 * kE) return LaunchStagedCluster<T, 1024, kE, kVec, 16, kAccess>(c);
@@ -633,8 +667,7 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
       if (Launched launched = LaunchStagedTier<T, kVec, kAccess>(c)) return *launched;
     }
   }
-  // A windowed row spans up to kVec - 1 more positions than it has columns.
-  const int64_t n = c.p.cols + (kAccess == Access::kWindowed ? kVec - 1 : 0);
+  const int64_t n = WindowWidth<kVec, kBwd, kAccess>(c.p.cols);
 #define JS_ROWS(G, E, R) return LaunchRows<T, G, E, kVec, kBwd, kAccess, R>(c)
   // Lane groups: one vector per lane, several rows per group and iteration.
   constexpr int kRowsShort = kBwd ? 2 : 4;  // backward: two values per element, 90 registers at 4

@@ -51,6 +51,15 @@ CASES = [  # (rows, cols, dtype)
     # default one tile per CTA), and a cluster of 2.
     (49999, 512, jnp.bfloat16),
     (1001, 32768, jnp.bfloat16),
+    # Odd rows read through 16-byte windows, staged (forward): tiles that start before their
+    # first row and end past their last; the last tile ends inside x's last vector, whose
+    # elements the kernel must not read past (the platform allocator puts nothing after x).
+    (37, 50257, jnp.bfloat16),  # staged cluster of 8 x 256 threads, ring refilled
+    (301, 1001, jnp.float32),  # register warp tier (windowed float32 rows stage beyond 2^16)
+    # Forward rows of 2^k - 1 wrap their last columns into their first vector: a staged block
+    # (16383: 512 x 32) and a staged cluster of 16 x 512, whose first CTA stages them in a slot.
+    (9, 16383, jnp.bfloat16),
+    (5, 262143, jnp.float32),
 ]
 
 

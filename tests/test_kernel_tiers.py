@@ -14,7 +14,13 @@ to 1024 E = 2^14 instead of a cluster.
 On sm_90+ plain forward rows of whole vectors take the staged tiers (the same shapes fed through
 shared memory), except 16-bit rows of 2049-65536 columns, which take the register tiers: 2^11,
 2^11 + V, 2^16 and 2^16 + V below hit both sides of that switch. Plain rows (no mask) with
-N % V != 0 are read through aligned 16-byte windows, masked ones with V = 1. Every boundary is a power of two between 1 and 2^19, so N = 2^k - 1, 2^k, 2^k + 1 for
+N % V != 0 are read through aligned 16-byte windows, masked ones with V = 1. A windowed forward
+row takes the tier of N rounded up to V (its last columns wrap into its first vector's free
+slots), so 2^k - 1 tests the wrap at the top of a tier; a windowed backward row spans N + V - 1
+window offsets, so 2^k - 1 tests the next tier. On sm_90+ windowed forward rows take the staged
+tiers too: float32 beyond 2^16 (2^16 + 1 and 2^16 - 1 hit both sides), 16-bit rows except those
+of up to 8 vectors and of 4097-8192 columns (2^12 +- 1 and 2^13 +- 1 hit both sides).
+Every boundary is a power of two between 1 and 2^19, so N = 2^k - 1, 2^k, 2^k + 1 for
 k = 0..19 hits each tier's last and first sizes on the vector path (2^k) and the windowed or
 scalar path (2^k +- 1, odd); 3 * 2^k and 2^k +- V fill a tier only partly. Several rows per test,
 so that odd rows start at unaligned addresses. On CPU the same sizes run with 3 rows (the CPU
@@ -173,7 +179,9 @@ def test_many_long_rows(backend, device, rng, dtype, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
-@pytest.mark.parametrize("tier", ["4V", "16V", "32V", "64V", "1024", "4096", "32768", "131072"])
+@pytest.mark.parametrize(
+    "tier", ["4V", "16V", "32V", "64V", "1024", "4096", "32768", "131072", "1001", "50257"]
+)
 def test_staged_ring_wraps(backend, device, rng, dtype, tier):
     # The staged tiers (sm_90+, forward rows: ffi/softmax_launch.cuh, LaunchStagedTier) feed each
     # CTA through shared memory: one tile per CTA for the row tiers by default, and a persistent
@@ -183,7 +191,9 @@ def test_staged_ring_wraps(backend, device, rng, dtype, tier):
     # stages x 8 KiB = 25 MiB, the 128-thread tiers in bfloat16), so each CTA's barrier phases
     # wrap; an odd row count leaves the last tile partial. Sizes: lane groups of one vector (4V),
     # 8 lanes of two vectors or 32 values (16V, 32V), 16 lanes (64V), a warp (1024 bfloat16,
-    # 32 lanes float32), a block, and clusters of 2 and of 8 (float32) or 4 (bfloat16) CTAs.
+    # 32 lanes float32), a block, and clusters of 2 and of 8 (float32) or 4 (bfloat16) CTAs;
+    # odd rows, read through 16-byte windows, on 32 lanes (1001) and a cluster of 8 x 256 (50257),
+    # whose tiles start before their row and end in the next (the last one at x's end).
     # Softmax and log_softmax, with their backward (register tiers), without and with a `where`
     # mask of shape (1, N): a mask that consecutive rows share, which the staged tiers take at
     # every row length (x in the stages, the mask read from global memory; StageGeneralRows).
