@@ -48,18 +48,16 @@ struct RowTier {
 //              byte of float32).
 //   kWindowed: plain, but cols % kVec != 0 (odd rows such as a 50257-entry vocabulary): each row is
 //              read through the 16-byte-aligned window that starts `shift` elements before it;
-//              only its first and last vectors are partial and go element by element. Forward
-//              rows: the window is W = cols rounded up to whole vectors wide, and the columns
-//              that would lie past it (cols + shift > W) wrap around into the first vector's
-//              slots before the row, which hold nothing: so a row takes the tier of W window
-//              offsets, not of cols + shift (at N = 2^k - 1 that was a tier twice as wide, half
-//              empty). Backward rows keep the window of cols + shift offsets (their wrap blocks
-//              made bfloat16 N = 50257, which never wraps, 17% slower: TUNING.md, session 19).
+//              only its first and last vectors are partial and go element by element. The
+//              window is W = cols rounded up to whole vectors wide, and the columns that would
+//              lie past it (cols + shift > W) wrap around into the first vector's slots before
+//              the row, which hold nothing: so a row takes the tier of W window offsets, not of
+//              cols + shift (at N = 2^k - 1 that was a tier twice as wide, half empty).
 enum class Access { kGeneral, kPlain, kWindowed };
 
 // Per-row state for reading x (or y and dy) plus the optional bias and mask of a row. Positions
 // passed to load_fwd() and fetch_bwd() are window offsets: column = w - shift (shift is 0 unless
-// kWindowed). Windowed forward rows read columns up to `limit` at their own offset; window offsets
+// kWindowed). Windowed rows read columns up to `limit` at their own offset; window offsets
 // w < nwrap() (in the first vector, before the row) hold the columns after it, limit + 1 + w,
 // which lie W elements further on: in x at in + w + (kWrapSlot ? kWrapSlot : W) (a staged cluster
 // keeps them in a slot of its own, kWrapSlot elements after the start of its first CTA's stage),
@@ -77,8 +75,8 @@ struct RowLoader {
   // finish_batch_raw, LaunchTier). Not rows read element by element (kVec == 1: masked rows with
   // cols % 8 != 0, or unaligned buffers), which load float values (fetch_bwd's other overload).
   static constexpr bool kRawBwd = kBwd && sizeof(T) == 2 && kVec > 1;
-  // Windowed forward rows wrap their last columns into their first vector (see Access).
-  static constexpr bool kWraps = kAccess == Access::kWindowed && !kBwd;
+  // Windowed rows wrap their last columns into their first vector (see Access).
+  static constexpr bool kWraps = kAccess == Access::kWindowed;
   // One byte per position of a vector, byte e (from the least significant) for column c + e:
   // the mask bytes as loaded, so that testing a position is one LOP3 on the word.
   using Bytes = std::conditional_t<(kVec > 4), uint64_t, uint32_t>;
@@ -110,7 +108,7 @@ struct RowLoader {
     cols = static_cast<int>(p.cols);
     if constexpr (kPlain) {
       // Launched only without bias, mask and causal limit: none of their code is compiled in.
-      // Windowed forward rows: the columns inside the window, at most W - shift.
+      // Windowed rows: the columns inside the window, at most W - shift.
       const int inside = kWraps ? min(cols, window_width(cols) - shift) : cols;
       limit = row_ok ? inside - 1 : -1;
     } else {
@@ -219,8 +217,8 @@ struct RowLoader {
   // Windowed rows: the window width W, cols rounded up to whole vectors.
   static __device__ __forceinline__ int window_width(int cols) { return (cols + kVec - 1) & -kVec; }
 
-  // Windowed rows: column c is read at its own window offset c + shift iff 0 <= c < end(): cols,
-  // or limit + 1 for forward rows (W - shift where the row wraps; 0 for a row past the end).
+  // Windowed rows: column c is read at its own window offset c + shift iff 0 <= c < end() =
+  // limit + 1 (W - shift where the row wraps, 0 for a row past the end).
   __device__ __forceinline__ int end() const {
     if constexpr (kWraps)
       return limit + 1;
@@ -411,16 +409,6 @@ struct RowLoader {
             set_pair_value(gs, e, grad[w + e]);
           }
         }
-        if (wraps_at(w)) {
-          const int wrap_at = wrapped_at(w), nw = nwrap();
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) {
-            if (e < nw) {
-              set_pair_value(ys, e, in[wrap_at + e]);
-              set_pair_value(gs, e, grad[wrap_at + e]);
-            }
-          }
-        }
       }
     }
     return mask_bytes;
@@ -433,6 +421,19 @@ struct RowLoader {
                                             Pairs<kVec>& gs) const {
     static_assert(kRawBwd, "16-bit backward rows");
     if constexpr (kPlain) {
+      // A windowed row's wrapped columns join its first vector here, after every fetch of the
+      // batch: in fetch_bwd, their block made bfloat16 N = 50257, which never wraps, 17% slower
+      // (H200, session 19).
+      if (wraps_at(w)) {
+        const int wrap_at = wrapped_at(w), nw = nwrap();
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          if (e < nw) {
+            set_pair_value(ys, e, in[wrap_at + e]);
+            set_pair_value(gs, e, grad[wrap_at + e]);
+          }
+        }
+      }
       return kAllBytes;
     } else {
       const Bytes keep = limit_bytes(w, mask_bytes);

@@ -29,8 +29,9 @@
 //   Float32 backward rows of V = 4 take the same 2E clusters beyond 16 * 512 * E, reading y and
 //   dy twice (backward_row_reread), and one 1024-thread block of E instead of a cluster up to
 //   1024 * E.
-// Staged tiers (sm_90+, forward rows of cols % V == 0 in aligned buffers; rows with a mask, bias
-// or causal limit where StageGeneralRows says so, with only x staged): the same shapes fed
+// Staged tiers (sm_90+, forward rows in aligned buffers: plain rows, windowed ones where
+// LaunchStagedTier says so, and rows with a mask, bias or causal limit (cols % V == 0) where
+// StageGeneralRows says so, with only x staged): the same shapes fed
 // through shared memory that cp.async.bulk fills (softmax_rows_staged_kernel): one tile per CTA
 // for the row tiers, a persistent ring of stages for the clusters; with their own
 // short-row table (LaunchStagedTier): rows of cols <= 8 V on G = 1..8 lanes of one vector, then
@@ -39,8 +40,9 @@
 // tile.) Where no tile fits, the register tiers run; plain 16-bit rows of 2049-65536 columns
 // take the register tiers too (faster there, LaunchStagedTier).
 // Access modes (softmax_kernels.cuh): plain rows (no bias/mask/causal) of cols % V != 0 are read
-// through 16-byte-aligned windows (kWindowed) instead of element by element; rows with a mask
-// or bias and cols % V != 0, or misaligned pointers, use V = 1.
+// through 16-byte-aligned windows (kWindowed) instead of element by element, and take the tier
+// of cols rounded up to V (WindowWidth); rows with a mask or bias and cols % V != 0, or
+// misaligned pointers, use V = 1.
 // Grids (see RowWaves): one CTA per batch of rows for the row tiers; one persistent wave of the
 // resident clusters (CTAs) for the cluster (two-pass) kernels, read once per device and kernel
 // from the occupancy calculator, whose CTAs loop over rows and, on sm_90 with 16-bit forward
@@ -438,14 +440,12 @@ inline bool StageGeneralRows(const RowParams& p, int64_t short_cols, bool regist
   return mask_only && shared_mask;
 }
 
-// Window offsets a row takes: its columns; for windowed forward rows, rounded up to whole vectors
-// (their last columns wrap into the first vector's free slots where the window would be wider:
-// Access, RowLoader), so that they take the tier of their rounded length; windowed backward rows
-// span up to kVec - 1 more offsets than they have columns.
-template <int kVec, bool kBwd, Access kAccess>
+// Window offsets a row takes: its columns, rounded up to whole vectors for windowed rows (their
+// last columns wrap into the first vector's free slots where the window would be wider: Access,
+// RowLoader), so that they take the tier of their rounded length.
+template <int kVec, Access kAccess>
 constexpr int64_t WindowWidth(int64_t cols) {
-  if (kAccess != Access::kWindowed) return cols;
-  return kBwd ? cols + kVec - 1 : (cols + kVec - 1) / kVec * kVec;
+  return kAccess == Access::kWindowed ? (cols + kVec - 1) / kVec * kVec : cols;
 }
 
 struct LaunchCtx {
@@ -563,7 +563,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     const bool register_ahead = c.p.cols <= 512 * kEB ? kAheadRows : kAheadLong;
     if (!StageGeneralRows(c.p, 16 * kE, register_ahead)) return std::nullopt;
   }
-  const int64_t n = WindowWidth<kVec, /*kBwd=*/false, kAccess>(c.p.cols);
+  const int64_t n = WindowWidth<kVec, kAccess>(c.p.cols);
   // Plain 16-bit rows of 2049-65536 columns run faster on the register tiers (H200, session 18,
   // sweep of every forward row length with JAX_SOFTMAX_STAGED=1 and =0, us per call, bfloat16 /
   // float16 staged -> register: 3000 150 / 146 -> 137 / 135, 8192 133 / 132 -> 131 / 131, 16384
@@ -667,7 +667,7 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
       if (Launched launched = LaunchStagedTier<T, kVec, kAccess>(c)) return *launched;
     }
   }
-  const int64_t n = WindowWidth<kVec, kBwd, kAccess>(c.p.cols);
+  const int64_t n = WindowWidth<kVec, kAccess>(c.p.cols);
 #define JS_ROWS(G, E, R) return LaunchRows<T, G, E, kVec, kBwd, kAccess, R>(c)
   // Lane groups: one vector per lane, several rows per group and iteration.
   constexpr int kRowsShort = kBwd ? 2 : 4;  // backward: two values per element, 90 registers at 4

@@ -142,6 +142,8 @@ for _dt, _name in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16")):
                262144, 524288):
         CASES[f"{_name}_bwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n, bwd=True))
         CASES[f"{_name}_bwdmask_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n, True, True))
+    for _n in (255, 4095, 16383, 32767, 65535, 262143):  # odd rows, read through 16-byte windows
+        CASES[f"{_name}_bwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n, bwd=True))
 for _n in (256, 1024, 4096, 8192, 16384, 32768):
     for _dt, _name in (("float32", "f32"), ("bfloat16", "bf16")):
         CASES[f"triton_{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _triton_case(dt, n))

@@ -14,10 +14,9 @@ to 1024 E = 2^14 instead of a cluster.
 On sm_90+ plain forward rows of whole vectors take the staged tiers (the same shapes fed through
 shared memory), except 16-bit rows of 2049-65536 columns, which take the register tiers: 2^11,
 2^11 + V, 2^16 and 2^16 + V below hit both sides of that switch. Plain rows (no mask) with
-N % V != 0 are read through aligned 16-byte windows, masked ones with V = 1. A windowed forward
-row takes the tier of N rounded up to V (its last columns wrap into its first vector's free
-slots), so 2^k - 1 tests the wrap at the top of a tier; a windowed backward row spans N + V - 1
-window offsets, so 2^k - 1 tests the next tier. On sm_90+ windowed forward rows take the staged
+N % V != 0 are read through aligned 16-byte windows, masked ones with V = 1. A windowed row
+takes the tier of N rounded up to V (its last columns wrap into its first vector's free slots),
+so 2^k - 1 tests the wrap at the top of a tier. On sm_90+ windowed forward rows take the staged
 tiers too: float32 beyond 2^16 (2^16 + 1 and 2^16 - 1 hit both sides), 16-bit rows except those
 of up to 8 vectors and of 4097-8192 columns (2^12 +- 1 and 2^13 +- 1 hit both sides).
 Every boundary is a power of two between 1 and 2^19, so N = 2^k - 1, 2^k, 2^k + 1 for
