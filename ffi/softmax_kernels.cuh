@@ -55,6 +55,18 @@ struct RowTier {
 //              cols + shift (at N = 2^k - 1 that was a tier twice as wide, half empty).
 enum class Access { kGeneral, kPlain, kWindowed };
 
+// n rounded down / up to whole vectors of kVec elements (n >= 0): a windowed row's window start
+// and width W, and a staged windowed tile's ends, on the host (LaunchTier's WindowWidth) and the
+// device alike.
+template <int kVec, typename I>
+__host__ __device__ constexpr I round_down_vec(I n) {
+  return n & ~I{kVec - 1};
+}
+template <int kVec, typename I>
+__host__ __device__ constexpr I round_up_vec(I n) {
+  return round_down_vec<kVec>(n + I{kVec - 1});
+}
+
 // Per-row state for reading x (or y and dy) plus the optional bias and mask of a row. Positions
 // passed to load_fwd() and fetch_bwd() are window offsets: column = w - shift (shift is 0 unless
 // kWindowed). Windowed rows read columns up to `limit` at their own offset; window offsets
@@ -215,7 +227,7 @@ struct RowLoader {
     }
   }
   // Windowed rows: the window width W, cols rounded up to whole vectors.
-  static __device__ __forceinline__ int window_width(int cols) { return (cols + kVec - 1) & -kVec; }
+  static __device__ __forceinline__ int window_width(int cols) { return round_up_vec<kVec>(cols); }
 
   // Windowed rows: column c is read at its own window offset c + shift iff 0 <= c < end() =
   // limit + 1 (W - shift where the row wraps, 0 for a row past the end).
@@ -1378,7 +1390,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
 // cluster CTA. Windowed rows (cols % kVec != 0) are staged too: a tile then starts at its first
 // row's 16-byte window (a few elements of the row before it) and ends at the vector holding its
 // last element, so that the copy and the stage's vector reads stay 16-byte aligned; each loader
-// reads its row's window at the offset its window start has from the tile's start (StagedTile).
+// reads its row's window at the offset its window start has from the tile's start (staged_tile).
 // Forward only: a backward variant with y and dy in each stage measured 0-20% slower than the
 // register kernel (TUNING.md).
 struct StagedTiles {
@@ -1403,7 +1415,7 @@ __device__ __forceinline__ StagedRange staged_range(const RowParams& p, int64_t 
   const int64_t total = p.rows * p.cols;
   StagedRange t{first, stop > first ? stop - first : 0, 0};
   if (stop > total) {
-    const int64_t whole_end = total & ~int64_t{kVec - 1};  // x's last whole vector ends here
+    const int64_t whole_end = round_down_vec<kVec>(total);  // x's last whole vector ends here
     t.bulk = whole_end > first ? whole_end - first : 0;
     t.elems = total > first ? total - first : 0;
   } else {
@@ -1422,13 +1434,10 @@ __device__ __forceinline__ StagedRange staged_tile(const RowParams& p, int64_t r
   const int64_t start = row0 * p.cols;
   const int64_t nrows = p.rows - row0 < kRowsPerBlock ? p.rows - row0 : kRowsPerBlock;
   if constexpr (kAccess == Access::kWindowed) {
-    const int64_t window = start & ~int64_t{kVec - 1};
+    const int64_t window = round_down_vec<kVec>(start);
     const int64_t first = window + col_base;
-    int64_t stop = (start + nrows * p.cols + kVec - 1) & ~int64_t{kVec - 1};
-    if (kCluster > 1) {
-      const int64_t width = (p.cols + kVec - 1) & ~int64_t{kVec - 1};  // W
-      stop = std::min(window + width, first + chunk);
-    }
+    int64_t stop = round_up_vec<kVec>(start + nrows * p.cols);
+    if (kCluster > 1) stop = std::min(window + round_up_vec<kVec>(p.cols), first + chunk);
     return staged_range<kVec>(p, first, stop);
   } else {
     // Tile rows are contiguous in memory: nrows * cols elements (for a cluster CTA, nrows == 1
@@ -1451,8 +1460,8 @@ __device__ __forceinline__ StagedRange staged_tile(const RowParams& p, int64_t r
 template <int kVec>
 __device__ __forceinline__ StagedRange staged_wrap(const RowParams& p, int64_t row0) {
   const int64_t start = row0 * p.cols;
-  const int64_t window = start & ~int64_t{kVec - 1};
-  const int64_t width = (p.cols + kVec - 1) & ~int64_t{kVec - 1};
+  const int64_t window = round_down_vec<kVec>(start);
+  const int64_t width = round_up_vec<kVec>(p.cols);
   if (start + p.cols <= window + width) return StagedRange{window + width, 0, 0};
   return staged_range<kVec>(p, window + width, window + width + kVec);
 }

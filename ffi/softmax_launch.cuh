@@ -445,7 +445,7 @@ inline bool StageGeneralRows(const RowParams& p, int64_t short_cols, bool regist
 // RowLoader), so that they take the tier of their rounded length.
 template <int kVec, Access kAccess>
 constexpr int64_t WindowWidth(int64_t cols) {
-  return kAccess == Access::kWindowed ? (cols + kVec - 1) / kVec * kVec : cols;
+  return kAccess == Access::kWindowed ? round_up_vec<kVec>(cols) : cols;
 }
 
 struct LaunchCtx {
