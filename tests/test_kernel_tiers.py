@@ -191,8 +191,9 @@ def test_staged_ring_wraps(backend, device, rng, dtype, tier):
     # wrap; an odd row count leaves the last tile partial. Sizes: lane groups of one vector (4V),
     # 8 lanes of two vectors or 32 values (16V, 32V), 16 lanes (64V), a warp (1024 bfloat16,
     # 32 lanes float32), a block, and clusters of 2 and of 8 (float32) or 4 (bfloat16) CTAs;
-    # odd rows, read through 16-byte windows, on 32 lanes (1001) and a cluster of 8 x 256 (50257),
-    # whose tiles start before their row and end in the next (the last one at x's end).
+    # odd rows, read through 16-byte windows, staged in bfloat16 on 32 lanes (1001) and a cluster
+    # of 8 x 256 (50257), whose tiles start before their row and end in the next (the last one at
+    # x's end); float32 odd rows of up to 2^16 columns take the register tiers (LaunchStagedTier).
     # Softmax and log_softmax, with their backward (register tiers), without and with a `where`
     # mask of shape (1, N): a mask that consecutive rows share, which the staged tiers take at
     # every row length (x in the stages, the mask read from global memory; StageGeneralRows).
