@@ -401,7 +401,7 @@ bool AllowDynamicSmem(int device, const DeviceInfo& dev) {
 // The staged kernels take rows from aligned buffers read as 16-byte vectors (one contiguous copy
 // per tile), on sm_90+: plain and windowed rows, and rows with a mask, bias or causal limit
 // (kGeneral with kVec > 1) where StageGeneralRows says so.
-template <typename T, int kVec, Access kAccess>
+template <typename T, int kVec>
 constexpr bool kStageable = kVec > 1 && sizeof(T) <= 4;
 
 // Float32 forward rows with a mask, bias or causal limit on 16-byte vectors: 16 values per thread
@@ -579,8 +579,9 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // 152 / 163; bfloat16 255 151 / 254, 1001 150 / 162, 4097 219 / 201, 16383 157 / 189, 32769
   // 247 / 271, 50257 169 / 185, 100003 192 / 214, 262143 169 / 199. So float32 rows stay on the
   // register tiers up to 4 x 512 x E = 65536 (32769 gives up 8% to keep 50257's 9%), and so do
-  // 16-bit rows of 4097-8192 (the one 16-bit point the register tiers won; 8192 untested) and of
-  // up to 8 vectors (staged, 8 float32 rows per lane group spilled 44-48 bytes).
+  // 16-bit rows of 4097-8192 (the one 16-bit point the register tiers won; 8192 untested). Rows of
+  // up to 8 vectors are never staged: the float32 ones' lane groups of 8 rows spilled 44-48 bytes
+  // staged (ptxas), and the 16-bit ones were not measured staged.
   constexpr bool kWindowedF32 = kAccess == Access::kWindowed && sizeof(T) == 4;
   if constexpr (kWindowedF32) {
     if (n <= 4 * 512 * kE) return std::nullopt;
@@ -662,7 +663,7 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   constexpr bool kRereadWide = kBwd && sizeof(T) == 4 && kVec > 1;
   // Forward only: staged backward kernels (y and dy in each stage) measured 0-20% slower than the
   // register ones (TUNING.md), whose rows already keep two operands' loads in flight.
-  if constexpr (!kBwd && kStageable<T, kVec, kAccess>) {
+  if constexpr (!kBwd && kStageable<T, kVec>) {
     if (c.dev.cc_major >= 9 && StagedEnabled()) {
       if (Launched launched = LaunchStagedTier<T, kVec, kAccess>(c)) return *launched;
     }
