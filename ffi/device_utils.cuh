@@ -115,10 +115,24 @@ __device__ __forceinline__ void load_vec(const T* src, T (&dst)[N]) {
   static_assert(sizeof(W) == N * sizeof(T), "vector width");
   *reinterpret_cast<W*>(dst) = *reinterpret_cast<const W*>(src);
 }
-template <int N, typename T>
+// Stores go to global memory (the outputs). kAsmStore: a 16-byte store written as one
+// st.global.v4, for the block tiers of a run-time pack stride (kRuntimeWarps). Written as a copy
+// of a 16-byte word, the compiler split their stores into four 4-byte ones (2 of 8 float32 vector
+// stores left whole, sm_90a PTX, session 20), though every address is the row's 16-byte-aligned
+// window start plus whole vectors. Not everywhere: the asm (ordered with the kernel's other
+// accesses, as the store it replaces) cost the 16-bit backward tiers of 32 values 28-40 bytes of
+// spills, which they did not have.
+template <int N, bool kAsmStore = false, typename T>
 __device__ __forceinline__ void store_vec(T* dst, const T (&src)[N]) {
   using W = typename VecWord<N * sizeof(T)>::type;
-  *reinterpret_cast<W*>(dst) = *reinterpret_cast<const W*>(src);
+  if constexpr (kAsmStore && sizeof(W) == 16) {
+    const W w = *reinterpret_cast<const W*>(src);
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(w.x), "r"(w.y),
+                 "r"(w.z), "r"(w.w)
+                 : "memory");
+  } else {
+    *reinterpret_cast<W*>(dst) = *reinterpret_cast<const W*>(src);
+  }
 }
 
 // N 16-bit values kept as loaded, two per 32-bit word (value 2i in the low half of word i). An
@@ -199,10 +213,10 @@ __device__ __forceinline__ Pairs<N> pack_pairs(const float (&src)[N]) {
   return out;
 }
 
-template <int N, typename T>
+template <bool kAsmStore = false, int N, typename T>
 __device__ __forceinline__ void store_pairs(T* dst, const Pairs<N>& src) {
   static_assert(sizeof(T) == 2, "16-bit values");
-  store_vec<N / 2>(reinterpret_cast<uint32_t*>(dst), src.w);
+  store_vec<N / 2, kAsmStore>(reinterpret_cast<uint32_t*>(dst), src.w);
 }
 
 // Zeros N consecutive elements as one word (a bfloat16 T(0) per element compiles to a convert and
@@ -224,16 +238,16 @@ __device__ __forceinline__ std::conditional_t<(N > 4), uint64_t, uint32_t> load_
 }
 
 // Converts N accumulator values to storage and stores them as one vector. 16-bit types convert
-// two values per instruction (pack_pairs).
-template <int N, typename T>
+// two values per instruction (pack_pairs). kAsmStore: see store_vec.
+template <int N, bool kAsmStore = false, typename T>
 __device__ __forceinline__ void store_vec_acc(T* dst, const acc_t<T> (&src)[N]) {
   if constexpr ((std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>) && N % 2 == 0) {
-    store_pairs(dst, pack_pairs<T>(src));
+    store_pairs<kAsmStore>(dst, pack_pairs<T>(src));
   } else {
     T out[N];
 #pragma unroll
     for (int e = 0; e < N; ++e) out[e] = from_acc<T>(src[e]);
-    store_vec<N>(dst, out);
+    store_vec<N, kAsmStore>(dst, out);
   }
 }
 
@@ -411,8 +425,9 @@ __device__ __forceinline__ S group_allreduce(S v) {
 // All-reduce over the block. `slots` is 32 states of shared memory; callers alternate between two
 // such buffers on consecutive calls, so one barrier per call suffices: a buffer is rewritten only
 // after the next call's barrier, which every reader of the previous one has passed.
-// kWarpReduced: v already holds its warp's value in every lane.
-template <int kBlock, bool kWarpReduced = false, typename S>
+// kWarpReduced: v already holds its warp's value in every lane. kRuntimeWarps: the block has
+// blockDim.x / 32 <= kBlock / 32 warps (the block tiers' run-time width, softmax_kernels.cuh).
+template <int kBlock, bool kWarpReduced = false, bool kRuntimeWarps = false, typename S>
 __device__ __forceinline__ S block_allreduce(S v, S* slots) {
   if constexpr (!kWarpReduced) v = group_allreduce<32>(v);
   if constexpr (kBlock > 32) {
@@ -420,10 +435,16 @@ __device__ __forceinline__ S block_allreduce(S v, S* slots) {
     const int lane = threadIdx.x % 32;
     if (lane == 0) slots[threadIdx.x / 32] = v;
     __syncthreads();
-    // Every lane reads a real warp's value (lane % kWarps), so that log2(kWarps) rounds reach
-    // the block's value in every lane (padding lanes with the identity took 5 rounds: a round
-    // of (max, sum) merges is two shuffles and two exps on the row's critical path).
-    v = slots[lane % kWarps];
+    // Every group of kWarps lanes reads every warp's value (lane % kWarps), so that log2(kWarps)
+    // rounds reach the block's value in every lane (padding to 32 lanes with the identity took 5
+    // rounds: a round of (max, sum) merges is two shuffles and two exps on the row's critical
+    // path). A block of fewer warps pads its group with the identity, which every merge returns
+    // exactly: the same bits in every lane, run to run.
+    const int slot = lane % kWarps;
+    if constexpr (kRuntimeWarps)
+      v = slot < int(blockDim.x / 32) ? slots[slot] : S::identity();
+    else
+      v = slots[slot];
     v = group_allreduce<kWarps>(v);
   }
   return v;

@@ -7,6 +7,7 @@
 // Layout of a row in the register tiers: the CTA with cluster rank r covers columns
 // [r * kChunk, (r + 1) * kChunk), kChunk = kGroup * kElems. Pack k of lane l starts at column
 // r * kChunk + (k * kGroup + l) * kVec, so each pack index is one coalesced sweep of the group.
+// Block tiers take only the warps a row needs (kRuntimeWarps): blockDim.x stands for kGroup then.
 #pragma once
 
 #include <algorithm>
@@ -80,6 +81,7 @@ struct RowLoader {
   using A = acc_t<T>;
   using Elem = T;
   static constexpr int kVecWidth = kVec;
+  static constexpr bool kBackward = kBwd;
   static constexpr bool kPlain = kAccess != Access::kGeneral;
   // Backward rows of 16-bit types keep y and dy as loaded, two values per register, and convert
   // them twice (for the dot product and for the output): half the registers of float values, so
@@ -458,12 +460,14 @@ struct RowLoader {
   // Backward (kRawBwd): stores a vector of dx at window offset w, zeros where `keep` (keep_bwd's)
   // says the position does not take part. General rows only: plain rows store through store_row's
   // paths. A vector never straddles a general row's end; lanes past it store nothing.
+  // kAsmStore: see store_vec.
+  template <bool kAsmStore = false>
   __device__ __forceinline__ void store_kept(T* dst, int w, const A (&o)[kVec], Bytes keep) const {
     static_assert(kRawBwd && !kPlain, "16-bit general backward rows");
     if (w >= cols) return;
     Pairs<kVec> out = pack_pairs<T>(o);
     keep_pairs(keep, out);
-    store_pairs(dst + w, out);
+    store_pairs<kAsmStore>(dst + w, out);
   }
 
   // Backward in float values (float32, float64, 16-bit rows of kVec == 1, the two-pass kernel), in
@@ -535,6 +539,7 @@ struct RowLoader {
 
   // Stores the vector at window offset w of the output row `dst` (window start, like `in`).
   // Every column of the row is written, including those past the causal limit.
+  template <bool kAsmStore = false>
   __device__ __forceinline__ void store(T* dst, int w, const A (&o)[kVec]) const {
     const int c = w - shift;
     if constexpr (kAccess == Access::kWindowed) {
@@ -555,13 +560,48 @@ struct RowLoader {
     } else {
       if (c >= cols) return;
     }
-    store_vec_acc<kVec>(dst + w, o);
+    store_vec_acc<kVec, kAsmStore>(dst + w, o);
   }
 
   __device__ __forceinline__ T* out_row(const RowParams& p, int64_t row) const {
     return static_cast<T*>(p.out) + (row * p.cols - shift);
   }
 };
+
+// Block tiers (kGroup > 32 threads per row, one row per CTA, no cluster) run with as many warps as
+// the row needs rather than kGroup threads: launched with RowThreads(W, kGroup, kElems) =
+// 32 * ceil(W / (32 * kElems)) <= kGroup threads, whose packs then lie blockDim.x * kVec columns
+// apart. Tiers are powers of two, so a row just past one (W = 2^k + 1 .. 1.5 * 2^k) left up to
+// half of a full-width CTA's threads without a value; those threads still hold their registers,
+// and the SM then keeps fewer bytes in flight (bfloat16 N = 4097: 256 threads for 513 vectors,
+// two of each thread's four packs loaded). Clusters and lane groups keep kGroup, and so do the
+// block tiers where the run-time stride spilled (ptxas sm_90a, session 20): rows read element by
+// element (kVec == 1: 84-120 bytes), and tiers of more than 16 values per thread other than the
+// plain and windowed forward's (16-bit backward 512 x 32 blocks: 104 bytes; float32 forward with
+// a mask, bias or causal limit: 32).
+template <typename Loader, int kGroup, int kElems, int kCluster>
+constexpr bool kRuntimeWarps = kGroup > 32 && kCluster == 1 && Loader::kVecWidth > 1 &&
+                               (kElems <= 16 || (!Loader::kBackward && Loader::kPlain));
+
+// Columns between a thread's consecutive packs: the threads that share a row times kVec. The
+// run-time width is read from %ntid.x at each use (volatile), so that the compiler rebuilds the
+// packs' offsets where it needs them rather than keeping them live from the kernel's start
+// (hoisted out of the row loop, they spilled 100-200 bytes in the tiers above). The compiler then
+// no longer sees that a later pack lies past a windowed row's first vector: the wrap's stores stay
+// in every pack's partial-vector path (never taken there; telling it the launch's bounds on the
+// width did not remove them).
+template <typename Loader, int kGroup, int kElems, int kCluster>
+__device__ __forceinline__ int pack_stride() {
+  constexpr int kVec = Loader::kVecWidth;
+  if constexpr (kRuntimeWarps<Loader, kGroup, kElems, kCluster>) {
+    unsigned threads;
+    asm volatile("mov.u32 %0, %%ntid.x;" : "=r"(threads));
+    __builtin_assume(threads >= 32 && threads <= kGroup && threads % 32 == 0);  // RowThreads
+    return static_cast<int>(threads) * kVec;
+  } else {
+    return kGroup * kVec;
+  }
+}
 
 // The forward's loads of a batch: kRows rows of kPacks vectors per thread, vector k of row r at
 // window offset first + k * stride. The operands first (mask bytes and bias, where kAhead and
@@ -843,14 +883,15 @@ __device__ __forceinline__ A bwd_output(A y, A g, bool ok, A dot, A scale, bool 
 }
 
 // --- register tiers ---------------------------------------------------------------------------------
-// kWarpReduced (block and cluster tiers): v already holds its warp's value in every lane.
-template <typename S, int kGroup, int kCluster, bool kWarpReduced = false>
+// kRuntime: a block tier of a run-time number of warps (kRuntimeWarps). kWarpReduced (block and
+// cluster tiers): v already holds its warp's value in every lane.
+template <typename S, int kGroup, int kCluster, bool kRuntime, bool kWarpReduced = false>
 __device__ __forceinline__ S row_allreduce(S v, S* block_slots, ClusterSlots<S> cluster) {
   constexpr int kBlock = BlockThreads(kGroup);
   if constexpr (kGroup <= 32) {
     return group_allreduce<kGroup>(v);
   } else {
-    v = block_allreduce<kBlock, kWarpReduced>(v, block_slots);
+    v = block_allreduce<kBlock, kWarpReduced, kRuntime>(v, block_slots);
     if constexpr (kCluster > 1) v = cluster_allreduce<kCluster>(v, cluster);
     return v;
   }
@@ -880,7 +921,8 @@ __device__ __forceinline__ bool forward_row(A (&v)[kPacks][kVec], bool any,
   } else {
     const MaxSum<A> warp = group_maxsum<32>(vr, any, kLog);
     const MaxSum<A> total =
-        row_allreduce<S, kGroup, kCluster, /*kWarpReduced=*/true>(warp, block_slots, cluster);
+        row_allreduce<S, kGroup, kCluster, kRuntimeWarps<Loader, kGroup, kElems, kCluster>, true>(
+            warp, block_slots, cluster);
     st = fwd_stats(warp.m, total, kLog);
   }
   if constexpr (!Loader::kPlain) {
@@ -901,22 +943,25 @@ __device__ __forceinline__ bool forward_row(A (&v)[kPacks][kVec], bool any,
   return false;
 }
 
-// Stores a row's values (out[k]: the vector at window offset first_col + k * kGroup * kVec).
-template <int kGroup, typename Loader, typename A, int kPacks, int kVec>
+// Stores a row's values (out[k]: the vector at window offset first_col + k * stride). kAsmStore:
+// a run-time stride (store_vec).
+template <bool kAsmStore, typename Loader, typename A, int kPacks, int kVec>
 __device__ __forceinline__ void store_row(const RowParams& p, const Loader& loader, int64_t row,
-                                          int first_col, const A (&out)[kPacks][kVec]) {
+                                          int first_col, int stride, const A (&out)[kPacks][kVec]) {
   auto* dst = loader.out_row(p, row);
   // Several vectors per thread: one test for all of them (one vector: its own test is as cheap,
   // and the extra path cost the 16-bit backward lane groups 3-4 points, bench session 8).
   if constexpr (Loader::kPlain && kPacks > 1) {
-    if (loader.holds(first_col, first_col + (kPacks - 1) * kGroup * kVec)) {
+    if (loader.holds(first_col, first_col + (kPacks - 1) * stride)) {
 #pragma unroll
-      for (int k = 0; k < kPacks; ++k) store_vec_acc<kVec>(dst + first_col + k * kGroup * kVec, out[k]);
+      for (int k = 0; k < kPacks; ++k)
+        store_vec_acc<kVec, kAsmStore>(dst + first_col + k * stride, out[k]);
       return;
     }
   }
 #pragma unroll
-  for (int k = 0; k < kPacks; ++k) loader.store(dst, first_col + k * kGroup * kVec, out[k]);
+  for (int k = 0; k < kPacks; ++k)
+    loader.template store<kAsmStore>(dst, first_col + k * stride, out[k]);
 }
 
 // A batch after its loads (each lane group's kRows rows): statistics, outputs, stores. Row r of a
@@ -934,6 +979,8 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
                                              const bool (&any)[kRows], S* block_slots,
                                              ClusterSlots<S> cluster) {
   constexpr int kBlock = BlockThreads(kGroup);
+  const int stride = pack_stride<Loader, kGroup, kPacks * kVec, kCluster>();
+  constexpr bool kRuntime = kRuntimeWarps<Loader, kGroup, kPacks * kVec, kCluster>;
   const bool log = p.log;
   unsigned nan_rows = 0;  // bit r set for a NaN row (forward_row)
 #pragma unroll
@@ -946,7 +993,7 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
         log ? forward_row<true, kGroup, kCluster, Loader>(v[r], any[r], out, block_slots, cluster)
             : forward_row<false, kGroup, kCluster, Loader>(v[r], any[r], out, block_slots, cluster);
     nan_rows |= unsigned(nan_row) << r;
-    if (row < p.rows) store_row<kGroup>(p, loaders[r], row, first_col, out);
+    if (row < p.rows) store_row<kRuntime>(p, loaders[r], row, first_col, stride, out);
   }
   // NaN rows are written again here, after the batch: with a loader built anew, whose index
   // math (and its out-of-line 64-bit divisions) would otherwise run while the values of the
@@ -960,8 +1007,8 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
         const int64_t row = row0 + r * (kBlock / kGroup) + group;
         const Loader loader(p, row, true);
         A out[kPacks][kVec];
-        nan_row_output(loader, first_col, kGroup * kVec, log, out);
-        store_row<kGroup>(p, loader, row, first_col, out);
+        nan_row_output(loader, first_col, stride, log, out);
+        store_row<kRuntime>(p, loader, row, first_col, stride, out);
       }
     }
   }
@@ -977,6 +1024,8 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
                                              const bool (&ok)[kRows][kPacks][kVec], S* block_slots,
                                              ClusterSlots<S> cluster) {
   constexpr int kBlock = BlockThreads(kGroup);
+  const int stride = pack_stride<Loader, kGroup, kPacks * kVec, kCluster>();
+  constexpr bool kRuntime = kRuntimeWarps<Loader, kGroup, kPacks * kVec, kCluster>;
   const bool log = p.log;
   const A scale = static_cast<A>(p.scale);
 #pragma unroll
@@ -989,13 +1038,13 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
 #pragma unroll
       for (int e = 0; e < kVec; ++e)
         if (ok[r][k][e]) mine.s += bwd_term(v[r][k][e], g[r][k][e], log);
-    const A dot = row_allreduce<S, kGroup, kCluster>(mine, block_slots, cluster).s;
+    const A dot = row_allreduce<S, kGroup, kCluster, kRuntime>(mine, block_slots, cluster).s;
 #pragma unroll
     for (int k = 0; k < kPacks; ++k)
 #pragma unroll
       for (int e = 0; e < kVec; ++e)
         out[k][e] = bwd_output(v[r][k][e], g[r][k][e], ok[r][k][e], dot, scale, log);
-    if (row < p.rows) store_row<kGroup>(p, loaders[r], row, first_col, out);
+    if (row < p.rows) store_row<kRuntime>(p, loaders[r], row, first_col, stride, out);
   }
 }
 
@@ -1035,13 +1084,15 @@ __device__ __forceinline__ void finish_batch_raw(
   using T = typename Loader::Elem;
   constexpr bool kHold = kRows * kPacks * kVec <= 16;  // see above
   constexpr int kBlock = BlockThreads(kGroup);
-  constexpr int kStride = kGroup * kVec;
+  const int stride = pack_stride<Loader, kGroup, kPacks * kVec, kCluster>();
+  constexpr bool kRuntime = kRuntimeWarps<Loader, kGroup, kPacks * kVec, kCluster>;
   const bool log = p.log;
   const A scale = static_cast<A>(p.scale);
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int64_t row = row0 + r * (kBlock / kGroup) + group;
-    const A dot = row_allreduce<S, kGroup, kCluster>(Sum<A>{partial[r]}, block_slots, cluster).s;
+    const A dot =
+        row_allreduce<S, kGroup, kCluster, kRuntime>(Sum<A>{partial[r]}, block_slots, cluster).s;
     if (row >= p.rows) continue;
     const Loader& loader = loaders[r];
     Pairs<kVec> ys[kPacks], gs[kPacks];
@@ -1053,13 +1104,13 @@ __device__ __forceinline__ void finish_batch_raw(
         gs[k] = held_gs[r][k];
         keep[k] = held_keep[r][k];
       } else {
-        keep[k] = loader.fetch_bwd(first_col + k * kStride, ys[k], gs[k]);
+        keep[k] = loader.fetch_bwd(first_col + k * stride, ys[k], gs[k]);
       }
     }
     if constexpr (!kHold) {  // keep[k]: the mask bytes as fetched, then the positions kept
 #pragma unroll
       for (int k = 0; k < kPacks; ++k)
-        keep[k] = loader.keep_bwd(first_col + k * kStride, keep[k], ys[k], gs[k]);
+        keep[k] = loader.keep_bwd(first_col + k * stride, keep[k], ys[k], gs[k]);
     }
     T* dst = loader.out_row(p, row);
     // Plain rows: one test for all of the thread's vectors, even where it holds one: through
@@ -1067,7 +1118,7 @@ __device__ __forceinline__ void finish_batch_raw(
     // (ptxas sm_90a).
     bool inside = false;
     if constexpr (Loader::kPlain)
-      inside = loader.holds(first_col, first_col + (kPacks - 1) * kStride);
+      inside = loader.holds(first_col, first_col + (kPacks - 1) * stride);
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) {
       A out[kVec];
@@ -1077,13 +1128,13 @@ __device__ __forceinline__ void finish_batch_raw(
         out[2 * i] = bwd_output(y.x, g.x, true, dot, scale, log);
         out[2 * i + 1] = bwd_output(y.y, g.y, true, dot, scale, log);
       }
-      const int w = first_col + k * kStride;
+      const int w = first_col + k * stride;
       if constexpr (!Loader::kPlain)
-        loader.store_kept(dst, w, out, keep[k]);  // dx = 0 where a position does not take part
+        loader.template store_kept<kRuntime>(dst, w, out, keep[k]);  // dx = 0 where not taking part
       else if (inside)
-        store_vec_acc<kVec>(dst + w, out);
+        store_vec_acc<kVec, kRuntime>(dst + w, out);
       else
-        loader.store(dst, w, out);
+        loader.template store<kRuntime>(dst, w, out);
     }
   }
 }
@@ -1102,7 +1153,8 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
   using A = typename Loader::A;
   using T = typename Loader::Elem;
   constexpr int kVec = Loader::kVecWidth;
-  constexpr int kStride = kGroup * kVec;
+  const int stride = pack_stride<Loader, kGroup, kPacks * kVec, kCluster>();
+  constexpr bool kRuntime = kRuntimeWarps<Loader, kGroup, kPacks * kVec, kCluster>;
   constexpr int kAtOnce = 4;  // vectors of y and of dy in flight per thread: 32 registers
   static_assert(kPacks % kAtOnce == 0, "whole chunks");
   const bool log = p.log;
@@ -1114,7 +1166,7 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
   // still leave every vector's loads in one register quad here, 8 bytes spilled) or with y and dy
   // loaded predicated (zeros past the limit), each vector's loads waited a memory latency behind
   // the last (sm_90a SASS, TUNING.md, sessions 15-16). Other threads take the per-vector path.
-  const int last_col = first_col + (kPacks - 1) * kStride;
+  const int last_col = first_col + (kPacks - 1) * stride;
   bool inside;
   if constexpr (Loader::kPlain)
     inside = loader.holds(first_col, last_col);
@@ -1129,13 +1181,13 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
       for (int j = 0; j < kAtOnce; ++j) {
         keep[j] = Loader::kAllBytes;
         if constexpr (!Loader::kPlain)
-          keep[j] = loader.template fetch_mask</*kLive=*/true>(first_col + (k0 + j) * kStride);
+          keep[j] = loader.template fetch_mask</*kLive=*/true>(first_col + (k0 + j) * stride);
       }
       T ys[kAtOnce][kVec], gs[kAtOnce][kVec];
 #pragma unroll
       for (int j = 0; j < kAtOnce; ++j) {
-        load_vec<kVec>(loader.in + first_col + (k0 + j) * kStride, ys[j]);
-        load_vec<kVec>(loader.grad + first_col + (k0 + j) * kStride, gs[j]);
+        load_vec<kVec>(loader.in + first_col + (k0 + j) * stride, ys[j]);
+        load_vec<kVec>(loader.grad + first_col + (k0 + j) * stride, gs[j]);
       }
 #pragma unroll
       for (int j = 0; j < kAtOnce; ++j)
@@ -1146,10 +1198,10 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
     } else {
 #pragma unroll
       for (int j = 0; j < kAtOnce; ++j)
-        keep[j] = loader.fetch_bwd(first_col + (k0 + j) * kStride, v[j], g[j]);
+        keep[j] = loader.fetch_bwd(first_col + (k0 + j) * stride, v[j], g[j]);
 #pragma unroll
       for (int j = 0; j < kAtOnce; ++j)
-        loader.flags_bwd(first_col + (k0 + j) * kStride, keep[j], ok[j]);
+        loader.flags_bwd(first_col + (k0 + j) * stride, keep[j], ok[j]);
     }
   };
   // One pass over the row: each chunk read, then handed to use(k0, v, g, ok).
@@ -1171,7 +1223,7 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
       for (int e = 0; e < kVec; ++e)
         if (ok[j][e]) mine.s += bwd_term(v[j][e], g[j][e], log);
   });
-  const A dot = row_allreduce<S, kGroup, kCluster>(mine, block_slots, cluster).s;
+  const A dot = row_allreduce<S, kGroup, kCluster, kRuntime>(mine, block_slots, cluster).s;
   if (row >= p.rows) return;
   const A scale = static_cast<A>(p.scale);
   T* dst = loader.out_row(p, row);
@@ -1182,7 +1234,7 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
       A out[kVec];
 #pragma unroll
       for (int e = 0; e < kVec; ++e) out[e] = bwd_output(v[j][e], g[j][e], ok[j][e], dot, scale, log);
-      const int w = first_col + (k0 + j) * kStride;
+      const int w = first_col + (k0 + j) * stride;
       if (inside)
         store_vec_acc<kVec>(dst + w, out);
       else
@@ -1254,6 +1306,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   // bias or mask take them in p.order (RowOrder).
   for (int64_t mem0 = int64_t(blockIdx.x / kCluster) * kRowsPerBlock; mem0 < p.rows;
        mem0 += num_ctas * kRowsPerBlock, ++use) {
+    const int stride = pack_stride<Loader, kGroup, kPacks * kVec, kCluster>();
     const int64_t row0 = ordered_row<kAccess, kRowsPerBlock>(p, mem0);
     // Ask L2 for this CTA's next batch (this batch was asked for one iteration ago): its loads
     // then wait for L2, not DRAM, and DRAM stays busy while this batch is reduced. Issued before
@@ -1317,20 +1370,20 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
         for (int r = 0; r < kRows; ++r)
 #pragma unroll
           for (int k = 0; k < kPacks; ++k)
-            keep[r][k] = loaders[r].fetch_bwd(first_col + k * kGroup * kVec, ys[r][k], gs[r][k]);
+            keep[r][k] = loaders[r].fetch_bwd(first_col + k * stride, ys[r][k], gs[r][k]);
         // keep: the mask bytes as fetched, then the positions kept (every load is out by now).
 #pragma unroll
         for (int r = 0; r < kRows; ++r)
 #pragma unroll
           for (int k = 0; k < kPacks; ++k)
-            keep[r][k] = loaders[r].keep_bwd(first_col + k * kGroup * kVec, keep[r][k], ys[r][k],
+            keep[r][k] = loaders[r].keep_bwd(first_col + k * stride, keep[r][k], ys[r][k],
                                              gs[r][k]);
 #pragma unroll
         for (int r = 0; r < kRows; ++r) partial[r] = raw_dot<T>(ys[r], gs[r], p.log);
       } else {
         BatchOperands<Loader, kRows, kPacks, true> ops;
-        fetch_batch_operands(loaders, first_col, kGroup * kVec, ops);
-        load_batch_fwd<true>(loaders, first_col, kGroup * kVec, ops, v, any);
+        fetch_batch_operands(loaders, first_col, stride, ops);
+        load_batch_fwd<true>(loaders, first_col, stride, ops, v, any);
       }
     } else {
       // Backward rows in float values, and the other float32/float64 general forward rows: each
@@ -1344,7 +1397,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
         any[r] = false;
 #pragma unroll
         for (int k = 0; k < kPacks; ++k) {
-          const int w = first_col + k * kGroup * kVec;
+          const int w = first_col + k * stride;
           if constexpr (kBwd)
             keep[r][k] = loaders[r].fetch_bwd(w, v[r][k], g[r][k]);
           else
@@ -1356,7 +1409,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
         for (int r = 0; r < kRows; ++r)
 #pragma unroll
           for (int k = 0; k < kPacks; ++k)
-            loaders[r].flags_bwd(first_col + k * kGroup * kVec, keep[r][k], ok[r][k]);
+            loaders[r].flags_bwd(first_col + k * stride, keep[r][k], ok[r][k]);
       }
     }
     if constexpr (Loader::kRawBwd)
@@ -1544,6 +1597,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   // The loop bound is uniform over the block and the cluster (the CTAs of a cluster share
   // blockIdx.x / kCluster), as the reductions need.
   for (int64_t tile = first_tile; tile < num_tiles; tile += num_ctas, ++use) {
+    const int stride = pack_stride<Loader, kGroup, kPacks * kVec, kCluster>();
     const int64_t row0 = ordered_row<kAccess, kRowsPerBlock>(p, tile * kRowsPerBlock);
     // Kernels that follow RowOrder: the first row of the tile that would refill this tile's
     // stage, which thread 0 works out before the values are live and keeps in shared memory until
@@ -1576,7 +1630,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     auto prepare = [&] {
 #pragma unroll
       for (int r = 0; r < kRows; ++r) build_loader(r);
-      fetch_batch_operands(loaders, first_col, kGroup * kVec, ops);
+      fetch_batch_operands(loaders, first_col, stride, ops);
     };
     using Ops = BatchOperands<Loader, kRows, kPacks, false>;
     if constexpr (Ops::kAhead) prepare();
@@ -1587,7 +1641,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     bool any[kRows];
     if constexpr (Loader::kPlain || Ops::kSplit) {
       if constexpr (!Ops::kAhead) prepare();
-      load_batch_fwd<false>(loaders, first_col, kGroup * kVec, ops, v, any);
+      load_batch_fwd<false>(loaders, first_col, stride, ops, v, any);
     } else {
       // Float32 general rows of more than two per thread, and float64 general rows: each row's
       // loader built just before its loads (as in softmax_rows_kernel), each vector loaded and
@@ -1598,7 +1652,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
         any[r] = false;
 #pragma unroll
         for (int k = 0; k < kPacks; ++k)
-          any[r] |= loaders[r].load_fwd_direct(first_col + k * kGroup * kVec, v[r][k]);
+          any[r] |= loaders[r].load_fwd_direct(first_col + k * stride, v[r][k]);
       }
     }
     // Every thread has its values: the stage can take the tile `stages` iterations ahead (if there

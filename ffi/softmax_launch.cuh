@@ -15,7 +15,9 @@
 //                           bf16 N <= 256 at 58-65% (TUNING.md)
 //   cols <= 32 * E          one warp per row, E' <= E elements per lane (E' the smallest power
 //                           of two that fits)
-//   cols <= 512 * E         one block of G = 64..512 threads per row, E elements per thread
+//   cols <= 512 * E         one block of G = 64..512 threads per row, E elements per thread,
+//                           launched with only the warps the row needs (RowThreads): a row just
+//                           past a power of two no longer leaves half of them empty
 //   cols <= 512 * E * C     sm_90+: a cluster of C = 2, 4, 8, 16 blocks of 512 threads per row
 //                           (then 16 x 1024 threads), reduced through distributed shared
 //                           memory: still one read of x; rows without a mask, bias or causal
@@ -127,24 +129,27 @@ inline ffi::Error CheckLaunch(const char* what) {
   return ffi::Error::Success();
 }
 
-// Per (kernel, device) cached occupancy: resident blocks per SM, or active clusters per GPU.
+// Per (kernel, device) cached occupancy: resident blocks per SM (per block width in warps: the
+// block tiers' width is chosen per call, RowThreads), or active clusters per GPU.
 // Function-local statics are per template instantiation, i.e. per kernel.
 // kWhat tells apart the values cached for one kernel (kBlocksPerSm, kActiveClusters).
 enum CacheSlot { kBlocksPerSm, kActiveClusters };
+constexpr int kMaxWarps = 32;
 template <auto Kernel, CacheSlot kWhat>
 struct KernelCache {
-  static std::atomic<int>& slot(int device) {
-    static std::atomic<int> values[kMaxDevices];
-    return values[device];
+  static std::atomic<int>& slot(int device, int warps = 0) {
+    static std::atomic<int> values[kMaxDevices][kMaxWarps + 1];
+    return values[device][warps];
   }
 };
 
-template <auto Kernel, int kBlock>
-ffi::ErrorOr<int> BlocksPerSm(int device) {
-  std::atomic<int>& cached = KernelCache<Kernel, kBlocksPerSm>::slot(device);
+// block: the threads of the launch (a multiple of 32, at most 1024).
+template <auto Kernel>
+ffi::ErrorOr<int> BlocksPerSm(int device, int block) {
+  std::atomic<int>& cached = KernelCache<Kernel, kBlocksPerSm>::slot(device, block / 32);
   int n = cached.load(std::memory_order_relaxed);
   if (n == 0) {
-    const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, kBlock, 0);
+    const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, block, 0);
     if (e != cudaSuccess)
       return ffi::Unexpected(Internal(std::string("occupancy query: ") + cudaGetErrorString(e)));
     if (n < 1) return ffi::Unexpected(Internal("kernel cannot be resident on this GPU"));
@@ -448,6 +453,33 @@ constexpr int64_t WindowWidth(int64_t cols) {
   return kAccess == Access::kWindowed ? round_up_vec<kVec>(cols) : cols;
 }
 
+// Block tiers of a run-time width (kRuntimeWarps): threads of a CTA of the tier of `group` threads
+// per row holding `elems` values each, for rows of W window offsets: as many warps as the row
+// needs, an even count below 8. Measured (H200, session 20, us per call at 256 MiB; the warps
+// as needed / rounded up to even / to a multiple of 4; base: the full tier): bfloat16 forward
+// N = 3000 (3 warps) 149 / 139 / 139, base 136; 4097 (5) 185 / 175 / 214, base 201; 8193 (9)
+// 175 / 182 / 246, base 249; bfloat16 backward 4097 (9) 257 / 262 / 328, base 303; float32 within
+// 1% but for multiples of 4, 5-10% slower. JAX_SOFTMAX_WARP_STEP (read once; 1 to 32) rounds the
+// warps up to a multiple of its value instead, for tuning experiments.
+inline int RowThreads(int64_t width, int group, int elems) {
+  static const long step = EnvKnob("JAX_SOFTMAX_WARP_STEP", 0);
+  int64_t warps = (width + 32 * int64_t(elems) - 1) / (32 * int64_t(elems));
+  if (step >= 1 && step <= 32)
+    warps = (warps + step - 1) / step * step;
+  else if (warps < 8)
+    warps += warps & 1;
+  return warps < 1 ? 32 : warps * 32 < group ? static_cast<int>(warps * 32) : group;
+}
+
+// Threads of a CTA of a row tier (kRuntimeWarps: as many warps as the row needs).
+template <typename Loader, int kGroup, int kElems, Access kAccess>
+int TierThreads(int64_t cols) {
+  if constexpr (kRuntimeWarps<Loader, kGroup, kElems, 1>)
+    return RowThreads(WindowWidth<Loader::kVecWidth, kAccess>(cols), kGroup, kElems);
+  else
+    return BlockThreads(kGroup);
+}
+
 struct LaunchCtx {
   const RowParams& p;
   cudaStream_t stream;
@@ -459,13 +491,15 @@ struct LaunchCtx {
 template <typename T, int kGroup, int kElems, int kVec, bool kBwd, Access kAccess, int kRows = 1>
 ffi::Error LaunchRows(const LaunchCtx& c) {
   using Tier = RowTier<kGroup, kElems, kVec, kRows>;
-  constexpr int kBlock = Tier::kBlock, kRowsPerBlock = Tier::kRowsPerBlock;
+  constexpr int kRowsPerBlock = Tier::kRowsPerBlock;
+  const int block =
+      TierThreads<RowLoader<T, kVec, kBwd, kAccess>, kGroup, kElems, kAccess>(c.p.cols);
   const int64_t needed = (c.p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   constexpr auto kernel = softmax_rows_kernel<T, kGroup, kElems, kVec, 1, kBwd, kAccess, kRows>;
-  auto per_sm = BlocksPerSm<kernel, kBlock>(c.device);
+  auto per_sm = BlocksPerSm<kernel>(c.device, block);
   if (per_sm.has_error()) return per_sm.error();
   const int grid = GridUnits(needed, int64_t(*per_sm) * c.dev.sm_count, RowWaves());
-  return Launch(KernelLaunch(grid, kBlock, 0, c.stream, 1, c.dependent), kernel, "softmax row kernel",
+  return Launch(KernelLaunch(grid, block, 0, c.stream, 1, c.dependent), kernel, "softmax row kernel",
                 c.p);
 }
 
@@ -474,7 +508,7 @@ ffi::Error LaunchTwoPass(const LaunchCtx& c) {
   constexpr int kBlock = 512;
   constexpr int kUnroll = (kVec == 1 ? 8 : 4);
   constexpr auto kernel = softmax_rows_twopass_kernel<T, kBlock, kVec, kUnroll, kBwd, kAccess>;
-  auto per_sm = BlocksPerSm<kernel, kBlock>(c.device);
+  auto per_sm = BlocksPerSm<kernel>(c.device, kBlock);
   if (per_sm.has_error()) return per_sm.error();
   const int grid = GridUnits(c.p.rows, int64_t(*per_sm) * c.dev.sm_count, kPersistentWaves);
   return Launch(KernelLaunch(grid, kBlock, 0, c.stream, 1, c.dependent), kernel,
@@ -502,9 +536,11 @@ using Launched = std::optional<ffi::Error>;
 template <typename T, int kGroup, int kElems, int kVec, Access kAccess, int kRows>
 Launched LaunchStagedRows(const LaunchCtx& c) {
   using Tier = RowTier<kGroup, kElems, kVec, kRows>;
-  constexpr int kBlock = Tier::kBlock, kRowsPerBlock = Tier::kRowsPerBlock;
+  constexpr int kRowsPerBlock = Tier::kRowsPerBlock;
+  const int block =
+      TierThreads<RowLoader<T, kVec, false, kAccess>, kGroup, kElems, kAccess>(c.p.cols);
   constexpr auto kernel = softmax_rows_staged_kernel<T, kGroup, kElems, kVec, 1, kAccess, kRows>;
-  auto reg = BlocksPerSm<kernel, kBlock>(c.device);
+  auto reg = BlocksPerSm<kernel>(c.device, block);
   if (reg.has_error()) return reg.error();
   // A windowed tile also holds the few elements before its first row and after its last that
   // share their vectors (staged_tile).
@@ -518,14 +554,14 @@ Launched LaunchStagedRows(const LaunchCtx& c) {
       tiles_per_cta > 0
           ? static_cast<int>(std::min<int64_t>((needed + tiles_per_cta - 1) / tiles_per_cta, INT_MAX))
           : GridUnits(needed, int64_t(plan.ctas_per_sm) * c.dev.sm_count, kPersistentWaves);
-  return Launch(KernelLaunch(grid, kBlock, plan.smem, c.stream, 1, c.dependent), kernel,
+  return Launch(KernelLaunch(grid, block, plan.smem, c.stream, 1, c.dependent), kernel,
                 "softmax staged kernel", c.p, plan.tiles);
 }
 
 template <typename T, int kBlock, int kElems, int kVec, int kCluster, Access kAccess>
 Launched LaunchStagedCluster(const LaunchCtx& c) {
   constexpr auto kernel = softmax_rows_staged_kernel<T, kBlock, kElems, kVec, kCluster, kAccess>;
-  auto reg = BlocksPerSm<kernel, kBlock>(c.device);
+  auto reg = BlocksPerSm<kernel>(c.device, kBlock);
   if (reg.has_error()) return reg.error();
   // A tile is one row's chunk of kBlock * kElems elements per CTA: the plan and the cluster
   // occupancy depend on the kernel only.

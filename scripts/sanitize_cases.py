@@ -60,6 +60,11 @@ CASES = [  # (rows, cols, dtype)
     # (16383: 512 x 32) and a staged cluster of 16 x 512, whose first CTA stages them in a slot.
     (9, 16383, jnp.bfloat16),
     (5, 262143, jnp.float32),
+    # Block tiers of a run-time number of warps (ffi/softmax_kernels.cuh, kRuntimeWarps): 6 of a
+    # 256-thread tier's 8 (forward; backward 9 of 16), and 9 of 16 (forward; backward 17 of 32,
+    # float32's 1024-thread block), each row's last columns alone in the last warp.
+    (7, 4097, jnp.bfloat16),
+    (5, 8193, jnp.float32),
 ]
 
 

@@ -161,6 +161,24 @@ def test_tier_boundaries(backend, device, rng, dtype, k):
     check_sizes(device, rng, dtype, sizes_for(backend, dtype, k), lambda n: rows_for(backend, n))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
+def test_block_warps(backend, device, rng, dtype):
+    # Block tiers run with as many warps as a row needs (ffi/softmax_kernels.cuh, kRuntimeWarps):
+    # 32 * ceil(W / (32 E)) threads, so every warp count a tier can take must reduce and store
+    # right, not only the full and half-full ones that the boundaries above give. For E = 32
+    # (forward) and 16 (backward), w warps of E values per lane: the widest plain row of w warps
+    # (32 E w - V) and the narrowest odd one (32 E (w - 1) + 1, windowed, or read element by
+    # element with the mask). w = 3 .. 31: blocks of 96 .. 992 threads (float32 backward rows
+    # take a 1024-thread block to 2^14 columns).
+    v = VEC[dtype]
+    sizes = set()
+    for e in (32, 16):
+        for w in (3, 5, 7, 9, 15, 17, 31):
+            sizes |= {32 * e * w - v, 32 * e * (w - 1) + 1}
+    check_sizes(device, rng, dtype, sorted(sizes), lambda n: rows_for(backend, n))
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
 def test_two_pass_sizes(backend, device, rng, dtype):
     # Beyond the largest cluster: the two-pass streaming kernel (vector and scalar paths).
