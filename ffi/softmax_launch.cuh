@@ -614,15 +614,18 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // 4097 139 / 139, 16383 136 / 137, 32769 165 / 179, 50257 167 / 152, 100003 150 / 164, 262143
   // 152 / 163; bfloat16 255 151 / 254, 1001 150 / 162, 4097 219 / 201, 16383 157 / 189, 32769
   // 247 / 271, 50257 169 / 185, 100003 192 / 214, 262143 169 / 199. So float32 rows stay on the
-  // register tiers up to 4 x 512 x E = 65536 (32769 gives up 8% to keep 50257's 9%), and so do
-  // 16-bit rows of 4097-8192 (the one 16-bit point the register tiers won; 8192 untested). Rows of
-  // up to 8 vectors are never staged: the float32 ones' lane groups of 8 rows spilled 44-48 bytes
-  // staged (ptxas), and the 16-bit ones were not measured staged.
+  // register tiers up to 4 x 512 x E = 65536 (32769 gives up 8% to keep 50257's 9%). Rows of up
+  // to 8 vectors are never staged: the float32 ones' lane groups of 8 rows spilled 44-48 bytes
+  // staged (ptxas), and the 16-bit ones were not measured staged. Since blocks take only the warps
+  // a row needs (session 20; bfloat16, staged / register): 4097 194 / 175, 4609 182 / 167, 5121
+  // 169 / 182, 6143 146 / 177, 8191 145 / 178. So 16-bit rows of W = 4097-5120 (the 256 x 32
+  // block's tier, 5 warps' worth) take the register tiers; session 19 kept all of 4097-8192 there
+  // (4097 was its only probe), which left 6143-8191 at 0.87-0.89x XLA.
   constexpr bool kWindowedF32 = kAccess == Access::kWindowed && sizeof(T) == 4;
   if constexpr (kWindowedF32) {
     if (n <= 4 * 512 * kE) return std::nullopt;
   } else if constexpr (kAccess == Access::kWindowed) {
-    if (n <= 8 * kVec || (n > 128 * kE && n <= 256 * kE)) return std::nullopt;
+    if (n <= 8 * kVec || (n > 128 * kE && n <= 160 * kE)) return std::nullopt;
   }
 #define JS_STAGED(G, E, R) return LaunchStagedRows<T, G, E, kVec, kAccess, R>(c)
   if constexpr (!kWindowedF32) {

@@ -18,7 +18,8 @@ N % V != 0 are read through aligned 16-byte windows, masked ones with V = 1. A w
 takes the tier of N rounded up to V (its last columns wrap into its first vector's free slots),
 so 2^k - 1 tests the wrap at the top of a tier. On sm_90+ windowed forward rows take the staged
 tiers too: float32 beyond 2^16 (2^16 + 1 and 2^16 - 1 hit both sides), 16-bit rows except those
-of up to 8 vectors and of 4097-8192 columns (2^12 +- 1 and 2^13 +- 1 hit both sides).
+of up to 8 vectors and of 4097-5120 columns (2^12 +- 1 hit both sides; test_block_warps has
+5119 and 5121).
 Every boundary is a power of two between 1 and 2^19, so N = 2^k - 1, 2^k, 2^k + 1 for
 k = 0..19 hits each tier's last and first sizes on the vector path (2^k) and the windowed or
 scalar path (2^k +- 1, odd); 3 * 2^k and 2^k +- V fill a tier only partly. Several rows per test,
@@ -170,9 +171,10 @@ def test_block_warps(backend, device, rng, dtype):
     # (forward) and 16 (backward), w warps of E values per lane: the widest plain row of w warps
     # (32 E w - V) and the narrowest odd one (32 E (w - 1) + 1, windowed, or read element by
     # element with the mask). w = 3 .. 31: blocks of 96 .. 992 threads (float32 backward rows
-    # take a 1024-thread block to 2^14 columns).
+    # take a 1024-thread block to 2^14 columns). And 5119 / 5121: 16-bit odd forward rows switch
+    # from the register tiers to the staged ones there (LaunchStagedTier).
     v = VEC[dtype]
-    sizes = set()
+    sizes = {5119, 5121}
     for e in (32, 16):
         for w in (3, 5, 7, 9, 15, 17, 31):
             sizes |= {32 * e * w - v, 32 * e * (w - 1) + 1}
