@@ -134,19 +134,20 @@ inline ffi::Error CheckLaunch(const char* what) {
 // Function-local statics are per template instantiation, i.e. per kernel.
 // kWhat tells apart the values cached for one kernel (kBlocksPerSm, kActiveClusters).
 enum CacheSlot { kBlocksPerSm, kActiveClusters };
-constexpr int kMaxWarps = 32;
-template <auto Kernel, CacheSlot kWhat>
+// kKeys: values per device (kBlocksPerSm: one per block width in warps, up to the kernel's most).
+template <auto Kernel, CacheSlot kWhat, int kKeys = 1>
 struct KernelCache {
-  static std::atomic<int>& slot(int device, int warps = 0) {
-    static std::atomic<int> values[kMaxDevices][kMaxWarps + 1];
-    return values[device][warps];
+  static std::atomic<int>& slot(int device, int key = 0) {
+    static std::atomic<int> values[kMaxDevices][kKeys];
+    return values[device][key];
   }
 };
 
-// block: the threads of the launch (a multiple of 32, at most 1024).
-template <auto Kernel>
+// block: the threads of the launch (a multiple of 32, at most kMaxBlock, the kernel's bound).
+template <auto Kernel, int kMaxBlock>
 ffi::ErrorOr<int> BlocksPerSm(int device, int block) {
-  std::atomic<int>& cached = KernelCache<Kernel, kBlocksPerSm>::slot(device, block / 32);
+  std::atomic<int>& cached =
+      KernelCache<Kernel, kBlocksPerSm, kMaxBlock / 32>::slot(device, block / 32 - 1);
   int n = cached.load(std::memory_order_relaxed);
   if (n == 0) {
     const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, block, 0);
@@ -459,7 +460,7 @@ constexpr int64_t WindowWidth(int64_t cols) {
 // as needed / rounded up to even / to a multiple of 4; base: the full tier): bfloat16 forward
 // N = 3000 (3 warps) 149 / 139 / 139, base 136; 4097 (5) 185 / 175 / 214, base 201; 8193 (9)
 // 175 / 182 / 246, base 249; bfloat16 backward 4097 (9) 257 / 262 / 328, base 303; float32 within
-// 1% but for multiples of 4, 5-10% slower. JAX_SOFTMAX_WARP_STEP (read once; 1 to 32) rounds the
+// 1% but for multiples of 4, 7-11% slower. JAX_SOFTMAX_WARP_STEP (read once; 1 to 32) rounds the
 // warps up to a multiple of its value instead, for tuning experiments.
 inline int RowThreads(int64_t width, int group, int elems) {
   static const long step = EnvKnob("JAX_SOFTMAX_WARP_STEP", 0);
@@ -496,7 +497,7 @@ ffi::Error LaunchRows(const LaunchCtx& c) {
       TierThreads<RowLoader<T, kVec, kBwd, kAccess>, kGroup, kElems, kAccess>(c.p.cols);
   const int64_t needed = (c.p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   constexpr auto kernel = softmax_rows_kernel<T, kGroup, kElems, kVec, 1, kBwd, kAccess, kRows>;
-  auto per_sm = BlocksPerSm<kernel>(c.device, block);
+  auto per_sm = BlocksPerSm<kernel, Tier::kBlock>(c.device, block);
   if (per_sm.has_error()) return per_sm.error();
   const int grid = GridUnits(needed, int64_t(*per_sm) * c.dev.sm_count, RowWaves());
   return Launch(KernelLaunch(grid, block, 0, c.stream, 1, c.dependent), kernel, "softmax row kernel",
@@ -508,7 +509,7 @@ ffi::Error LaunchTwoPass(const LaunchCtx& c) {
   constexpr int kBlock = 512;
   constexpr int kUnroll = (kVec == 1 ? 8 : 4);
   constexpr auto kernel = softmax_rows_twopass_kernel<T, kBlock, kVec, kUnroll, kBwd, kAccess>;
-  auto per_sm = BlocksPerSm<kernel>(c.device, kBlock);
+  auto per_sm = BlocksPerSm<kernel, kBlock>(c.device, kBlock);
   if (per_sm.has_error()) return per_sm.error();
   const int grid = GridUnits(c.p.rows, int64_t(*per_sm) * c.dev.sm_count, kPersistentWaves);
   return Launch(KernelLaunch(grid, kBlock, 0, c.stream, 1, c.dependent), kernel,
@@ -540,7 +541,7 @@ Launched LaunchStagedRows(const LaunchCtx& c) {
   const int block =
       TierThreads<RowLoader<T, kVec, false, kAccess>, kGroup, kElems, kAccess>(c.p.cols);
   constexpr auto kernel = softmax_rows_staged_kernel<T, kGroup, kElems, kVec, 1, kAccess, kRows>;
-  auto reg = BlocksPerSm<kernel>(c.device, block);
+  auto reg = BlocksPerSm<kernel, Tier::kBlock>(c.device, block);
   if (reg.has_error()) return reg.error();
   // A windowed tile also holds the few elements before its first row and after its last that
   // share their vectors (staged_tile).
@@ -561,7 +562,7 @@ Launched LaunchStagedRows(const LaunchCtx& c) {
 template <typename T, int kBlock, int kElems, int kVec, int kCluster, Access kAccess>
 Launched LaunchStagedCluster(const LaunchCtx& c) {
   constexpr auto kernel = softmax_rows_staged_kernel<T, kBlock, kElems, kVec, kCluster, kAccess>;
-  auto reg = BlocksPerSm<kernel>(c.device, kBlock);
+  auto reg = BlocksPerSm<kernel, kBlock>(c.device, kBlock);
   if (reg.has_error()) return reg.error();
   // A tile is one row's chunk of kBlock * kElems elements per CTA: the plan and the cluster
   // occupancy depend on the kernel only.
