@@ -142,6 +142,8 @@ for _dt, _name in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16")):
                262144, 524288):
         CASES[f"{_name}_bwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n, bwd=True))
         CASES[f"{_name}_bwdmask_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n, True, True))
+    for _n in (6000, 12000):  # rows that fill three quarters of a block tier or less
+        CASES[f"{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n))
     # Odd rows, read through 16-byte windows; and rows that fill a block tier partly (3000).
     for _n in (255, 3000, 4095, 4097, 8193, 16383, 32767, 65535, 262143):
         CASES[f"{_name}_bwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n, bwd=True))
