@@ -17,7 +17,9 @@
 //                           of two that fits)
 //   cols <= 512 * E         one block of G = 64..512 threads per row, E elements per thread,
 //                           launched with only the warps the row needs (RowThreads): a row just
-//                           past a power of two no longer leaves half of them empty
+//                           past a power of two no longer leaves half of them empty (16-bit
+//                           forward rows on these tiers: only where they fill at most 5/8 of
+//                           the tier, TierThreads)
 //   cols <= 512 * E * C     sm_90+: a cluster of C = 2, 4, 8, 16 blocks of 512 threads per row
 //                           (then 16 x 1024 threads), reduced through distributed shared
 //                           memory: still one read of x; rows without a mask, bias or causal
