@@ -569,12 +569,12 @@ struct RowLoader {
 };
 
 // Block tiers (kGroup > 32 threads per row, one row per CTA, no cluster) run with as many warps as
-// the row needs rather than kGroup threads: launched with RowThreads(W, kGroup, kElems) =
-// 32 * ceil(W / (32 * kElems)) <= kGroup threads, whose packs then lie blockDim.x * kVec columns
-// apart. Tiers are powers of two, so a row just past one (W = 2^k + 1 .. 1.5 * 2^k) left up to
-// half of a full-width CTA's threads without a value; those threads still hold their registers,
-// and the SM then keeps fewer bytes in flight (bfloat16 N = 4097: 256 threads for 513 vectors,
-// two of each thread's four packs loaded). Clusters and lane groups keep kGroup, and so do the
+// the row needs rather than kGroup threads: launched with RowThreads (about 32 * ceil(W / (32 *
+// kElems)), at most kGroup) threads, whose packs then lie blockDim.x * kVec columns apart. Tiers
+// are powers of two, so a row just past one (W = 2^k + 1 .. 1.5 * 2^k) left up to half of a
+// full-width CTA's threads without a value; those threads still hold their registers, and the SM
+// then keeps fewer bytes in flight (bfloat16 N = 4097: 256 threads for 513 vectors, two of each
+// thread's four packs loaded). Clusters and lane groups keep kGroup, and so do the
 // block tiers where the run-time stride spilled (ptxas sm_90a, session 20): rows read element by
 // element (kVec == 1: 84-120 bytes), and tiers of more than 16 values per thread other than the
 // plain and windowed forward's (16-bit backward 512 x 32 blocks: 104 bytes; float32 forward with

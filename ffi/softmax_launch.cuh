@@ -19,7 +19,7 @@
 //                           launched with only the warps the row needs (RowThreads): a row just
 //                           past a power of two no longer leaves half of them empty (16-bit
 //                           forward rows on these tiers: only where they fill at most 5/8 of
-//                           the tier, TierThreads)
+//                           the tier, RowThreads)
 //   cols <= 512 * E * C     sm_90+: a cluster of C = 2, 4, 8, 16 blocks of 512 threads per row
 //                           (then 16 x 1024 threads), reduced through distributed shared
 //                           memory: still one read of x; rows without a mask, bias or causal
@@ -462,34 +462,36 @@ constexpr int64_t WindowWidth(int64_t cols) {
 // as needed / rounded up to even / to a multiple of 4; base: the full tier): bfloat16 forward
 // N = 3000 (3 warps) 149 / 139 / 139, base 136; 4097 (5) 185 / 175 / 214, base 201; 8193 (9)
 // 175 / 182 / 246, base 249; bfloat16 backward 4097 (9) 257 / 262 / 328, base 303; float32 within
-// 1% but for multiples of 4, 7-11% slower. JAX_SOFTMAX_WARP_STEP (read once; 1 to 32) rounds the
-// warps up to a multiple of its value instead, for tuning experiments.
-inline int RowThreads(int64_t width, int group, int elems) {
+// 1% but for multiples of 4, 7-11% slower.
+// keep_filled (16-bit forward rows on the register tiers): the whole tier where the row fills more
+// than 5/8 of it. Measured (bfloat16, register tiers, us per call, run-time width / whole tier):
+// plain rows of 3000 (3 warps of 4) 149 / 136-139, 6000 (6 of 8) 158 / 147, 12000 (12 of 16) 187 /
+// 156, while the rows that fill half of theirs gained (4097: 175 / 201). Float32 and backward rows
+// gained or held at every width measured (float32 6000 and 12000 within 1%). The staged tiers'
+// 16-bit rows of a run-time width are odd ones of 5121 columns and more (LaunchStagedTier),
+// measured with it (8193: 175 / 249; 6143: 146 at 6 warps, the whole tier not measured).
+// JAX_SOFTMAX_WARP_STEP (read once; 1 to 32) rounds the warps up to a multiple of its value
+// instead of both rules, for tuning experiments.
+inline int RowThreads(int64_t width, int group, int elems, bool keep_filled) {
   static const long step = EnvKnob("JAX_SOFTMAX_WARP_STEP", 0);
   int64_t warps = (width + 32 * int64_t(elems) - 1) / (32 * int64_t(elems));
   if (step >= 1 && step <= 32)
     warps = (warps + step - 1) / step * step;
+  else if (keep_filled && width * 8 > int64_t(group) * elems * 5)
+    return group;
   else if (warps < 8)
     warps += warps & 1;
   return warps < 1 ? 32 : warps * 32 < group ? static_cast<int>(warps * 32) : group;
 }
 
-// Threads of a CTA of a row tier (kRuntimeWarps: as many warps as the row needs). kRegisterTier:
-// 16-bit forward rows keep the whole tier where they fill more than 5/8 of it. Measured (H200,
-// session 20, bfloat16, register tiers, us per call, run-time width / whole tier): plain rows of
-// 3000 (3 warps of 4) 149 / 136-139, 6000 (6 of 8) 158 / 147, 12000 (12 of 16) 187 / 156, while
-// the rows that fill half of theirs gained (4097: 175 / 201). Float32 and backward rows gained or
-// held at every width measured (float32 6000 and 12000 within 1%). The staged tiers' 16-bit rows
-// of a run-time width are odd ones of 5121 columns and more (LaunchStagedTier), measured with it
-// (8193: 175 / 249; 6143: 146 at 6 warps, the whole tier not measured).
+// Threads of a CTA of a row tier (kRuntimeWarps: as many warps as the row needs, RowThreads).
+// kRegisterTier: the register kernel (softmax_rows_kernel), not the staged one.
 template <typename Loader, int kGroup, int kElems, Access kAccess, bool kRegisterTier>
 int TierThreads(int64_t cols) {
   if constexpr (kRuntimeWarps<Loader, kGroup, kElems, 1>) {
-    const int64_t width = WindowWidth<Loader::kVecWidth, kAccess>(cols);
-    if constexpr (kRegisterTier && !Loader::kBackward && sizeof(typename Loader::Elem) == 2) {
-      if (width * 8 > int64_t(kGroup) * kElems * 5) return kGroup;
-    }
-    return RowThreads(width, kGroup, kElems);
+    constexpr bool kKeepFilled =
+        kRegisterTier && !Loader::kBackward && sizeof(typename Loader::Elem) == 2;
+    return RowThreads(WindowWidth<Loader::kVecWidth, kAccess>(cols), kGroup, kElems, kKeepFilled);
   } else {
     return BlockThreads(kGroup);
   }
