@@ -72,6 +72,10 @@ __device__ __forceinline__ double opaque(double x) {
   asm volatile("" : "+d"(x));
   return x;
 }
+__device__ __forceinline__ uint32_t opaque(uint32_t x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
 
 // Row max. fmax drops NaN, which is fine here: a NaN still reaches the row sum through
 // exp(NaN - max) = NaN, and from there every output, as jax.nn.softmax's NaN rows do. One
@@ -148,6 +152,46 @@ template <int N, typename T>
 __device__ __forceinline__ void load_pairs(const T* src, Pairs<N>& dst) {
   static_assert(sizeof(T) == 2, "16-bit values");
   load_vec<N / 2>(reinterpret_cast<const uint32_t*>(src), dst.w);
+}
+
+// Both halves of a word hold -inf of the 16-bit type T.
+template <typename T>
+__device__ __forceinline__ constexpr uint32_t neg_inf_pair() {
+  static_assert(sizeof(T) == 2, "16-bit values");
+  return std::is_same_v<T, __half> ? 0xfc00fc00u : 0xff80ff80u;
+}
+
+// Replaces value e of a Pairs, whatever it held.
+template <int N, typename T>
+__device__ __forceinline__ void replace_pair_value(Pairs<N>& dst, int e, T value) {
+  uint16_t bits;
+  memcpy(&bits, &value, sizeof(bits));
+  const int at = 16 * (e % 2);
+  dst.w[e / 2] = (dst.w[e / 2] & ~(0xffffu << at)) | (uint32_t(bits) << at);
+}
+
+// Value e of a Pairs, as T.
+template <typename T, int N>
+__device__ __forceinline__ T pair_value(const Pairs<N>& src, int e) {
+  const uint16_t bits = static_cast<uint16_t>(src.w[e / 2] >> (16 * (e % 2)));
+  T value;
+  memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+// Two float values rounded to the 16-bit type T, as one word (a in the low half).
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float a, float b) {
+  static_assert(sizeof(T) == 2, "16-bit values");
+  uint32_t w;
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2 h = __floats2half2_rn(a, b);
+    memcpy(&w, &h, sizeof(w));
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    memcpy(&w, &h, sizeof(w));
+  }
+  return w;
 }
 
 // Sets value e of a zeroed Pairs.

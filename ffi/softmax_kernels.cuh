@@ -27,6 +27,16 @@ constexpr int BlockThreads(int group) { return group > 32 ? group : 128; }
 // registers, so one CTA per SM, whose loads then stall at every row's barrier.
 constexpr int MinBlocksPerSm(int block) { return block >= 1024 ? 1 : 1024 / block; }
 
+// Registers per thread at most, on top of MinBlocksPerSm's bound (255: none). The staged block
+// tiers of 16-bit plain rows kept as loaded (kRawRows) hold half the registers' worth of values and
+// are held to fewer, so that more CTAs fit an SM: bfloat16 to 40 (ptxas sm_90a: 16-36 bytes of
+// spills; 9 warps then fit 5 CTAs per SM instead of 3), float16 to 56 (at 40 it spilled 92-112
+// bytes, at 48 32-56, at 56 none).
+template <typename T>
+constexpr int MaxRegisters(bool raw_block) {
+  return !raw_block ? 255 : std::is_same_v<T, __half> ? 56 : 40;
+}
+
 // The shape of a register tier (kGroup threads per row holding kElems values each in packs of kVec,
 // kRows rows per lane group and iteration), shared by the kernels that run it and their launchers.
 template <int kGroup, int kElems, int kVec, int kRows = 1>
@@ -89,6 +99,13 @@ struct RowLoader {
   // finish_batch_raw, LaunchTier). Not rows read element by element (kVec == 1: masked rows with
   // cols % 8 != 0, or unaligned buffers), which load float values (fetch_bwd's other overload).
   static constexpr bool kRawBwd = kBwd && sizeof(T) == 2 && kVec > 1;
+  // Forward rows of 16-bit types on 16-byte vectors without a mask, bias or causal limit (plain
+  // and windowed) can keep x as loaded too, converted again in each of the forward's three passes
+  // (the max, the sum of exps, the output, whose exps are computed again): half the registers
+  // for the values, more instructions per element. The staged tiers that gain from it say so
+  // (kRawRows; fetch_raw, finish_batch_raw_fwd). Positions outside the row hold -inf as loaded,
+  // which stays -inf times the scale: LaunchSoftmax sends such rows here only with a scale > 0.
+  static constexpr bool kRawFwd = !kBwd && sizeof(T) == 2 && kVec > 1 && kPlain;
   // Windowed rows wrap their last columns into their first vector (see Access).
   static constexpr bool kWraps = kAccess == Access::kWindowed;
   // One byte per position of a vector, byte e (from the least significant) for column c + e:
@@ -394,6 +411,37 @@ struct RowLoader {
     }
   }
 
+  // Forward (kRawFwd): x of the vector at window offset w as stored, -inf at the positions outside
+  // the row (a windowed row's partial end vectors are read element by element, vectors past the
+  // limit not at all). The wrapped columns of a windowed row's first vector come through
+  // wrap_raw, after every fetch of the batch (keep_bwd says why).
+  __device__ __forceinline__ void fetch_raw(int w, Pairs<kVec>& xs) const {
+    static_assert(kRawFwd, "16-bit plain forward rows");
+    const int c = w - shift;
+    bool whole = c <= limit;
+    if constexpr (kWraps) whole = whole && c >= 0 && c + kVec <= end();
+#pragma unroll
+    for (int i = 0; i < kVec / 2; ++i) xs.w[i] = neg_inf_pair<T>();
+    if (whole) load_pairs(in + w, xs);
+    if constexpr (kWraps) {
+      if (!whole && c <= limit) {  // the partial vectors at the ends of the row
+#pragma unroll
+        for (int e = 0; e < kVec; ++e)
+          if (c + e >= 0 && c + e < end()) replace_pair_value(xs, e, in[w + e]);
+      }
+    }
+  }
+  __device__ __forceinline__ void wrap_raw(int w, Pairs<kVec>& xs) const {
+    static_assert(kRawFwd, "16-bit plain forward rows");
+    if (wraps_at(w)) {
+      const T* wrapped = wrapped_in(w);
+      const int nw = nwrap();
+#pragma unroll
+      for (int e = 0; e < kVec; ++e)
+        if (e < nw) replace_pair_value(xs, e, wrapped[e]);
+    }
+  }
+
   // Backward (kRawBwd), in two steps like the forward's fetch and load_fwd, so that a batch has
   // every load in flight before the first is used. fetch_bwd: y and dy of the vector at window
   // offset w as stored (predicated loads), zeros at the positions outside the row (they add 0 to
@@ -563,10 +611,49 @@ struct RowLoader {
     store_vec_acc<kVec, kAsmStore>(dst + w, o);
   }
 
+  // store() for a vector already rounded to T, two values per word (finish_batch_raw_fwd).
+  template <bool kAsmStore = false>
+  __device__ __forceinline__ void store_raw(T* dst, int w, const Pairs<kVec>& o) const {
+    static_assert(kRawFwd, "16-bit plain forward rows");
+    const int c = w - shift;
+    if constexpr (kWraps) {
+      if (c >= end()) return;
+      if (c < 0 || c + kVec > end()) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e)
+          if (c + e >= 0 && c + e < end()) dst[w + e] = pair_value<T>(o, e);
+        if (wraps_at(w)) {
+          T* wrapped = dst + wrapped_at(w);
+          const int nw = nwrap();
+#pragma unroll
+          for (int e = 0; e < kVec; ++e)
+            if (e < nw) wrapped[e] = pair_value<T>(o, e);
+        }
+        return;
+      }
+    } else {
+      if (c >= cols) return;
+    }
+    store_pairs<kAsmStore>(dst + w, o);
+  }
+
   __device__ __forceinline__ T* out_row(const RowParams& p, int64_t row) const {
     return static_cast<T*>(p.out) + (row * p.cols - shift);
   }
 };
+
+// The staged tiers that keep 16-bit plain rows as loaded (RowLoader::kRawFwd, finish_batch_raw_fwd):
+// lane groups and warps, and blocks of 256 threads or more (the odd rows of 5121-16384 columns,
+// LaunchStagedTier), whose CTAs fit an SM more often at 40 registers (MaxRegisters): 9 warps 5
+// times instead of 3. Not the clusters, nor the register tiers, nor blocks of 64-128 threads, where
+// the output's exps computed again cost more issue slots than the extra CTAs repay. Measured
+// (H200, session 21, bfloat16, us per call at 256 MiB, two A/B runs; values as floats / kept as
+// loaded): staged N = 1000 136 / 131, 1001 150 / 143, 32-512 within 1%; odd blocks 6143 146 /
+// 141, 8191 145 / 139, 8193 175 / 155, 16383 162 / 142; not kept: 2048 (2 warps) 128 / 133, 4095
+// (4 warps) 137 / 139, clusters 50257 169 / 197-202, 262144 156 / 159-167, and the register tiers
+// 4097 176 / 189-190, 32768 150 / 150-171, 65536 148 / 154-169 (at 56 and 40 registers).
+template <typename Loader, int kGroup, int kCluster>
+constexpr bool kRawRows = Loader::kRawFwd && kCluster == 1 && (kGroup <= 32 || kGroup >= 256);
 
 // Block tiers (kGroup > 32 threads per row, one row per CTA, no cluster) run with as many warps as
 // the row needs rather than kGroup threads: launched with RowThreads (about 32 * ceil(W / (32 *
@@ -739,6 +826,31 @@ __device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], i
       if constexpr (Ops::kBiasAhead) bias = ops.bias[r][k];
       any[r] |= loaders[r].template load_fwd<Ops::kBiasAhead>(w, xs[j], mask, bias, v[r][k]);
     }
+  }
+}
+
+// The forward's loads of a batch of 16-bit plain rows kept as loaded (RowLoader::kRawFwd): every
+// load issued before the first use (their registers are where the values stay), without the
+// per-vector tests where every vector lies inside its row.
+template <typename Loader, int kRows, int kPacks, int kVec>
+__device__ __forceinline__ void load_batch_raw(const Loader (&loaders)[kRows], int first, int stride,
+                                               Pairs<kVec> (&xs)[kRows][kPacks]) {
+  if (batch_inside<kPacks>(loaders, first, stride)) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) load_pairs(loaders[r].in + first + k * stride, xs[r][k]);
+    return;
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) loaders[r].fetch_raw(first + k * stride, xs[r][k]);
+  if constexpr (Loader::kWraps) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) loaders[r].wrap_raw(first + k * stride, xs[r][k]);
   }
 }
 
@@ -1011,6 +1123,118 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
         store_row<kRuntime>(p, loader, row, first_col, stride, out);
       }
     }
+  }
+}
+
+// Forward of 16-bit rows kept as loaded (RowLoader::kRawFwd): forward_row's statistics and
+// outputs, each of the three passes (max, sum of exps, output) converting the pairs again, the
+// output's exps computed again. z = scale * x with a scale > 0 (LaunchSoftmax), so the max of z is
+// the scale times the max of x (rounding is monotonic): one multiply per row. Every pass reads the
+// pairs through opaque(): left to itself the compiler would keep the converted values (or the
+// sum's exps) for the later passes, 32 registers through the row's reduction, which is what this
+// path exists to save.
+template <typename T, int kPacks, int kVec>
+__device__ __forceinline__ float raw_max(const Pairs<kVec> (&xs)[kPacks]) {
+  float m = neg_inf<float>();
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+    for (int i = 0; i < kVec / 2; ++i) {
+      const float2 x = unpack_pair<T>(opaque(xs[k].w[i]));
+      m = row_max(row_max(m, x.x), x.y);
+    }
+  return m;
+}
+
+// Sum of exp(scale * x - shift), in the order exp_sum adds its values.
+template <typename T, int kPacks, int kVec>
+__device__ __forceinline__ float raw_exp_sum(const Pairs<kVec> (&xs)[kPacks], float scale,
+                                             float shift) {
+  float s = 0.f;
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k)
+#pragma unroll
+    for (int i = 0; i < kVec / 2; ++i) {
+      const float2 x = unpack_pair<T>(opaque(xs[k].w[i]));
+      s += exp_acc(scale * x.x - shift);
+      s += exp_acc(scale * x.y - shift);
+    }
+  return s;
+}
+
+// A row's outputs from its pairs (fwd_output: shift is the one whose exps the sum added), a vector
+// at a time, each stored as soon as it is computed. kAsmStore: see store_vec.
+template <bool kLog, bool kAsmStore, typename Loader, int kPacks, int kVec>
+__device__ __forceinline__ void store_raw_fwd(const RowParams& p, const Loader& loader, int64_t row,
+                                              int first_col, int stride,
+                                              const Pairs<kVec> (&xs)[kPacks], float scale,
+                                              float shift, const FwdStats<float>& st) {
+  using T = typename Loader::Elem;
+  T* dst = loader.out_row(p, row);
+  // Several vectors per thread: one test for all of them (as store_row).
+  bool inside = false;
+  if constexpr (kPacks > 1) inside = loader.holds(first_col, first_col + (kPacks - 1) * stride);
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    Pairs<kVec> o;  // each pair rounded as soon as it is computed
+#pragma unroll
+    for (int i = 0; i < kVec / 2; ++i) {
+      const float2 x = unpack_pair<T>(opaque(xs[k].w[i]));
+      if constexpr (kLog)
+        o.w[i] = pack_pair<T>((scale * x.x - st.max) - st.log_sum,
+                              (scale * x.y - st.max) - st.log_sum);
+      else
+        o.w[i] = pack_pair<T>(exp_acc(scale * x.x - shift) * st.factor,
+                              exp_acc(scale * x.y - shift) * st.factor);
+    }
+    const int w = first_col + k * stride;
+    if (inside)
+      store_pairs<kAsmStore>(dst + w, o);
+    else
+      loader.template store_raw<kAsmStore>(dst, w, o);
+  }
+}
+
+template <int kGroup, int kCluster, int kRows, typename Loader, typename S, int kPacks, int kVec>
+__device__ __forceinline__ void finish_batch_raw_fwd(const RowParams& p,
+                                                     const Loader (&loaders)[kRows], int64_t row0,
+                                                     int group, int first_col,
+                                                     const Pairs<kVec> (&xs)[kRows][kPacks],
+                                                     S* block_slots, ClusterSlots<S> cluster) {
+  using T = typename Loader::Elem;
+  using A = float;
+  static_assert(Loader::kRawFwd, "16-bit plain forward rows");
+  constexpr int kBlock = BlockThreads(kGroup);
+  constexpr int kLanes = kGroup < 32 ? kGroup : 32;  // the group, or the warp of a wider tier
+  const int stride = pack_stride<Loader, kGroup, kPacks * kVec, kCluster>();
+  constexpr bool kRuntime = kRuntimeWarps<Loader, kGroup, kPacks * kVec, kCluster>;
+  const bool log = p.log;
+  const A scale = static_cast<A>(p.scale);
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t row = row0 + r * (kBlock / kGroup) + group;
+    // As group_maxsum: the max, then the sum of exp(z - max) (shift 0 where no value is finite).
+    const A m = group_allreduce<kLanes>(Max<A>{raw_max<T>(xs[r]) * scale}).m;
+    const A shift = m == neg_inf<A>() ? A(0) : m;
+    const A s = group_allreduce<kLanes>(Sum<A>{raw_exp_sum<T>(xs[r], scale, shift)}).s;
+    FwdStats<A> st;
+    if constexpr (kGroup <= 32) {
+      st.max = m;
+      st.sum = s;
+      st.log_sum = log ? log_acc(s) : A(0);
+      st.factor = log ? A(0) : rcp_acc(s);
+    } else {
+      const MaxSum<A> total = row_allreduce<S, kGroup, kCluster, kRuntime, /*kWarpReduced=*/true>(
+          MaxSum<A>{m, s}, block_slots, cluster);
+      st = fwd_stats(m, total, log);
+    }
+    if (row >= p.rows) continue;
+    // Branch once per row on log, as finish_batch.
+    if (log)
+      store_raw_fwd<true, kRuntime>(p, loaders[r], row, first_col, stride, xs[r], scale, shift, st);
+    else
+      store_raw_fwd<false, kRuntime>(p, loaders[r], row, first_col, stride, xs[r], scale,
+                                     opaque(shift), st);
   }
 }
 
@@ -1521,6 +1745,8 @@ __device__ __forceinline__ StagedRange staged_wrap(const RowParams& p, int64_t r
 
 template <typename T, int kGroup, int kElems, int kVec, int kCluster, Access kAccess, int kRows = 1>
 __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThreads(kGroup)))
+    __maxnreg__(MaxRegisters<T>(kRawRows<RowLoader<T, kVec, false, kAccess>, kGroup, kCluster> &&
+                                kGroup > 32))
     softmax_rows_staged_kernel(const RowParams p, const StagedTiles tiles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
@@ -1639,7 +1865,12 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     // Whether any of this thread's positions of row r takes part (forward_row ignores it for
     // plain rows, where every position does).
     bool any[kRows];
-    if constexpr (Loader::kPlain || Ops::kSplit) {
+    constexpr bool kRaw = kRawRows<Loader, kGroup, kCluster>;
+    Pairs<kVec> xs[kRaw ? kRows : 1][kRaw ? kPacks : 1];  // kRaw rows: x as loaded
+    if constexpr (kRaw) {
+      prepare();
+      load_batch_raw(loaders, first_col, stride, xs);
+    } else if constexpr (Loader::kPlain || Ops::kSplit) {
       if constexpr (!Ops::kAhead) prepare();
       load_batch_fwd<false>(loaders, first_col, stride, ops, v, any);
     } else {
@@ -1664,8 +1895,12 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
         fill(stage, kOrdered ? refill_row0 : (tile + stages * num_ctas) * kRowsPerBlock);
       }
     }
-    finish_batch<kGroup, kCluster>(p, loaders, row0, group, first_col, v, any, block_slots[use & 1],
-                                   exchange.buffer(use));
+    if constexpr (kRaw)
+      finish_batch_raw_fwd<kGroup, kCluster>(p, loaders, row0, group, first_col, xs,
+                                             block_slots[use & 1], exchange.buffer(use));
+    else
+      finish_batch<kGroup, kCluster>(p, loaders, row0, group, first_col, v, any,
+                                     block_slots[use & 1], exchange.buffer(use));
     if (++stage == stages) stage = 0, phase ^= 1;
   }
   // The CTAs of a cluster leave together: no value may be sent to, or be on its way from, a CTA

@@ -62,6 +62,7 @@
 
 #include <atomic>
 #include <climits>
+#include <cmath>
 #include <cstdlib>
 #include <mutex>
 #include <optional>
@@ -810,8 +811,14 @@ ffi::Error LaunchSoftmax(const RowParams& p, cudaStream_t stream) {
                             (!p.bias.data || Aligned16(p.bias.data)) &&
                             (!p.mask.data || Aligned16(p.mask.data));
   const bool whole_vectors = p.cols % kVec == 0;
-  // Plain: no bias, mask or causal limit (the bias is a forward-only operand).
-  const bool plain = (kBwd || !p.bias.data) && !p.mask.data && p.causal.d == 0;
+  // Plain: no bias, mask or causal limit (the bias is a forward-only operand). Some staged tiers
+  // keep 16-bit plain forward rows as loaded, with -inf outside the row (kRawRows), which needs a
+  // finite scale > 0 in float; with any other scale (attention_softmax's scale, rare) 16-bit
+  // forward rows take the kernels of rows with a mask, bias or causal limit (with none of them),
+  // which select -inf after the scale.
+  const float scale = static_cast<float>(p.scale);
+  const bool raw_scale = kBwd || sizeof(T) != 2 || (scale > 0.f && std::isfinite(scale));
+  const bool plain = (kBwd || !p.bias.data) && !p.mask.data && p.causal.d == 0 && raw_scale;
   if (ptrs_aligned && plain) {
     return whole_vectors ? LaunchTier<T, kVec, kBwd, Access::kPlain>(ctx)
                          : LaunchTier<T, kVec, kBwd, Access::kWindowed>(ctx);

@@ -14,7 +14,8 @@
 # "JAX_SOFTMAX_STAGED=1 JAX_SOFTMAX_STAGED=0"); abbase: the same cases timed on another build of
 # the package, the source tree AB_BASE_SRC (e.g. `git archive BASE | tar -x -C .base`, carried),
 # built beside this one (give `build abbase`, in that order) and run as base / this / base / this
-# (AB_ROUNDS processes, default 4), one process each; ncu: Nsight Compute on NCU_CASES.
+# (AB_ROUNDS processes, default 4), one process each; with AB_VAR_SRC, a third tree built the same
+# way, the rounds go base / this / var; ncu: Nsight Compute on NCU_CASES.
 # Env: JAX_SOFTMAX_CUDA_ARCHS (default 90a-real: the device is an H100/H200), AB_BASE_SRC, BENCH_ARGS
 # (extra arguments for `python -m jax_softmax bench`), NCU_REGEX / NCU_SECTIONS / NCU_METRICS (kernels, ncu sections, extra metrics), TEST_ARGS (extra pytest arguments), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), TEST_MEM_FRACTION (each test process's share of GPU memory), AB_CASES, NCU_CASES, SANITIZE_COLS / RACECHECK_COLS (row lengths of scripts/sanitize_cases.py to run; SANITIZE_ALL_OPS=1 keeps all their calls), *_TIMEOUT (seconds).
 set -uo pipefail
@@ -36,6 +37,14 @@ if want abbase; then
      CMAKE_BUILD_PARALLEL_LEVEL=8 "$PY" -m pip install --no-build-isolation --no-deps --target "$BASE_SITE" \
      "${AB_BASE_SRC:?abbase needs AB_BASE_SRC}" >"$OUT/build_base.log" 2>&1) &
   base_build=$!
+  # AB_VAR_SRC: a third tree (a variant of this one), built and timed beside the other two.
+  VAR_SITE=/tmp/jax_softmax_var_site
+  if [ -n "${AB_VAR_SRC:-}" ]; then
+    (cd "$REPO" && rm -rf "$VAR_SITE" && JAX_SOFTMAX_CUDA=ON JAX_SOFTMAX_CUDA_ARCHS="${JAX_SOFTMAX_CUDA_ARCHS:-90a-real}" \
+       CMAKE_BUILD_PARALLEL_LEVEL=8 "$PY" -m pip install --no-build-isolation --no-deps --target "$VAR_SITE" \
+       "$AB_VAR_SRC" >"$OUT/build_var.log" 2>&1) &
+    var_build=$!
+  fi
 fi
 
 if want build; then
@@ -192,16 +201,21 @@ fi
 
 if want abbase; then
   wait "$base_build" || { tail -20 "$OUT/build_base.log"; echo "BASE BUILD FAILED"; exit 1; }
+  builds=(base this)
+  if [ -n "${AB_VAR_SRC:-}" ]; then
+    wait "$var_build" || { tail -20 "$OUT/build_var.log"; echo "VARIANT BUILD FAILED"; exit 1; }
+    builds+=(var)
+  fi
   logs=()
   for i in $(seq 1 "${AB_ROUNDS:-4}"); do
     logs+=("$OUT/abbase_$i.log")
-    if [ $((i % 2)) = 1 ]; then
-      profile_round "$OUT/abbase_$i.log" "build base" PYTHONPATH="$BASE_SITE"
-    else
-      profile_round "$OUT/abbase_$i.log" "build this"
-    fi
+    case ${builds[$(( (i - 1) % ${#builds[@]} ))]} in
+      base) profile_round "$OUT/abbase_$i.log" "build base" PYTHONPATH="$BASE_SITE" ;;
+      var) profile_round "$OUT/abbase_$i.log" "build var" PYTHONPATH="$VAR_SITE" ;;
+      *) profile_round "$OUT/abbase_$i.log" "build this" ;;
+    esac
   done
-  echo "== A/B against the base build: us per call (x over XLA), base / this / base / this =="
+  echo "== A/B against the base build: us per call (x over XLA), rounds in turn: ${builds[*]} =="
   profile_summary "${logs[@]}"
 fi
 

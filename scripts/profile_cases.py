@@ -136,7 +136,8 @@ for _dt, _name in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16")):
                262144, 1000001, 1048576):  # the last two: past the clusters, the two-pass kernel
         CASES[f"{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n))
     # Odd rows (read through 16-byte windows), one per tier: a warp, blocks, clusters.
-    for _n in (255, 1001, 4097, 4609, 5121, 6143, 8191, 8193, 16383, 32769, 100003, 262143):
+    for _n in (255, 1001, 2047, 4095, 4097, 4609, 5121, 6143, 8191, 8193, 16383, 32769, 100003,
+               262143):
         CASES[f"{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n))
     for _n in (32, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 50257, 65536, 131072,
                262144, 524288):

@@ -103,12 +103,15 @@ def special_rows(dtype):
     return rounded(np.array(SPECIAL_ROWS + extra), dtype)
 
 
+# Rows of 4 columns, and the same rows repeated to 1001 and 8193 columns, which take other kernels
+# on the GPU (16-bit: staged 32-lane rows and a staged block that keep x as loaded).
 @dtypes
 @funcs
 @pytest.mark.parametrize("masked", [False, True])
-def test_special_values_like_jax_nn(backend, device, dtype, fname, masked):
+@pytest.mark.parametrize("n", [4, 1001, 8193])
+def test_special_values_like_jax_nn(backend, device, dtype, fname, masked, n):
     f, ref_f, _ = FUNCS[fname]
-    x = special_rows(dtype)
+    x = np.tile(special_rows(dtype), (1, -(-n // 4)))[:, :n]
     where = None
     if masked:
         where = np.ones(x.shape, bool)
@@ -121,7 +124,9 @@ def test_special_values_like_jax_nn(backend, device, dtype, fname, masked):
 
 
 # Row lengths that take, on the GPU, a lane group (50), the staged lanes of 32 values per thread
-# (256), a block (8192) and a cluster (70000): every way a row's exps are shifted and merged.
+# (256, 1001), a block (8192), a staged block (8193) and a cluster (70000): every way a row's exps
+# are shifted and merged (16-bit rows of 256, 1001 and 8193 keep x as loaded and compute the
+# output's exps again).
 # (Session 14's exp with the shift folded into one FFMA overflowed here at 1e30: TUNING.md.)
 @pytest.mark.parametrize(
     "dtype,big",
@@ -130,7 +135,7 @@ def test_special_values_like_jax_nn(backend, device, dtype, fname, masked):
     ids=["f32", "f32-2^127", "f32-3e38", "f16", "bf16", "bf16-3e38"],
 )
 @funcs
-@pytest.mark.parametrize("n", [50, 256, 8192, 70000])
+@pytest.mark.parametrize("n", [50, 256, 1001, 8192, 8193, 70000])
 def test_huge_magnitudes_no_overflow(backend, device, rng, dtype, fname, big, n):
     f, _, log = FUNCS[fname]
     x = rng.uniform(-1, 1, size=(3, n)) * big
