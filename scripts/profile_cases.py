@@ -148,6 +148,9 @@ for _dt, _name in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16")):
     # Odd rows, read through 16-byte windows; and rows that fill a block tier partly (3000).
     for _n in (255, 3000, 4095, 4097, 8193, 16383, 32767, 65535, 262143):
         CASES[f"{_name}_bwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n, bwd=True))
+# float16 forward where its staged tiers keep x as loaded (and a register-tier control, 4096).
+for _n in (256, 1000, 1001, 4096, 6143, 8191, 8193, 16383):
+    CASES[f"f16_fwd_{_n}"] = (lambda n=_n: _row_case(jnp.float16, n))
 for _n in (256, 1024, 4096, 8192, 16384, 32768):
     for _dt, _name in (("float32", "f32"), ("bfloat16", "bf16")):
         CASES[f"triton_{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _triton_case(dt, n))
