@@ -27,15 +27,11 @@ constexpr int BlockThreads(int group) { return group > 32 ? group : 128; }
 // registers, so one CTA per SM, whose loads then stall at every row's barrier.
 constexpr int MinBlocksPerSm(int block) { return block >= 1024 ? 1 : 1024 / block; }
 
-// Registers per thread at most, on top of MinBlocksPerSm's bound (255: none). The staged block
-// tiers of 16-bit plain rows kept as loaded (kRawRows) hold half the registers' worth of values and
-// are held to fewer, so that more CTAs fit an SM: bfloat16 to 40 (ptxas sm_90a: 16-36 bytes of
-// spills; 9 warps then fit 5 CTAs per SM instead of 3), float16 to 56 (at 40 it spilled 92-112
-// bytes, at 48 32-56, at 56 none).
-template <typename T>
-constexpr int MaxRegisters(bool raw_block) {
-  return !raw_block ? 255 : std::is_same_v<T, __half> ? 56 : 40;
-}
+// Registers per thread at most, on top of MinBlocksPerSm's bound (255: none). The staged bfloat16
+// blocks that keep their rows as loaded (kRawRows) hold half the registers' worth of values and are
+// held to 40, so that more CTAs fit an SM (ptxas sm_90a: 16-36 bytes of spills; 9 warps then fit 5
+// CTAs per SM instead of 3, 8 warps 6 instead of 4, 16 warps 3 instead of 2).
+constexpr int MaxRegisters(bool raw_block) { return raw_block ? 40 : 255; }
 
 // The shape of a register tier (kGroup threads per row holding kElems values each in packs of kVec,
 // kRows rows per lane group and iteration), shared by the kernels that run it and their launchers.
@@ -643,17 +639,22 @@ struct RowLoader {
 };
 
 // The staged tiers that keep 16-bit plain rows as loaded (RowLoader::kRawFwd, finish_batch_raw_fwd):
-// lane groups and warps, and blocks of 256 threads or more (the odd rows of 5121-16384 columns,
-// LaunchStagedTier), whose CTAs fit an SM more often at 40 registers (MaxRegisters): 9 warps 5
-// times instead of 3. Not the clusters, nor the register tiers, nor blocks of 64-128 threads, where
-// the output's exps computed again cost more issue slots than the extra CTAs repay. Measured
-// (H200, session 21, bfloat16, us per call at 256 MiB, two A/B runs; values as floats / kept as
-// loaded): staged N = 1000 136 / 131, 1001 150 / 143, 32-512 within 1%; odd blocks 6143 146 /
-// 141, 8191 145 / 139, 8193 175 / 155, 16383 162 / 142; not kept: 2048 (2 warps) 128 / 133, 4095
-// (4 warps) 137 / 139, clusters 50257 169 / 197-202, 262144 156 / 159-167, and the register tiers
-// 4097 176 / 189-190, 32768 150 / 150-171, 65536 148 / 154-169 (at 56 and 40 registers).
+// lane groups and warps, and bfloat16 blocks of 256 threads or more (the odd rows of 5121-16384
+// columns, LaunchStagedTier), whose CTAs fit an SM more often at 40 registers (MaxRegisters): 9
+// warps 5 times instead of 3. Not the clusters, nor the register tiers, nor blocks of 64-128
+// threads, where the output's exps computed again cost more issue slots than the extra CTAs repay.
+// Measured (H200, session 21, us per call at 256 MiB, two A/B runs; values as floats / kept as
+// loaded): bfloat16 staged N = 1000 136 / 131, 1001 150 / 143, 32-512 within 1%; odd blocks 6143
+// 146 / 141, 8191 145 / 139, 8193 175 / 155, 16383 162 / 142; not kept: 2048 (2 warps) 128 / 133,
+// 4095 (4 warps) 137 / 139, clusters 50257 169 / 197-202, 262144 156 / 159-167, and the register
+// tiers 4097 176 / 189-190, 32768 150 / 150-171, 65536 148 / 154-169 (at 56 and 40 registers).
+// Float16 blocks spilled 92-112 bytes at 40 registers (ptxas; bfloat16 16-36), none at 56, where
+// only 9 warps gain a CTA: 8193 174 / 160, 6143 144 / 143, but 8191 143 / 150 and 16383 164 / 168;
+// so float16 keeps float values in its blocks (its lane groups: 1001 145 / 142, 256-1000 equal).
 template <typename Loader, int kGroup, int kCluster>
-constexpr bool kRawRows = Loader::kRawFwd && kCluster == 1 && (kGroup <= 32 || kGroup >= 256);
+constexpr bool kRawRows =
+    Loader::kRawFwd && kCluster == 1 &&
+    (kGroup <= 32 || (kGroup >= 256 && std::is_same_v<typename Loader::Elem, __nv_bfloat16>));
 
 // Block tiers (kGroup > 32 threads per row, one row per CTA, no cluster) run with as many warps as
 // the row needs rather than kGroup threads: launched with RowThreads (about 32 * ceil(W / (32 *
@@ -1745,8 +1746,8 @@ __device__ __forceinline__ StagedRange staged_wrap(const RowParams& p, int64_t r
 
 template <typename T, int kGroup, int kElems, int kVec, int kCluster, Access kAccess, int kRows = 1>
 __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThreads(kGroup)))
-    __maxnreg__(MaxRegisters<T>(kRawRows<RowLoader<T, kVec, false, kAccess>, kGroup, kCluster> &&
-                                kGroup > 32))
+    __maxnreg__(MaxRegisters(kRawRows<RowLoader<T, kVec, false, kAccess>, kGroup, kCluster> &&
+                             kGroup > 32))
     softmax_rows_staged_kernel(const RowParams p, const StagedTiles tiles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;

@@ -42,10 +42,10 @@
 // 8, 16, 32 lanes of up to E values, then blocks and clusters as above. (Float32 rows of up to
 // 32 V measured 1.0-1.15x faster there than on the register lane groups once each CTA takes one
 // tile.) Where no tile fits, the register tiers run; plain 16-bit rows of 2049-65536 columns
-// take the register tiers too (faster there, LaunchStagedTier). The staged lane groups, warps and
-// blocks of 256 threads or more keep 16-bit plain rows as loaded, two values per register, at
-// 40-56 registers per thread (kRawRows, MaxRegisters in softmax_kernels.cuh), for more CTAs per
-// SM; such rows need a scale > 0 (LaunchSoftmax).
+// take the register tiers too (faster there, LaunchStagedTier). The staged lane groups and warps
+// keep 16-bit plain rows as loaded, two values per register, and so do the staged bfloat16 blocks
+// of 256 threads or more, at 40 registers per thread for more CTAs per SM (kRawRows, MaxRegisters
+// in softmax_kernels.cuh); such rows need a scale > 0 (LaunchSoftmax).
 // Access modes (softmax_kernels.cuh): plain rows (no bias/mask/causal) of cols % V != 0 are read
 // through 16-byte-aligned windows (kWindowed) instead of element by element, and take the tier
 // of cols rounded up to V (WindowWidth); rows with a mask or bias and cols % V != 0, or

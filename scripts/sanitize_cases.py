@@ -65,9 +65,9 @@ CASES = [  # (rows, cols, dtype)
     # float32's 1024-thread block), each row's last columns alone in the last warp.
     (7, 4097, jnp.bfloat16),
     (5, 8193, jnp.float32),
-    # Staged 16-bit forward rows kept as loaded (kRawRows): a 256-thread block of float16 (6 of
-    # its 8 warps); bfloat16 1001 (32 lanes) and 16383 (512 threads) above.
-    (5, 6143, jnp.float16),
+    # Staged bfloat16 forward rows kept as loaded (kRawRows): a 256-thread block (6 of its 8
+    # warps); 1001 (32 lanes) and 16383 (512 threads) above.
+    (5, 6143, jnp.bfloat16),
 ]
 
 

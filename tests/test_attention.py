@@ -318,7 +318,7 @@ def test_scale_without_mask_or_bias(backend, device, rng, dtype, scale):
     # No bias, mask or causal limit: the plain kernels, and for rows whose length is not a
     # multiple of the vector width, the windowed ones, which read each row through an aligned
     # window: its positions outside the row must stay out under any scale (-inf times a scale
-    # <= 0 is not -inf). 16-bit rows of 1001 and 8193 columns take, on the GPU, staged tiers
+    # <= 0 is not -inf). bfloat16 rows of 1001 and 8193 columns take, on the GPU, staged tiers
     # that keep x as loaded, with -inf outside the row, for a scale > 0; other scales take the
     # kernels of masked rows.
     for k in (5, 7, 37, 1001, 8193):

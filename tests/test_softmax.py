@@ -104,7 +104,8 @@ def special_rows(dtype):
 
 
 # Rows of 4 columns, and the same rows repeated to 1001 and 8193 columns, which take other kernels
-# on the GPU (16-bit: staged 32-lane rows and a staged block that keep x as loaded).
+# on the GPU (bfloat16: staged 32-lane rows and a staged block that keep x as loaded; float16 the
+# 32-lane rows only).
 @dtypes
 @funcs
 @pytest.mark.parametrize("masked", [False, True])
@@ -125,8 +126,8 @@ def test_special_values_like_jax_nn(backend, device, dtype, fname, masked, n):
 
 # Row lengths that take, on the GPU, a lane group (50), the staged lanes of 32 values per thread
 # (256, 1001), a block (8192), a staged block (8193) and a cluster (70000): every way a row's exps
-# are shifted and merged (16-bit rows of 256, 1001 and 8193 keep x as loaded and compute the
-# output's exps again).
+# are shifted and merged (bfloat16 rows of 256, 1001 and 8193 and float16 rows of 256 and 1001 keep
+# x as loaded and compute the output's exps again).
 # (Session 14's exp with the shift folded into one FFMA overflowed here at 1e30: TUNING.md.)
 @pytest.mark.parametrize(
     "dtype,big",
