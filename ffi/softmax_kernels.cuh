@@ -939,16 +939,19 @@ __device__ __forceinline__ MaxSum<A> group_maxsum(A (&v)[N], bool any, bool log)
   return {m, group_allreduce<kGroup>(Sum<A>{exp_sum(v, m, any, log)}).s};
 }
 
-// A lane group's statistics (the row is the group's).
-template <int kGroup, typename A, int N>
-__device__ __forceinline__ FwdStats<A> group_fwd_stats(A (&v)[N], bool any, bool log) {
-  const MaxSum<A> row = group_maxsum<kGroup>(v, any, log);
+// A lane group's statistics (the row is the group's) from its (max, sum of exp(z - max)).
+template <typename A>
+__device__ __forceinline__ FwdStats<A> group_stats(MaxSum<A> row, bool log) {
   FwdStats<A> st;
   st.max = row.m;
   st.sum = row.s;
   st.log_sum = log ? log_acc(row.s) : A(0);
   st.factor = log ? A(0) : rcp_acc(row.s);
   return st;
+}
+template <int kGroup, typename A, int N>
+__device__ __forceinline__ FwdStats<A> group_fwd_stats(A (&v)[N], bool any, bool log) {
+  return group_stats(group_maxsum<kGroup>(v, any, log), log);
 }
 
 // Whether a row's sum says that nothing of the row takes part: -0 exactly. (Not the sign bit
@@ -1220,10 +1223,7 @@ __device__ __forceinline__ void finish_batch_raw_fwd(const RowParams& p,
     const A s = group_allreduce<kLanes>(Sum<A>{raw_exp_sum<T>(xs[r], scale, shift)}).s;
     FwdStats<A> st;
     if constexpr (kGroup <= 32) {
-      st.max = m;
-      st.sum = s;
-      st.log_sum = log ? log_acc(s) : A(0);
-      st.factor = log ? A(0) : rcp_acc(s);
+      st = group_stats(MaxSum<A>{m, s}, log);
     } else {
       const MaxSum<A> total = row_allreduce<S, kGroup, kCluster, kRuntime, /*kWarpReduced=*/true>(
           MaxSum<A>{m, s}, block_slots, cluster);
