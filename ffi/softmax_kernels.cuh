@@ -166,10 +166,11 @@ struct RowLoader {
 
   // x (or y): the vector at window offset w into xs if it lies wholly inside the row and at or
   // before the limit; zeros otherwise (a windowed row's partial end vectors are read element by
-  // element in load_fwd; vectors past the limit are never read).
-  __device__ __forceinline__ void fetch_x(int w, T (&xs)[kVec]) const {
+  // element in load_fwd; vectors past the limit are never read). wanted == false: not read
+  // either (a vector whose mask bytes are all zero, load_batch_fwd).
+  __device__ __forceinline__ void fetch_x(int w, T (&xs)[kVec], bool wanted = true) const {
     const int c = w - shift;
-    bool whole = c <= limit;
+    bool whole = wanted && c <= limit;
     if constexpr (kAccess == Access::kWindowed) whole = whole && c >= 0 && c + kVec <= end();
     zero_vec(xs);
     if (whole) load_vec<kVec>(in + w, xs);
@@ -775,31 +776,16 @@ __device__ __forceinline__ void load_batch_inside(const Loader (&loaders)[kRows]
   loaders[0].plain_values(reinterpret_cast<const T(&)[kN]>(xs), reinterpret_cast<A(&)[kN]>(v));
 }
 
-// kFetchX: x comes from global memory, so a 16-bit batch fetches it ahead, four vectors (64 bytes,
-// 16 registers) at a time: four loads in flight per thread where there was one. The staged kernels
-// (x from shared memory, whose latency is short) fetch each vector just before its values. Plain
-// batches whose vectors all lie inside their rows skip all of this (load_batch_inside).
-template <bool kFetchX, typename Loader, int kRows, int kPacks, int kVec, typename A>
-__device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], int first, int stride,
-                                               const BatchOperands<Loader, kRows, kPacks, kFetchX>& ops,
-                                               A (&v)[kRows][kPacks][kVec], bool (&any)[kRows]) {
+// load_batch_fwd's split loads: x fetched ahead, kAtOnce vectors at a time, then the values.
+// kSkip: a vector whose mask bytes (fetched ahead) are all zero is not read; its x loads then wait
+// for the mask's (RowParams::skip_masked says where that pays).
+template <bool kSkip, bool kFetchX, typename Loader, int kRows, int kPacks, int kVec, typename A>
+__device__ __forceinline__ void load_batch_split(const Loader (&loaders)[kRows], int first, int stride,
+                                                 const BatchOperands<Loader, kRows, kPacks, kFetchX>& ops,
+                                                 A (&v)[kRows][kPacks][kVec], bool (&any)[kRows]) {
   using T = typename Loader::Elem;
   using Ops = BatchOperands<Loader, kRows, kPacks, kFetchX>;
-  if constexpr (Loader::kPlain) {
-    if (batch_inside<kPacks>(loaders, first, stride)) {
-      load_batch_inside(loaders, first, stride, v, any);
-      return;
-    }
-  }
-  if constexpr (!Ops::kSplit) {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      any[r] = false;
-#pragma unroll
-      for (int k = 0; k < kPacks; ++k) any[r] |= loaders[r].load_fwd_direct(first + k * stride, v[r][k]);
-    }
-    return;
-  }
+  static_assert(!kSkip || Ops::kAhead, "skipping needs the mask bytes ahead");
   constexpr int kN = kRows * kPacks;  // vectors, row-major: i = r * kPacks + k
   constexpr int kAtOnce = kFetchX ? (kN < 4 ? kN : 4) : 1;
 #pragma unroll
@@ -809,8 +795,11 @@ __device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], i
     T xs[kAtOnce][kVec];
 #pragma unroll
     for (int j = 0; j < kAtOnce; ++j) {
-      const int i = i0 + j;
-      if (i < kN) loaders[i / kPacks].fetch_x(first + (i % kPacks) * stride, xs[j]);
+      const int i = i0 + j, r = i / kPacks, k = i % kPacks;
+      if (i >= kN) break;
+      bool wanted = true;
+      if constexpr (kSkip) wanted = Loader::any_byte(ops.mask[r][k]);
+      loaders[r].fetch_x(first + k * stride, xs[j], wanted);
     }
 #pragma unroll
     for (int j = 0; j < kAtOnce; ++j) {
@@ -828,6 +817,44 @@ __device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], i
       any[r] |= loaders[r].template load_fwd<Ops::kBiasAhead>(w, xs[j], mask, bias, v[r][k]);
     }
   }
+}
+
+// kFetchX: x comes from global memory, so a 16-bit batch fetches it ahead, four vectors (64 bytes,
+// 16 registers) at a time: four loads in flight per thread where there was one. The staged kernels
+// (x from shared memory, whose latency is short) fetch each vector just before its values. Plain
+// batches whose vectors all lie inside their rows skip all of this (load_batch_inside).
+// skip_masked (RowParams): batches that fetch x and the mask bytes ahead do not read x where a
+// vector's mask bytes are all zero.
+template <bool kFetchX, typename Loader, int kRows, int kPacks, int kVec, typename A>
+__device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], int first, int stride,
+                                               const BatchOperands<Loader, kRows, kPacks, kFetchX>& ops,
+                                               A (&v)[kRows][kPacks][kVec], bool (&any)[kRows],
+                                               bool skip_masked) {
+  using Ops = BatchOperands<Loader, kRows, kPacks, kFetchX>;
+  if constexpr (Loader::kPlain) {
+    if (batch_inside<kPacks>(loaders, first, stride)) {
+      load_batch_inside(loaders, first, stride, v, any);
+      return;
+    }
+  }
+  if constexpr (!Ops::kSplit) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      any[r] = false;
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) any[r] |= loaders[r].load_fwd_direct(first + k * stride, v[r][k]);
+    }
+    return;
+  }
+  // Not rows read element by element (kVec == 1), whose clusters then spilled 52 bytes (ptxas
+  // sm_90a, bfloat16).
+  if constexpr (kFetchX && Ops::kAhead && kVec > 1) {
+    if (skip_masked) {
+      load_batch_split<true>(loaders, first, stride, ops, v, any);
+      return;
+    }
+  }
+  load_batch_split<false>(loaders, first, stride, ops, v, any);
 }
 
 // The forward's loads of a batch of 16-bit plain rows kept as loaded (RowLoader::kRawFwd): every
@@ -1608,7 +1635,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
       } else {
         BatchOperands<Loader, kRows, kPacks, true> ops;
         fetch_batch_operands(loaders, first_col, stride, ops);
-        load_batch_fwd<true>(loaders, first_col, stride, ops, v, any);
+        load_batch_fwd<true>(loaders, first_col, stride, ops, v, any, p.skip_masked);
       }
     } else {
       // Backward rows in float values, and the other float32/float64 general forward rows: each
@@ -1873,7 +1900,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
       load_batch_raw(loaders, first_col, stride, xs);
     } else if constexpr (Loader::kPlain || Ops::kSplit) {
       if constexpr (!Ops::kAhead) prepare();
-      load_batch_fwd<false>(loaders, first_col, stride, ops, v, any);
+      load_batch_fwd<false>(loaders, first_col, stride, ops, v, any, false);
     } else {
       // Float32 general rows of more than two per thread, and float64 general rows: each row's
       // loader built just before its loads (as in softmax_rows_kernel), each vector loaded and
@@ -1952,7 +1979,7 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
       } else {
         BatchOperands<Loader, 1, kUnroll, true> ops;
         fetch_batch_operands(loaders, first, kBlock * kVec, ops);
-        load_batch_fwd<true>(loaders, first, kBlock * kVec, ops, vb, any);
+        load_batch_fwd<true>(loaders, first, kBlock * kVec, ops, vb, any, p.skip_masked);
       }
       if constexpr (!kBwd) {
         // log=true keeps v: the sums are all this pass needs. A tile with nothing taking part
@@ -1992,7 +2019,7 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
           bool any[1];
           const int first = t0 + int(threadIdx.x) * kVec;
           fetch_batch_operands(loaders, first, kBlock * kVec, ops);
-          load_batch_fwd<true>(loaders, first, kBlock * kVec, ops, vb, any);
+          load_batch_fwd<true>(loaders, first, kBlock * kVec, ops, vb, any, p.skip_masked);
 #pragma unroll
           for (int k = 0; k < kUnroll; ++k) {
             A o[kVec];

@@ -329,6 +329,17 @@ inline bool NarrowClusters() {
   return narrow;
 }
 
+// Whether consecutive rows read the same mask row: the mask's innermost row axis is broadcast
+// (a (B, 1, 1, Sk) padding mask over B x H x Sq rows), or one mask row serves every row. Such a
+// row stays in L1 from one row to the next, so the forward can wait for its bytes before it reads
+// x, and leave out x where they are zero (RowParams::skip_masked). Measured (session 22, H200,
+// bfloat16 attention, a padding mask keeping the first S/2..S keys): see TUNING.md.
+// JAX_SOFTMAX_SKIP_MASKED=0 (read once; for A/B runs) reads x everywhere.
+inline bool SkipMaskedX(const RowParams& p) {
+  static const bool enabled = EnvKnob("JAX_SOFTMAX_SKIP_MASKED", 1) != 0;
+  return enabled && p.mask.data && (p.mask.ndims == 0 || p.mask.strides[p.mask.ndims - 1] == 0);
+}
+
 // RowOrder for a call: the copies of a bias or mask broadcast over the outermost row axes. Every
 // present operand must be broadcast there (the merged row axes are common to all of them), and
 // some inner axis must not be (else one operand row serves every row). Only where memory order
@@ -431,25 +442,32 @@ constexpr bool kNarrowGeneralTiers =
 // register tiers have it in flight with x), and a causal row on a tile of several rows is
 // copied whole where the register tiers skip the excluded half. So: short rows (cols <=
 // short_cols, the staged tiers of up to 16 lanes; at S = 512 the bench then read -1 to +3 points
-// against session 5's register tiers), and longer rows whose only operand is a mask that
-// consecutive rows share (innermost row stride 0: a (B, 1, 1, Sk) padding mask). Where the
+// against session 5's register tiers), and longer rows whose only operand is a mask, where the
 // register tier that would take the row does not fetch its mask bytes ahead of its values
 // (float32 rows of 32 values per thread, beyond 512 x 16 columns: they load and use one vector at
-// a time, BatchOperands), rows whose only operand is a mask, shared or not: their staged tiers
-// fetch it before the stage's wait. Measured (session 10, float32 attention, full mask
-// (1, 1, S, S), register tiers of 32 values): S = 1024-4096 1.10-1.18x faster staged; with a bias
-// 0.94-0.98x, causal 0.86x. Since session 11 the float32 register tiers to 512 x 16 fetch ahead
-// (16 values per thread), and there the full mask ran as fast on them as staged (S = 1024 146 vs
-// 148 us, 4096 563 vs 559).
+// a time, BatchOperands): their staged tiers fetch it before the stage's wait. Measured (session
+// 10, float32 attention, full mask (1, 1, S, S), register tiers of 32 values): S = 1024-4096
+// 1.10-1.18x faster staged; with a bias 0.94-0.98x, causal 0.86x. Since session 11 the float32
+// register tiers to 512 x 16 fetch ahead (16 values per thread), and there the full mask ran as
+// fast on them as staged (S = 1024 146 vs 148 us, 4096 563 vs 559). Rows whose mask row
+// consecutive rows share (a (B, 1, 1, Sk) padding mask) took the staged tiers too until session
+// 22, when the register tiers, which fetch the mask ahead, measured faster for bfloat16 even
+// reading all of x (us per call, staged -> register, a padding mask: S = 1024 137 -> 135, 2048
+// 148 -> 138, 4096 142 -> 140, 8192 151 -> 147; float32 2048 133 -> 132, 8192 134 -> 138); there
+// they also leave out x where the mask is zero (RowParams::skip_masked): the bench's padding mask
+// (the first S/2..S keys kept), bfloat16 S = 1024 136 -> 133 us, 8192 149 -> 145, float32 2048
+// 131 -> 124, 4096 133 -> 129. Float32 rows of more than 4096 columns stay staged (8192: 134
+// staged, 139-140 on the register tiers with or without skipping).
 // JAX_SOFTMAX_STAGED_GENERAL (read once; tuning): 0 never, 2 always, anything else this rule.
-inline bool StageGeneralRows(const RowParams& p, int64_t short_cols, bool register_tiers_ahead) {
+inline bool StageGeneralRows(const RowParams& p, size_t elem_bytes, int64_t short_cols,
+                             bool register_tiers_ahead) {
   static const long knob = EnvKnob("JAX_SOFTMAX_STAGED_GENERAL", 1);
   if (knob == 0 || knob == 2) return knob == 2;
   if (p.cols <= short_cols) return true;
   const bool mask_only = p.mask.data && !p.bias.data && p.causal.d == 0;
   if (!register_tiers_ahead) return mask_only;
   const bool shared_mask = p.mask.ndims == 0 || p.mask.strides[p.mask.ndims - 1] == 0;
-  return mask_only && shared_mask;
+  return mask_only && shared_mask && elem_bytes == 4 && p.cols > 4096;
 }
 
 // Window offsets a row takes: its columns, rounded up to whole vectors for windowed rows (their
@@ -618,7 +636,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     constexpr bool kAheadRows = BatchOperands<Loader, 1, kEB / kVec, /*kFetchX=*/true>::kAhead;
     constexpr bool kAheadLong = BatchOperands<Loader, 1, kE / kVec, /*kFetchX=*/true>::kAhead;
     const bool register_ahead = c.p.cols <= 512 * kEB ? kAheadRows : kAheadLong;
-    if (!StageGeneralRows(c.p, 16 * kE, register_ahead)) return std::nullopt;
+    if (!StageGeneralRows(c.p, sizeof(T), 16 * kE, register_ahead)) return std::nullopt;
   }
   const int64_t n = WindowWidth<kVec, kAccess>(c.p.cols);
   // Plain 16-bit rows of 2049-65536 columns run faster on the register tiers (H200, session 18,
@@ -807,6 +825,7 @@ ffi::Error LaunchSoftmax(const RowParams& p, cudaStream_t stream) {
   RowParams params = p;
   params.prefetch = PrefetchEnabled() && dev->cc_major >= 9;
   params.order = OperandReuseOrder(p, kBwd ? 3 : 2, sizeof(T), *dev);
+  params.skip_masked = !kBwd && SkipMaskedX(p);
   const LaunchCtx ctx{params, stream, device, *dev, dev->cc_major >= 9 && DependentLaunchEnabled()};
   // XLA aligns buffers; the check costs nothing and depends on addresses, never on data.
   const bool ptrs_aligned = Aligned16(p.in) && Aligned16(p.out) &&

@@ -217,9 +217,11 @@ def test_staged_ring_wraps(backend, device, rng, dtype, tier):
     # of 8 x 256 (50257), whose tiles start before their row and end in the next (the last one at
     # x's end); float32 odd rows of up to 2^16 columns take the register tiers (LaunchStagedTier).
     # Softmax and log_softmax, with their backward (register tiers), without and with a `where`
-    # mask of shape (1, N): a mask that consecutive rows share, which the staged tiers take at
-    # every row length (x in the stages, the mask read from global memory; StageGeneralRows).
-    # Masks of shape (rows, N) are staged up to N = 16 E only; the other tests cover them.
+    # mask of shape (1, N): a mask that consecutive rows share, which the staged tiers take up to
+    # N = 16 E, and for float32 beyond 4096 columns (x in the stages, the mask read from global
+    # memory; StageGeneralRows); the register tiers take the others, leaving out x where the mask
+    # is zero (test_padding_mask_skips_masked_vectors). Masks of shape (rows, N) are staged up to
+    # N = 16 E only; the other tests cover them.
     v = VEC[dtype]
     n = int(tier[:-1]) * v if tier.endswith("V") else int(tier)
     rows = (2**26 // np.dtype(dtype).itemsize // n) | 1  # 64 MiB
@@ -481,3 +483,70 @@ def test_broadcast_operand_order(backend, device, rng, dtype, operands):
         z = s.astype(np.float64) * 0.5 + (0.0 if bias is None else bias.astype(np.float64))
         valid = attention_valid(s.shape, mask, causal)
         check_scores_vjp(y, ds, z, g, valid, 0.5, dtype, what=f"{operands} shape={s.shape}")
+
+
+def padding_mask(rng, b, sk, vec):
+    """A (b, 1, 1, sk) padding mask with whole vectors of zeros: batch element 0 keeps a prefix
+    ending inside a vector, 1 keeps everything, 2 nothing, 3 a prefix with holes (a run of zero
+    vectors, one kept key alone inside another run, a zero vector before the last one), and any
+    further ones random prefixes."""
+    mask = np.zeros((b, 1, 1, sk), bool)
+    mask[0, ..., : max(1, sk // 2 + 3)] = True
+    mask[1] = True
+    if b > 3:
+        m = mask[3, 0, 0]
+        m[: sk - sk // 5] = True
+        m[sk // 4 : sk // 4 + 4 * vec] = False
+        m[sk // 2 : sk // 2 + 3 * vec] = False
+        m[sk // 2 + vec + 1] = True
+        m[max(0, sk - 2 * vec) : max(0, sk - vec)] = False
+        m[-1] = True
+    for i in range(4, b):
+        mask[i, ..., : int(rng.integers(1, sk + 1))] = True
+    return mask
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("operands", ["mask", "mask_bias", "mask_causal"])
+def test_padding_mask_skips_masked_vectors(backend, device, rng, dtype, operands):
+    # A mask row that consecutive rows share (a (B, 1, 1, Sk) padding mask) lets the forward leave
+    # out x where a vector's mask bytes are all zero (RowParams::skip_masked), on the register
+    # tiers that take such rows from Sk = 513 on: warps (520, 1032), blocks (8200, 16384) and
+    # clusters (40000; float32 from 16384). Float32 rows of more than 4096 keys whose only operand
+    # is the mask, and rows of up to 512 keys (136), take the staged tiers and read all of x; 4089
+    # (not whole vectors) is read element by element. x holds NaN and inf where the mask excludes
+    # a key, so a position read or used where it is not kept fails.
+    b, h, sq = 5, 2, 3
+    vec = VEC[dtype]
+    cases = []
+    for sk in [136, 520, 1032, 4089, 8200, 16384, 40000]:
+        mask = padding_mask(rng, b, sk, vec)
+        s = rounded(rng.standard_normal((b, h, sq, sk)) * 2.0, dtype)
+        s = np.where(mask, s, np.array([np.nan, np.inf, -np.inf], dtype)[np.arange(sk) % 3])
+        bias = rounded(rng.standard_normal((1, h, 1, sk)), dtype) if operands == "mask_bias" else None
+        cases.append((s.astype(dtype), bias, mask, rounded(rng.standard_normal(s.shape), dtype)))
+    causal = operands == "mask_causal"
+    placed = [put(device, *c) for c in cases]
+    for s, *_ in cases:
+        poison(device, s.shape, dtype, count=2)
+
+    def fn(s_, b_, m_, g_):
+        y, pull = jax.vjp(
+            lambda s_: js.attention_softmax(s_, scale=0.5, bias=b_, mask=m_, is_causal=causal), s_
+        )
+        # The same mask as softmax's `where` of shape (Sk,), broadcast over every row.
+        w = js.softmax(s_[1:2], where=m_[0, 0, 0])
+        return y, *pull(g_), w
+
+    results = jax.jit(lambda cs: [fn(*c) for c in cs])(placed)
+    for (s, bias, mask, g), (y, ds, w) in zip(cases, results):
+        valid = attention_valid(s.shape, mask, causal)
+        z = np.where(valid, s.astype(np.float64), 0.0) * 0.5
+        z = z + (0.0 if bias is None else bias.astype(np.float64))
+        what = f"{operands} shape={s.shape}"
+        check_scores_vjp(y, ds, z, g, valid, 0.5, dtype, what=what)
+        assert np.all(np.asarray(y)[~valid] == 0) and np.all(np.asarray(ds)[~valid] == 0), what
+        valid_w = np.broadcast_to(mask[0], s[1:2].shape)
+        x_w = np.where(valid_w, s[1:2].astype(np.float64), 0.0)
+        assert_close(np.asarray(w), np_softmax(x_w, -1, valid_w), dtype, what="where " + what)
