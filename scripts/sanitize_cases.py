@@ -91,6 +91,14 @@ def main():
             s = jnp.asarray(rng.standard_normal((2, 3, min(cols, 257), cols)), dtype)
             y, vjp = jax.vjp(lambda a: jax_softmax.attention_softmax(a, scale=0.5, is_causal=True), s)
             vjp(jnp.ones_like(y))[0].block_until_ready()
+        if every_op:
+            # A (B, 1, 1, Sk) padding mask, whose row consecutive rows share: the forward leaves
+            # out x where a whole vector is masked (RowParams::skip_masked), here the second half
+            # of batch element 0's keys.
+            s = jnp.asarray(rng.standard_normal((2, 3, 5, cols)), dtype)
+            pad = jnp.arange(cols) < jnp.array([cols // 2 + 3, cols])[:, None, None, None]
+            y, vjp = jax.vjp(lambda a: jax_softmax.attention_softmax(a, scale=0.5, mask=pad), s)
+            vjp(jnp.ones_like(y))[0].block_until_ready()
         if every_op and cols <= 65536:
             # A (1, H, Sq, Sk) bias and a (1, 1, Sq, Sk) mask broadcast over the batch: CTAs take
             # the batches of rows copy by copy (RowOrder).
