@@ -144,10 +144,10 @@ struct RowParams {
   RowDivisor causal{0, false};  // divides by the query length Sq; d == 0: no causal mask
   bool prefetch = false;  // CUDA, 16-bit forward rows: prefetch each CTA's next rows into L2
   // CUDA forward: x is not read where a vector's mask bytes are all zero, in the kernels that
-  // fetch the mask bytes ahead of x (load_batch_fwd). The launcher sets it where consecutive rows
-  // share their mask row (a (B, 1, 1, Sk) padding mask, SharedMaskRow), which then comes from L1:
-  // x's loads wait for it. A mask row of its own per row would add a DRAM or L2 latency to each
-  // batch's loads.
+  // fetch the mask bytes ahead of x (load_batch_fwd), whose x loads then wait for them. The
+  // launcher sets it where consecutive rows share their mask row (a (B, 1, 1, Sk) padding mask,
+  // SkipMaskedX), which comes from L1 or L2; a mask row of its own per row would put a DRAM
+  // latency before each batch's loads.
   bool skip_masked = false;
   RowOrder order;         // CUDA: which rows each CTA takes (the launcher sets it)
   BroadcastView bias;     // forward only; element type = the input's

@@ -330,14 +330,19 @@ inline bool NarrowClusters() {
 }
 
 // Whether consecutive rows read the same mask row: the mask's innermost row axis is broadcast
-// (a (B, 1, 1, Sk) padding mask over B x H x Sq rows), or one mask row serves every row. Such a
-// row stays in L1 from one row to the next, so the forward can wait for its bytes before it reads
-// x, and leave out x where they are zero (RowParams::skip_masked). Measured (session 22, H200,
-// bfloat16 attention, a padding mask keeping the first S/2..S keys): see TUNING.md.
+// (a (B, 1, 1, Sk) padding mask over B x H x Sq rows), or one mask row serves every row.
+inline bool SharedMaskRow(const RowParams& p) {
+  return p.mask.data && (p.mask.ndims == 0 || p.mask.strides[p.mask.ndims - 1] == 0);
+}
+
+// Where the forward waits for the mask bytes before it reads x, and leaves out x where they are
+// zero (RowParams::skip_masked): a shared mask row, which comes from L1 or L2 rather than DRAM
+// (ncu, session 22: L1 served a fifth of its reads, L2 the rest). Measured (H200, bfloat16
+// attention, a padding mask keeping the first S/2..S keys): see TUNING.md, session 22.
 // JAX_SOFTMAX_SKIP_MASKED=0 (read once; for A/B runs) reads x everywhere.
 inline bool SkipMaskedX(const RowParams& p) {
   static const bool enabled = EnvKnob("JAX_SOFTMAX_SKIP_MASKED", 1) != 0;
-  return enabled && p.mask.data && (p.mask.ndims == 0 || p.mask.strides[p.mask.ndims - 1] == 0);
+  return enabled && SharedMaskRow(p);
 }
 
 // RowOrder for a call: the copies of a bias or mask broadcast over the outermost row axes. Every
@@ -466,8 +471,7 @@ inline bool StageGeneralRows(const RowParams& p, size_t elem_bytes, int64_t shor
   if (p.cols <= short_cols) return true;
   const bool mask_only = p.mask.data && !p.bias.data && p.causal.d == 0;
   if (!register_tiers_ahead) return mask_only;
-  const bool shared_mask = p.mask.ndims == 0 || p.mask.strides[p.mask.ndims - 1] == 0;
-  return mask_only && shared_mask && elem_bytes == 4 && p.cols > 4096;
+  return mask_only && SharedMaskRow(p) && elem_bytes == 4 && p.cols > 4096;
 }
 
 // Window offsets a row takes: its columns, rounded up to whole vectors for windowed rows (their

@@ -445,6 +445,23 @@ def check_attention(device, rng, dtype, s):
     assert_close(db, dz.sum(**red), dtype, tol=GRAD_TOL, mag=mag.sum(**red), what=f"d bias S={s}")
 
 
+def run_attention_cases(device, cases, dtype, causal, extra=None):
+    """(scores, bias, mask, dy) cases in one jitted call, device memory of each scores' size
+    poisoned first: per case attention_softmax's output at scale 0.5 and its scores cotangent for
+    dy, then extra(scores, mask) where given."""
+    placed = [put(device, *c) for c in cases]
+    for s, *_ in cases:
+        poison(device, s.shape, dtype, count=2)
+
+    def fn(s_, b_, m_, g_):
+        y, pull = jax.vjp(
+            lambda s_: js.attention_softmax(s_, scale=0.5, bias=b_, mask=m_, is_causal=causal), s_
+        )
+        return (y, *pull(g_)) + ((extra(s_, m_),) if extra else ())
+
+    return jax.jit(lambda cs: [fn(*c) for c in cs])(placed)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
 @pytest.mark.parametrize("operands", ["bias", "mask", "both", "bias_causal"])
@@ -468,17 +485,7 @@ def test_broadcast_operand_order(backend, device, rng, dtype, operands):
             mask[0, 0, 1] = False  # a fully excluded row in every copy
         cases.append((s, bias, mask, rounded(rng.standard_normal(s.shape), dtype)))
     causal = operands == "bias_causal"
-    placed = [put(device, *c) for c in cases]
-    for s, *_ in cases:
-        poison(device, s.shape, dtype, count=2)
-
-    def fn(s_, b_, m_, g_):
-        y, pull = jax.vjp(
-            lambda s_: js.attention_softmax(s_, scale=0.5, bias=b_, mask=m_, is_causal=causal), s_
-        )
-        return y, *pull(g_)
-
-    results = jax.jit(lambda cs: [fn(*c) for c in cs])(placed)
+    results = run_attention_cases(device, cases, dtype, causal)
     for (s, bias, mask, g), (y, ds) in zip(cases, results):
         z = s.astype(np.float64) * 0.5 + (0.0 if bias is None else bias.astype(np.float64))
         valid = attention_valid(s.shape, mask, causal)
@@ -527,19 +534,10 @@ def test_padding_mask_skips_masked_vectors(backend, device, rng, dtype, operands
         bias = rounded(rng.standard_normal((1, h, 1, sk)), dtype) if operands == "mask_bias" else None
         cases.append((s.astype(dtype), bias, mask, rounded(rng.standard_normal(s.shape), dtype)))
     causal = operands == "mask_causal"
-    placed = [put(device, *c) for c in cases]
-    for s, *_ in cases:
-        poison(device, s.shape, dtype, count=2)
-
-    def fn(s_, b_, m_, g_):
-        y, pull = jax.vjp(
-            lambda s_: js.attention_softmax(s_, scale=0.5, bias=b_, mask=m_, is_causal=causal), s_
-        )
-        # The same mask as softmax's `where` of shape (Sk,), broadcast over every row.
-        w = js.softmax(s_[1:2], where=m_[0, 0, 0])
-        return y, *pull(g_), w
-
-    results = jax.jit(lambda cs: [fn(*c) for c in cs])(placed)
+    # The same mask as softmax's `where` of shape (Sk,), broadcast over every row.
+    results = run_attention_cases(
+        device, cases, dtype, causal, extra=lambda s_, m_: js.softmax(s_[1:2], where=m_[0, 0, 0])
+    )
     for (s, bias, mask, g), (y, ds, w) in zip(cases, results):
         valid = attention_valid(s.shape, mask, causal)
         z = np.where(valid, s.astype(np.float64), 0.0) * 0.5
