@@ -519,19 +519,23 @@ def padding_mask(rng, b, sk, vec):
 def test_padding_mask_skips_masked_vectors(backend, device, rng, dtype, operands):
     # A mask row that consecutive rows share (a (B, 1, 1, Sk) padding mask) lets the forward leave
     # out x where a vector's mask bytes are all zero (RowParams::skip_masked), on the register
-    # tiers that take such rows from Sk = 513 on: warps (520, 1032), blocks (8200, 16384) and
-    # clusters (40000; float32 from 16384). Float32 rows of more than 4096 keys whose only operand
-    # is the mask, and rows of up to 512 keys (136), take the staged tiers and read all of x; 4089
-    # (not whole vectors) is read element by element. x holds NaN and inf where the mask excludes
-    # a key, so a position read or used where it is not kept fails.
+    # tiers that take such rows from Sk = 513 on: warps (520, 1032), blocks (8200, 16384),
+    # clusters (40000; float32 from 16384) and, with the mask alone, the two-pass kernel beyond the
+    # clusters (2^19 + 8). Float32 rows of more than 4096 keys whose only operand is the mask,
+    # and rows of up to 512 keys (136), take the staged tiers and read all of x; 4089 (not whole
+    # vectors) is read element by element. x holds NaN and inf where the mask excludes a key, so a
+    # position read or used where it is not kept fails.
     b, h, sq = 5, 2, 3
     vec = VEC[dtype]
     cases = []
-    for sk in [136, 520, 1032, 4089, 8200, 16384, 40000]:
+    sizes = [136, 520, 1032, 4089, 8200, 16384, 40000]
+    for sk in sizes + ([2**19 + 8] if operands == "mask" else []):
         mask = padding_mask(rng, b, sk, vec)
         s = rounded(rng.standard_normal((b, h, sq, sk)) * 2.0, dtype)
         s = np.where(mask, s, np.array([np.nan, np.inf, -np.inf], dtype)[np.arange(sk) % 3])
-        bias = rounded(rng.standard_normal((1, h, 1, sk)), dtype) if operands == "mask_bias" else None
+        bias = None
+        if operands == "mask_bias":
+            bias = rounded(rng.standard_normal((1, h, 1, sk)), dtype)
         cases.append((s.astype(dtype), bias, mask, rounded(rng.standard_normal(s.shape), dtype)))
     causal = operands == "mask_causal"
     # The same mask as softmax's `where` of shape (Sk,), broadcast over every row.
