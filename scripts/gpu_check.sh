@@ -140,7 +140,8 @@ if want knobs; then
   # staged row tiers with a ring (3 tiles per CTA; by default each CTA reduces one tile) and
   # persistent register row grids (by default one CTA per batch); every masked, biased or causal
   # row staged (by default only short ones and some rows whose only operand is a mask:
-  # StageGeneralRows), whose one-row tiles copy only up to the causal limit. Not the long-key tests ($big), too large for three at once.
+  # StageGeneralRows), whose one-row tiles copy only up to the causal limit. Not the long-key
+  # tests ($big), too large for three at once.
   for knobs in JAX_SOFTMAX_STAGED=0 JAX_SOFTMAX_TILES_PER_CTA=3,JAX_SOFTMAX_WAVES=1 JAX_SOFTMAX_STAGED_GENERAL=2; do
     test_job "${knobs//[=,]/_}" ${knobs//,/ } XLA_PYTHON_CLIENT_MEM_FRACTION=0.25 -- \
       -k "$(with_test_k "gpu and test_kernel_tiers and (many_long_rows or staged_ring or causal) and not ($big)")"
