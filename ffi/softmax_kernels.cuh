@@ -1515,6 +1515,11 @@ __device__ __forceinline__ int64_t ordered_row(const RowParams& p, int64_t mem0)
   return mem0;
 }
 
+// Float backward rows of more than 16 values per thread read y and dy twice
+// (backward_row_reread).
+template <typename Loader, int kElems>
+constexpr bool kRereadRows = Loader::kBackward && !Loader::kRawBwd && kElems > 16;
+
 // kRows: rows a lane group handles per iteration (lane-group tiers only). Their lanes hold one or
 // two vectors of a row, so several rows are loaded before the first shuffle to keep enough bytes
 // in flight; their reductions are independent shuffle chains.
@@ -1529,9 +1534,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   constexpr int kBlock = Tier::kBlock, kRowsPerBlock = Tier::kRowsPerBlock, kPacks = Tier::kPacks;
   constexpr int64_t kChunk = Tier::kChunk;
   static_assert(kCluster == 1 || kGroup == kBlock, "a cluster splits whole-block rows");
-  // Float backward rows of more than 16 values per thread read y and dy twice
-  // (backward_row_reread).
-  constexpr bool kRereadBwd = kBwd && !Loader::kRawBwd && kElems > 16;
+  constexpr bool kRereadBwd = kRereadRows<Loader, kElems>;
   static_assert(!kRereadBwd || (kRows == 1 && kGroup == kBlock), "whole-block rows");
   wait_prior_grids_release_next();
 
@@ -1548,7 +1551,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   const int lane = threadIdx.x % kGroup;
   const int group = threadIdx.x / kGroup;
   const int first_col = static_cast<int>((kCluster > 1 ? cluster_rank() : 0) * kChunk) + lane * kVec;
-  const int64_t num_ctas = gridDim.x / kCluster;
+  // Rows go to clusters (of a run-time size, cluster_ctas) or CTAs.
+  const int64_t num_ctas = kCluster > 1 ? cluster_count() : gridDim.x;
+  const int64_t unit = kCluster > 1 ? cluster_index() : blockIdx.x;
 
   uint32_t use = 0;  // rows (batches) this CTA has reduced: picks the reduction buffers
   // The loop bound is uniform over the block (and cluster): lane groups past the last row still
@@ -1556,7 +1561,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   // row0 + r * (groups per block) + group, so each load instruction of a warp covers
   // neighbouring rows. The loop runs over batches in memory order (from `mem0`); rows with a
   // bias or mask take them in p.order (RowOrder).
-  for (int64_t mem0 = int64_t(blockIdx.x / kCluster) * kRowsPerBlock; mem0 < p.rows;
+  for (int64_t mem0 = unit * kRowsPerBlock; mem0 < p.rows;
        mem0 += num_ctas * kRowsPerBlock, ++use) {
     const int stride = pack_stride<Loader, kGroup, kPacks * kVec, kCluster>();
     const int64_t row0 = ordered_row<kAccess, kRowsPerBlock>(p, mem0);
@@ -1801,7 +1806,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   const int group = threadIdx.x / kGroup;
   const int64_t col_base = kCluster > 1 ? int64_t(cluster_rank()) * kChunk : 0;
   const int first_col = static_cast<int>(col_base) + lane * kVec;
-  const int64_t num_ctas = gridDim.x / kCluster;
+  // Tiles go to clusters (of a run-time size, cluster_ctas) or CTAs.
+  const int64_t num_ctas = kCluster > 1 ? cluster_count() : gridDim.x;
   const int64_t num_tiles = (p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   const int stages = tiles.stages;
 
@@ -1837,7 +1843,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     cluster_sync_all();
   else
     __syncthreads();
-  const int64_t first_tile = blockIdx.x / kCluster;
+  const int64_t first_tile = kCluster > 1 ? cluster_index() : blockIdx.x;
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s)
       if (first_tile + s * num_ctas < num_tiles)
@@ -1849,7 +1855,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   uint32_t phase = 0;
   uint32_t use = 0;  // tiles this CTA has reduced: picks the reduction buffers
   // The loop bound is uniform over the block and the cluster (the CTAs of a cluster share
-  // blockIdx.x / kCluster), as the reductions need.
+  // first_tile), as the reductions need.
   for (int64_t tile = first_tile; tile < num_tiles; tile += num_ctas, ++use) {
     const int stride = pack_stride<Loader, kGroup, kPacks * kVec, kCluster>();
     const int64_t row0 = ordered_row<kAccess, kRowsPerBlock>(p, tile * kRowsPerBlock);

@@ -24,7 +24,10 @@
 //                           (then 16 x 1024 threads), reduced through distributed shared
 //                           memory: still one read of x; rows without a mask, bias or causal
 //                           limit of up to 8 * 256 * E columns take C = 4, 8 blocks of 256
-//                           threads instead (NarrowClusters). Before sm_90: one 1024-thread block.
+//                           threads instead (NarrowClusters). A tier of C blocks launches only
+//                           the ceil(cols / block's columns) CTAs a row needs where that size
+//                           fits 10% more clusters on the GPU (FitCluster).
+//                           Before sm_90: one 1024-thread block.
 //   longer rows, or a cluster size the GPU cannot schedule: the two-pass streaming kernel.
 //   16-bit backward rows of V = 8, whose y and dy stay as loaded (two values per register),
 //   take 2E instead where that avoids a cluster or a 1024-thread CTA: one block of 512 threads
@@ -224,16 +227,17 @@ ffi::Error Launch(const KernelLaunch& launch, void (*kernel)(Params...), const c
   return CheckLaunch(what);
 }
 
-// Active clusters of kCluster blocks for a cluster kernel; 0 when the GPU cannot schedule one.
+// Active clusters of `cluster` (2..kCluster) blocks for a cluster kernel; 0 when the GPU cannot
+// schedule one.
 template <auto Kernel, int kBlock, int kCluster>
-int ActiveClusters(int device, size_t smem = 0) {
-  std::atomic<int>& cached = KernelCache<Kernel, kActiveClusters>::slot(device);
+int ActiveClusters(int device, int cluster, size_t smem = 0) {
+  std::atomic<int>& cached = KernelCache<Kernel, kActiveClusters, kCluster + 1>::slot(device, cluster);
   int n = cached.load(std::memory_order_relaxed);
   if (n == 0) {
     n = -1;
-    if (kCluster > 8)
+    if (cluster > 8)
       cudaFuncSetAttribute(Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    const KernelLaunch launch(kCluster, kBlock, smem, nullptr, kCluster, /*dependent=*/false);
+    const KernelLaunch launch(cluster, kBlock, smem, nullptr, cluster, /*dependent=*/false);
     int clusters = 0;
     if (cudaOccupancyMaxActiveClusters(&clusters, Kernel, &launch.config) == cudaSuccess &&
         clusters > 0)
@@ -242,6 +246,45 @@ int ActiveClusters(int device, size_t smem = 0) {
     cached.store(n, std::memory_order_relaxed);
   }
   return n > 0 ? n : 0;
+}
+
+// The CTAs a cluster tier launches per row of window width n (FitCluster): ceil(n / chunk), at
+// least 2, not the tier's kCluster, where that size holds at least 10% more clusters (rows in
+// flight) on the GPU than kCluster does. Tiers are powers of two, so a row just past one leaves up
+// to half of its cluster's CTAs empty, holding their registers and shared memory. How many more
+// clusters fit depends on how CTAs pack into the GPU's processor clusters (the occupancy
+// calculator's answer, H200: 8-CTA clusters of 512 threads 30 at once, of 7 CTAs 32, of 5 CTAs 47;
+// of 256 threads 62, 69, 94; 16-CTA clusters 14, of 13 CTAs 14, of 10 CTAs 21, of 9 CTAs 23).
+// Measured (TUNING.md, session 23, H200, us per call, fitted / kCluster): bfloat16 forward 32769
+// (5 of 8 CTAs) 170 / 249, 65537 (9 of 16) 199 / 283, 50257 (7 of 8, 256 threads) 161 / 170;
+// float32 backward 65537 200 / 290; but 100003 (7 of 8, 512 threads: 32 clusters against 30)
+// forward 155 / 150 (float32), 206 / 192 (bfloat16), and float32 backward 50257 (the same) 203 /
+// 196. Float32 backward rows that read y and dy twice (kRereadRows) keep kCluster: more rows in
+// flight crowd L2, which serves the second read (151936, 10 of 16: 253 / 245).
+// JAX_SOFTMAX_CLUSTER_FIT (read once): 0 always launches kCluster, 2 always the fitted size.
+inline int ClusterFitMode() {
+  static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_CLUSTER_FIT", 1));
+  return mode;
+}
+
+// The cluster size to launch and how many such clusters the GPU holds at once; {0, 0} where
+// neither size schedules.
+struct ClusterShape {
+  int ctas;
+  int active;
+};
+template <auto Kernel, int kBlock, int kCluster>
+ClusterShape FitCluster(int device, int64_t n, int64_t chunk, bool may_fit, size_t smem = 0) {
+  const int full = ActiveClusters<Kernel, kBlock, kCluster>(device, kCluster, smem);
+  const int mode = ClusterFitMode();
+  const int64_t needed = (n + chunk - 1) / chunk;
+  const int ctas = static_cast<int>(needed < 2 ? 2 : needed > kCluster ? kCluster : needed);
+  if (may_fit && mode != 0 && ctas < kCluster) {
+    const int fitted = ActiveClusters<Kernel, kBlock, kCluster>(device, ctas, smem);
+    if (fitted > 0 && (mode == 2 || full == 0 || int64_t{fitted} * 10 >= int64_t{full} * 11))
+      return {ctas, fitted};
+  }
+  return {full > 0 ? kCluster : 0, full};
 }
 
 // Grids (measured, TUNING.md session 4): row kernels (a CTA per batch of rows, no cluster) get one
@@ -563,11 +606,13 @@ ffi::Error LaunchTwoPass(const LaunchCtx& c) {
 template <typename T, int kBlock, int kElems, int kVec, int kCluster, bool kBwd, Access kAccess>
 ffi::Error LaunchCluster(const LaunchCtx& c) {
   constexpr auto kernel = softmax_rows_kernel<T, kBlock, kElems, kVec, kCluster, kBwd, kAccess>;
-  const int active = ActiveClusters<kernel, kBlock, kCluster>(c.device);
-  if (active == 0) return LaunchTwoPass<T, kVec, kBwd, kAccess>(c);
-  const int64_t clusters = GridUnits(c.p.rows, active, kPersistentWaves, kCluster);
-  return Launch(KernelLaunch(static_cast<unsigned>(clusters * kCluster), kBlock, 0, c.stream, kCluster,
-                             c.dependent),
+  constexpr bool kMayFit = !kRereadRows<RowLoader<T, kVec, kBwd, kAccess>, kElems>;
+  const ClusterShape shape = FitCluster<kernel, kBlock, kCluster>(
+      c.device, WindowWidth<kVec, kAccess>(c.p.cols), int64_t{kBlock} * kElems, kMayFit);
+  if (shape.active == 0) return LaunchTwoPass<T, kVec, kBwd, kAccess>(c);
+  const int64_t clusters = GridUnits(c.p.rows, shape.active, kPersistentWaves, shape.ctas);
+  return Launch(KernelLaunch(static_cast<unsigned>(clusters * shape.ctas), kBlock, 0, c.stream,
+                             shape.ctas, c.dependent),
                 kernel, "softmax cluster kernel", c.p);
 }
 
@@ -612,11 +657,12 @@ Launched LaunchStagedCluster(const LaunchCtx& c) {
   const uint64_t tile = (uint64_t(kBlock) * kElems + (kAccess == Access::kWindowed ? kVec : 0)) * sizeof(T);
   const StagePlan plan = PlanStages(tile, *reg, c.dev, /*tiles_per_cta=*/0);
   if (plan.tiles.stages == 0 || !AllowDynamicSmem<kernel>(c.device, c.dev)) return std::nullopt;
-  const int active = ActiveClusters<kernel, kBlock, kCluster>(c.device, plan.smem);
-  if (active == 0) return std::nullopt;
-  const int64_t clusters = GridUnits(c.p.rows, active, kPersistentWaves, kCluster);
-  return Launch(KernelLaunch(static_cast<unsigned>(clusters * kCluster), kBlock, plan.smem, c.stream,
-                             kCluster, c.dependent),
+  const ClusterShape shape = FitCluster<kernel, kBlock, kCluster>(
+      c.device, WindowWidth<kVec, kAccess>(c.p.cols), int64_t{kBlock} * kElems, true, plan.smem);
+  if (shape.active == 0) return std::nullopt;
+  const int64_t clusters = GridUnits(c.p.rows, shape.active, kPersistentWaves, shape.ctas);
+  return Launch(KernelLaunch(static_cast<unsigned>(clusters * shape.ctas), kBlock, plan.smem,
+                             c.stream, shape.ctas, c.dependent),
                 kernel, "softmax staged cluster kernel", c.p, plan.tiles);
 }
 

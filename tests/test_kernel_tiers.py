@@ -183,6 +183,24 @@ def test_block_warps(backend, device, rng, dtype):
     check_sizes(device, rng, dtype, sorted(sizes), lambda n: rows_for(backend, n))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
+def test_cluster_ctas(backend, device, rng, dtype):
+    # Cluster tiers launch the ceil(W / chunk) CTAs a row needs, not their power-of-two size,
+    # where the GPU holds enough more such clusters (ffi/softmax_launch.cuh, FitCluster; gpu_check.sh
+    # runs this test again with JAX_SOFTMAX_CLUSTER_FIT=2, every tier fitted), so every cluster size
+    # 2..16 must reduce and store right, including a last CTA of one vector. A CTA's chunk is 2^11 .. 2^15 columns over the
+    # dtypes, directions, tiers and paths; for chunk 2^j and c CTAs: the widest plain row of c CTAs
+    # (c 2^j - V) and the narrowest odd one, (c - 1) 2^j + 1 (windowed, or read element by
+    # element with the mask).
+    v = VEC[dtype]
+    sizes = set()
+    for j in range(11, 16):
+        for c in (3, 5, 6, 7, 9, 11, 13, 15):
+            sizes |= {c * 2**j - v, (c - 1) * 2**j + 1}
+    check_sizes(device, rng, dtype, sorted(sizes), lambda n: rows_for(backend, n))
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
 def test_two_pass_sizes(backend, device, rng, dtype):
     # Beyond the largest cluster: the two-pass streaming kernel (vector and scalar paths).
@@ -192,7 +210,7 @@ def test_two_pass_sizes(backend, device, rng, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
-@pytest.mark.parametrize("n", [2**12, 2**15 + 2, 2**17, 2**19, 2**21 + 1, 2**22], ids=str)
+@pytest.mark.parametrize("n", [2**12, 2**15 + 2, 50257, 2**17, 2**19, 2**21 + 1, 2**22], ids=str)
 def test_many_long_rows(backend, device, rng, dtype, n):
     # More rows than clusters/blocks resident at once: the one-wave grids loop over rows.
     check_sizes(device, rng, dtype, [n], lambda n: max(3, min(301, 2**23 // n)))
