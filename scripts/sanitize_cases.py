@@ -68,6 +68,11 @@ CASES = [  # (rows, cols, dtype)
     # Staged bfloat16 forward rows kept as loaded (kRawRows): a 256-thread block (6 of its 8
     # warps); 1001 (32 lanes) and 16383 (512 threads) above.
     (5, 6143, jnp.bfloat16),
+    # Cluster tiers launched with the CTAs a row needs (FitCluster in ffi/softmax_launch.cuh):
+    # 5 of a staged 8 x 256 tier (forward; backward 5 of 8 x 512), more rows than clusters; and
+    # float32 forward 5 of a staged 8 x 512 tier (backward 9 of 16 x 512), windowed.
+    (101, 32769, jnp.bfloat16),
+    (3, 65537, jnp.float32),
 ]
 
 
