@@ -514,30 +514,23 @@ __device__ __forceinline__ unsigned cluster_rank() {
 #endif
 }
 
-// CTAs in this CTA's cluster, this cluster's index in the grid, and the grid's clusters (1, the
-// CTA's index and the grid's CTAs outside one). Cluster kernels are launched with a run-time
-// cluster size of at most their kCluster: the CTAs a row needs (FitCluster in
-// softmax_launch.cuh). Clusters are one-dimensional along x.
-__device__ __forceinline__ unsigned cluster_ctas() {
-  unsigned n = 1;
+// This CTA's cluster within the grid: its CTAs, its index and the grid's clusters (outside a
+// cluster: 1, the CTA's index and the grid's CTAs). Cluster kernels are launched with a run-time
+// cluster size of at most their kCluster, the CTAs a row needs (FitCluster in
+// softmax_launch.cuh); clusters are one-dimensional along x.
+struct ClusterGrid {
+  unsigned ctas;
+  unsigned index;
+  unsigned count;
+};
+__device__ __forceinline__ ClusterGrid cluster_grid() {
+  ClusterGrid g{1, blockIdx.x, gridDim.x};
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(g.ctas));
+  asm("mov.u32 %0, %%clusterid.x;" : "=r"(g.index));
+  asm("mov.u32 %0, %%nclusterid.x;" : "=r"(g.count));
 #endif
-  return n;
-}
-__device__ __forceinline__ unsigned cluster_index() {
-  unsigned i = blockIdx.x;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm("mov.u32 %0, %%clusterid.x;" : "=r"(i));
-#endif
-  return i;
-}
-__device__ __forceinline__ unsigned cluster_count() {
-  unsigned n = gridDim.x;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm("mov.u32 %0, %%nclusterid.x;" : "=r"(n));
-#endif
-  return n;
+  return g;
 }
 
 // A barrier over every thread of every CTA of the cluster.
@@ -603,11 +596,11 @@ struct ClusterExchange {
 
 // All-reduce over the CTAs of a cluster, after each CTA holds its block-wide value (every thread
 // of every CTA calls it once per row, with that row's buffer). The cluster has kCluster CTAs or
-// fewer (cluster_ctas).
+// fewer (cluster_grid).
 template <int kCluster, typename S>
 __device__ __forceinline__ S cluster_allreduce(S v, ClusterSlots<S> x) {
   static_assert(kCluster <= 32, "one lane of warp 0 sends to each CTA, one lane reads each slot");
-  const unsigned ctas = cluster_ctas();
+  const unsigned ctas = cluster_grid().ctas;
   if (threadIdx.x == 0) mbarrier_arrive_expect_tx(x.full, ctas * sizeof(S));
   if (threadIdx.x < ctas) send_to_rank(&x.slots[cluster_rank()], v, x.full, threadIdx.x);
   mbarrier_wait</*kClusterScope=*/true>(x.full, x.phase);

@@ -1551,9 +1551,10 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   const int lane = threadIdx.x % kGroup;
   const int group = threadIdx.x / kGroup;
   const int first_col = static_cast<int>((kCluster > 1 ? cluster_rank() : 0) * kChunk) + lane * kVec;
-  // Rows go to clusters (of a run-time size, cluster_ctas) or CTAs.
-  const int64_t num_ctas = kCluster > 1 ? cluster_count() : gridDim.x;
-  const int64_t unit = kCluster > 1 ? cluster_index() : blockIdx.x;
+  // Rows go to clusters (of a run-time size, cluster_grid) or CTAs.
+  const ClusterGrid grid = cluster_grid();
+  const int64_t num_ctas = kCluster > 1 ? grid.count : gridDim.x;
+  const int64_t unit = kCluster > 1 ? grid.index : blockIdx.x;
 
   uint32_t use = 0;  // rows (batches) this CTA has reduced: picks the reduction buffers
   // The loop bound is uniform over the block (and cluster): lane groups past the last row still
@@ -1806,8 +1807,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   const int group = threadIdx.x / kGroup;
   const int64_t col_base = kCluster > 1 ? int64_t(cluster_rank()) * kChunk : 0;
   const int first_col = static_cast<int>(col_base) + lane * kVec;
-  // Tiles go to clusters (of a run-time size, cluster_ctas) or CTAs.
-  const int64_t num_ctas = kCluster > 1 ? cluster_count() : gridDim.x;
+  // Tiles go to clusters (of a run-time size, cluster_grid) or CTAs.
+  const ClusterGrid grid = cluster_grid();
+  const int64_t num_ctas = kCluster > 1 ? grid.count : gridDim.x;
   const int64_t num_tiles = (p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   const int stages = tiles.stages;
 
@@ -1843,7 +1845,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     cluster_sync_all();
   else
     __syncthreads();
-  const int64_t first_tile = kCluster > 1 ? cluster_index() : blockIdx.x;
+  const int64_t first_tile = kCluster > 1 ? grid.index : blockIdx.x;
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s)
       if (first_tile + s * num_ctas < num_tiles)

@@ -150,8 +150,8 @@ for _dt, _name in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16")):
         CASES[f"{_name}_bwdmask_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n, True, True))
     for _n in (6000, 12000):  # rows that fill three quarters of a block tier or less
         CASES[f"{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n))
-    # Rows just past a cluster tier's power of two (ClusterCtas: 3, 9 and 10 CTAs of their tiers)
-    # and a vocabulary's length (151936).
+    # Rows just past a cluster tier's power of two, launched with fewer CTAs than the tier's
+    # (FitCluster in ffi/softmax_launch.cuh), and a vocabulary's length (151936).
     for _n in (16385, 65537, 151936):
         CASES[f"{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n))
     for _n in (32769, 65537, 100003, 151936):

@@ -187,12 +187,12 @@ def test_block_warps(backend, device, rng, dtype):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
 def test_cluster_ctas(backend, device, rng, dtype):
     # Cluster tiers launch the ceil(W / chunk) CTAs a row needs, not their power-of-two size,
-    # where the GPU holds enough more such clusters (ffi/softmax_launch.cuh, FitCluster; gpu_check.sh
-    # runs this test again with JAX_SOFTMAX_CLUSTER_FIT=2, every tier fitted), so every cluster size
-    # 2..16 must reduce and store right, including a last CTA of one vector. A CTA's chunk is 2^11 .. 2^15 columns over the
-    # dtypes, directions, tiers and paths; for chunk 2^j and c CTAs: the widest plain row of c CTAs
-    # (c 2^j - V) and the narrowest odd one, (c - 1) 2^j + 1 (windowed, or read element by
-    # element with the mask).
+    # where the GPU holds enough more such clusters (ffi/softmax_launch.cuh, FitCluster;
+    # gpu_check.sh runs this test again with JAX_SOFTMAX_CLUSTER_FIT=2, every tier fitted), so
+    # every cluster size 2..16 must reduce and store right, including a last CTA of one vector.
+    # A CTA's chunk is 2^11 .. 2^15 columns over the dtypes, directions, tiers and paths; for
+    # chunk 2^j and c CTAs: the widest plain row of c CTAs (c 2^j - V) and the narrowest odd one,
+    # (c - 1) 2^j + 1 (windowed, or read element by element with the mask).
     v = VEC[dtype]
     sizes = set()
     for j in range(11, 16):
