@@ -82,8 +82,23 @@ __host__ __device__ constexpr I round_up_vec(I n) {
 // keeps them in a slot of its own, kWrapSlot elements after the start of its first CTA's stage),
 // in y, dy and the output at W. (Kept as fields, nwrap and the wrap distance cost the 16-bit
 // four-row lane groups 16-28 bytes of spills and the 16-bit backward clusters 56-68.)
+// Windowed rows: whether the window's vectors and the wrap vector after it (window offsets 0 ..
+// W + kVec) all lie inside x (all rows but the last one or two of x). A partial vector at the row's
+// ends, and the wrapped columns, are then read as whole 16-byte-aligned vectors and the positions
+// outside the row dropped after the load (RowLoader::vector_partial, keep_bwd), not element by
+// element. A base of RowLoader, empty for other rows: as a field of every loader, the general
+// lane groups of four rows spilled 16-40 bytes more (ptxas sm_90a).
+template <bool kWindowed>
+struct WindowVectors {
+  static constexpr bool vecs_inside = false;
+};
+template <>
+struct WindowVectors<true> {
+  bool vecs_inside;
+};
+
 template <typename T, int kVec, bool kBwd, Access kAccess, int kWrapSlot = 0>
-struct RowLoader {
+struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
   using A = acc_t<T>;
   using Elem = T;
   static constexpr int kVecWidth = kVec;
@@ -138,6 +153,8 @@ struct RowLoader {
       // Windowed rows: the columns inside the window, at most W - shift.
       const int inside = kWraps ? min(cols, window_width(cols) - shift) : cols;
       limit = row_ok ? inside - 1 : -1;
+      if constexpr (kWraps)
+        this->vecs_inside = p.rows * p.cols - (base - shift) >= int64_t(window_width(cols)) + kVec;
     } else {
       if (!kBwd && p.bias.data) {
         bias = static_cast<const T*>(p.bias.data) + p.bias.row_offset(row);
@@ -165,15 +182,18 @@ struct RowLoader {
   // load in flight per thread and row, a full memory latency per pack (session 7, TUNING.md).
 
   // x (or y): the vector at window offset w into xs if it lies wholly inside the row and at or
-  // before the limit; zeros otherwise (a windowed row's partial end vectors are read element by
-  // element in load_fwd; vectors past the limit are never read). wanted == false: not read
-  // either (a vector whose mask bytes are all zero, load_batch_fwd).
+  // before the limit; zeros otherwise (vectors past the limit are never read). kVectorEnds: a
+  // windowed row's partial end vectors are read whole too where vecs_inside (load_fwd<.., true>
+  // keeps their positions inside the row); otherwise load_fwd reads them element by element.
+  // wanted == false: not read either (a vector whose mask bytes are all zero, load_batch_fwd).
+  template <bool kVectorEnds = false>
   __device__ __forceinline__ void fetch_x(int w, T (&xs)[kVec], bool wanted = true) const {
     const int c = w - shift;
-    bool whole = wanted && c <= limit;
-    if constexpr (kAccess == Access::kWindowed) whole = whole && c >= 0 && c + kVec <= end();
+    bool read = wanted && c <= limit;
+    if constexpr (kAccess == Access::kWindowed)
+      read = read && ((kVectorEnds && this->vecs_inside) || (c >= 0 && c + kVec <= end()));
     zero_vec(xs);
-    if (whole) load_vec<kVec>(in + w, xs);
+    if (read) load_vec<kVec>(in + w, xs);
   }
 
   // The mask bytes of the (general-access) vector at window offset w as stored: byte e nonzero
@@ -275,6 +295,36 @@ struct RowLoader {
   }
   __device__ __forceinline__ int wrapped_at(int w) const { return w + window_width(cols); }
 
+  // Windowed rows: the positions e of the vector at column c (c <= limit) that lie inside the row,
+  // 0 <= c + e < end(), one byte each (as the mask bytes of general rows).
+  __device__ __forceinline__ Bytes row_bytes(int c) const {
+    Bytes bytes = kAllBytes;
+    if (c < 0) bytes = (bytes << (8 * -c)) & kAllBytes;
+    const int before_end = end() - c;  // at least 1 at or before the limit
+    if (before_end < kVec) bytes &= kAllBytes >> (8 * (kVec - before_end));
+    return bytes;
+  }
+
+  // A windowed row's partial vector (column c = w - shift) from the whole vector xs that fetch_x
+  // read (vecs_inside): -inf outside the row; the row's wrapped columns, in the first vector's
+  // slots before the row, from the vector after the window (one load; element by element, as
+  // partial_values reads them, each load waited for the one before in the SASS: a latency per
+  // pair of loads on the critical path of the row's reduction). Only the values inside the row
+  // are scaled, as in partial_values.
+  __device__ __forceinline__ void vector_partial(int w, int c, const T (&xs)[kVec],
+                                                 A (&v)[kVec]) const {
+    const bool wraps = wraps_at(w);
+    T wrapped[kVec];
+    zero_vec(wrapped);
+    if (wraps) load_vec<kVec>(wrapped_in(w), wrapped);
+    const int nw = nwrap();
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      v[e] = c + e >= 0 && c + e < end() ? scale * to_acc(xs[e]) : neg_inf<A>();
+      if (wraps && e < nw) v[e] = scale * to_acc(wrapped[e]);
+    }
+  }
+
   // A windowed row's partial vector (column c = w - shift), element by element, -inf outside the
   // row. Only the loaded values are scaled: -inf * scale is +inf or NaN for a scale <= 0.
   __device__ __forceinline__ void partial_values(int w, int c, A (&v)[kVec]) const {
@@ -310,8 +360,9 @@ struct RowLoader {
   // the reductions nor the epilogue need flags per position, except in the rare rows whose sum is
   // not positive (FwdStats::sum). The -inf is selected after the arithmetic, so that a NaN or inf
   // in x or bias at an excluded position, or -inf times a scale <= 0, never reaches the row.
-  // fetched_bias: fetch_bias()'s kVec values where kBiasFetched (otherwise unused).
-  template <bool kBiasFetched>
+  // fetched_bias: fetch_bias()'s kVec values where kBiasFetched (otherwise unused). kVectorEnds:
+  // as fetch_x's.
+  template <bool kBiasFetched, bool kVectorEnds = false>
   __device__ __forceinline__ bool load_fwd(int w, const T (&xs)[kVec], Bytes mask_bytes,
                                            const T* fetched_bias, A (&v)[kVec]) const {
     static_assert(!kBwd, "forward rows");
@@ -347,7 +398,10 @@ struct RowLoader {
       }
       if constexpr (kAccess == Access::kWindowed) {
         if (c < 0 || c + kVec > end()) {  // the partial vectors at the ends of the row
-          partial_values(w, c, v);
+          if (kVectorEnds && this->vecs_inside)
+            vector_partial(w, c, xs, v);
+          else
+            partial_values(w, c, v);
           return true;
         }
       }
@@ -446,21 +500,25 @@ struct RowLoader {
   // rows; fetch_mask). Its caller runs fetch_bwd for all its vectors, then keep_bwd for each:
   // with the mask bytes tested inside fetch_bwd (limit_bytes' branch), ptxas issued the next
   // vector's mask load only after that test, a memory latency per vector (TUNING.md, session 15).
+  // kVectorEnds: a windowed row's partial end vectors are read whole where vecs_inside (keep_bwd
+  // then zeros their positions outside the row); otherwise element by element here.
+  template <bool kVectorEnds>
   __device__ __forceinline__ Bytes fetch_bwd(int w, Pairs<kVec>& ys, Pairs<kVec>& gs) const {
     static_assert(kRawBwd, "16-bit backward rows");
     const int c = w - shift;
-    bool whole = c <= limit;
-    if constexpr (kAccess == Access::kWindowed) whole = whole && c >= 0 && c + kVec <= end();
+    bool read = c <= limit;
+    if constexpr (kAccess == Access::kWindowed)
+      read = read && ((kVectorEnds && this->vecs_inside) || (c >= 0 && c + kVec <= end()));
     ys = gs = Pairs<kVec>{};
     Bytes mask_bytes = kAllBytes;
     // A general row's vector never straddles its end (cols % kVec == 0), only its causal limit.
     if constexpr (!kPlain) mask_bytes = fetch_mask(w);
-    if (whole) {
+    if (read) {
       load_pairs(in + w, ys);
       load_pairs(grad + w, gs);
     }
     if constexpr (kAccess == Access::kWindowed) {
-      if (!whole && c <= limit) {  // the partial vectors at the ends of the row
+      if (!read && c <= limit) {  // the partial vectors at the ends of the row
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
           if (c + e >= 0 && c + e < end()) {
@@ -476,13 +534,39 @@ struct RowLoader {
   // Backward (kRawBwd), after fetch_bwd: the positions of the vector at window offset w that take
   // part (all for plain rows), which the store needs (dx is 0 at the others), with y and dy zeroed
   // at those that do not (masked or past the causal limit), whatever y and dy hold there.
+  template <bool kVectorEnds>
   __device__ __forceinline__ Bytes keep_bwd(int w, Bytes mask_bytes, Pairs<kVec>& ys,
                                             Pairs<kVec>& gs) const {
     static_assert(kRawBwd, "16-bit backward rows");
     if constexpr (kPlain) {
       // A windowed row's wrapped columns join its first vector here, after every fetch of the
       // batch: in fetch_bwd, their block made bfloat16 N = 50257, which never wraps, 17% slower
-      // (H200, session 19).
+      // (H200, session 19). With kVectorEnds, where vecs_inside, fetch_bwd read the partial
+      // vectors whole: their
+      // positions outside the row are zeroed here, and the wrapped columns come from one load of
+      // the vector after the window (as vector_partial).
+      if constexpr (kWraps) {
+        const int c = w - shift;
+        if (kVectorEnds && this->vecs_inside && c <= limit && (c < 0 || c + kVec > end())) {
+          const bool wraps = wraps_at(w);
+          Pairs<kVec> wy{}, wg{};
+          if (wraps) {
+            load_pairs(in + wrapped_at(w), wy);
+            load_pairs(grad + wrapped_at(w), wg);
+          }
+          const Bytes inside = row_bytes(c);
+          keep_pairs(inside, ys);
+          keep_pairs(inside, gs);
+          if (wraps) {
+            const Bytes wrapped = kAllBytes >> (8 * (kVec - nwrap()));
+            keep_pairs(wrapped, wy);
+            keep_pairs(wrapped, wg);
+#pragma unroll
+            for (int i = 0; i < kVec / 2; ++i) ys.w[i] |= wy.w[i], gs.w[i] |= wg.w[i];
+          }
+          return kAllBytes;
+        }
+      }
       if (wraps_at(w)) {
         const int wrap_at = wrapped_at(w), nw = nwrap();
 #pragma unroll
@@ -778,8 +862,9 @@ __device__ __forceinline__ void load_batch_inside(const Loader (&loaders)[kRows]
 
 // load_batch_fwd's split loads: x fetched ahead, kAtOnce vectors at a time, then the values.
 // kSkip: a vector whose mask bytes (fetched ahead) are all zero is not read; its x loads then wait
-// for the mask's (RowParams::skip_masked says where that pays).
-template <bool kSkip, bool kFetchX, typename Loader, int kRows, int kPacks, int kVec, typename A>
+// for the mask's (RowParams::skip_masked says where that pays). kVectorEnds: see load_batch_fwd.
+template <bool kSkip, bool kVectorEnds, bool kFetchX, typename Loader, int kRows, int kPacks,
+          int kVec, typename A>
 __device__ __forceinline__ void load_batch_split(const Loader (&loaders)[kRows], int first, int stride,
                                                  const BatchOperands<Loader, kRows, kPacks, kFetchX>& ops,
                                                  A (&v)[kRows][kPacks][kVec], bool (&any)[kRows]) {
@@ -799,7 +884,7 @@ __device__ __forceinline__ void load_batch_split(const Loader (&loaders)[kRows],
       if (i >= kN) break;
       bool wanted = true;
       if constexpr (kSkip) wanted = Loader::any_byte(ops.mask[r][k]);
-      loaders[r].fetch_x(first + k * stride, xs[j], wanted);
+      loaders[r].template fetch_x<kVectorEnds>(first + k * stride, xs[j], wanted);
     }
 #pragma unroll
     for (int j = 0; j < kAtOnce; ++j) {
@@ -814,7 +899,8 @@ __device__ __forceinline__ void load_batch_split(const Loader (&loaders)[kRows],
       }
       const T* bias = nullptr;
       if constexpr (Ops::kBiasAhead) bias = ops.bias[r][k];
-      any[r] |= loaders[r].template load_fwd<Ops::kBiasAhead>(w, xs[j], mask, bias, v[r][k]);
+      any[r] |= loaders[r].template load_fwd<Ops::kBiasAhead, kVectorEnds>(w, xs[j], mask, bias,
+                                                                          v[r][k]);
     }
   }
 }
@@ -825,7 +911,12 @@ __device__ __forceinline__ void load_batch_split(const Loader (&loaders)[kRows],
 // batches whose vectors all lie inside their rows skip all of this (load_batch_inside).
 // skip_masked (RowParams): batches that fetch x and the mask bytes ahead do not read x where a
 // vector's mask bytes are all zero.
-template <bool kFetchX, typename Loader, int kRows, int kPacks, int kVec, typename A>
+// kVectorEnds: a windowed row's partial end vectors are read as whole vectors, with everything
+// else (RowLoader::vector_partial). The register kernel's one-row batches only: in its four-row
+// lane groups it spilled 20-40 bytes, and the two-pass kernel went from 63 to 100 registers
+// (ptxas sm_90a, bfloat16); the staged kernels read their ends from shared memory.
+template <bool kFetchX, bool kVectorEnds = false, typename Loader, int kRows, int kPacks, int kVec,
+          typename A>
 __device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], int first, int stride,
                                                const BatchOperands<Loader, kRows, kPacks, kFetchX>& ops,
                                                A (&v)[kRows][kPacks][kVec], bool (&any)[kRows],
@@ -850,11 +941,11 @@ __device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], i
   // sm_90a, bfloat16).
   if constexpr (kFetchX && Ops::kAhead && kVec > 1) {
     if (skip_masked) {
-      load_batch_split<true>(loaders, first, stride, ops, v, any);
+      load_batch_split<true, kVectorEnds>(loaders, first, stride, ops, v, any);
       return;
     }
   }
-  load_batch_split<false>(loaders, first, stride, ops, v, any);
+  load_batch_split<false, kVectorEnds>(loaders, first, stride, ops, v, any);
 }
 
 // The forward's loads of a batch of 16-bit plain rows kept as loaded (RowLoader::kRawFwd): every
@@ -1310,6 +1401,15 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
 //           them a reduction ago), so that only the dot product is live through it. Tiers of 32
 //           values per thread: holding their 32 words through the reduction spilled 68-92 bytes
 //           at 64 registers (TUNING.md, session 8).
+// Whether a 16-bit backward tier of kElems values per thread (all its rows) reads a windowed row's
+// partial end vectors whole (RowLoader::vecs_inside, fetch_bwd / keep_bwd): every tier but the
+// 512-thread block of 32 values (rows of 8193-16384 columns), which spilled 32 bytes with it (ptxas
+// sm_90a) and ran 3-7% slower (H200, session 24, us per call: 8193 258 -> 277, 16383 209 -> 215).
+// Measured elsewhere: 255 290 -> 244, 4097 256 -> 218, 32767 227 -> 204, 65535 239 -> 218, 262143
+// (16 x 1024 x 32, also re-read) 282 -> 261; 50257, whose rows never wrap, 266 -> 267.
+template <int kCluster, int kElems>
+constexpr bool kVectorEndsBwd = kCluster > 1 || kElems <= 16;
+
 template <typename T, int kPacks, int kVec>
 __device__ __forceinline__ float raw_dot(const Pairs<kVec> (&ys)[kPacks],
                                          const Pairs<kVec> (&gs)[kPacks], bool log) {
@@ -1335,6 +1435,7 @@ __device__ __forceinline__ void finish_batch_raw(
     ClusterSlots<S> cluster) {
   using T = typename Loader::Elem;
   constexpr bool kHold = kRows * kPacks * kVec <= 16;  // see above
+  constexpr bool kVectorEnds = kVectorEndsBwd<kCluster, kRows * kPacks * kVec>;
   constexpr int kBlock = BlockThreads(kGroup);
   const int stride = pack_stride<Loader, kGroup, kPacks * kVec, kCluster>();
   constexpr bool kRuntime = kRuntimeWarps<Loader, kGroup, kPacks * kVec, kCluster>;
@@ -1356,13 +1457,14 @@ __device__ __forceinline__ void finish_batch_raw(
         gs[k] = held_gs[r][k];
         keep[k] = held_keep[r][k];
       } else {
-        keep[k] = loader.fetch_bwd(first_col + k * stride, ys[k], gs[k]);
+        keep[k] = loader.template fetch_bwd<kVectorEnds>(first_col + k * stride, ys[k], gs[k]);
       }
     }
     if constexpr (!kHold) {  // keep[k]: the mask bytes as fetched, then the positions kept
 #pragma unroll
       for (int k = 0; k < kPacks; ++k)
-        keep[k] = loader.keep_bwd(first_col + k * stride, keep[k], ys[k], gs[k]);
+        keep[k] = loader.template keep_bwd<kVectorEnds>(first_col + k * stride, keep[k], ys[k],
+                                                        gs[k]);
     }
     T* dst = loader.out_row(p, row);
     // Plain rows: one test for all of the thread's vectors, even where it holds one: through
@@ -1628,20 +1730,21 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
         for (int r = 0; r < kRows; ++r)
 #pragma unroll
           for (int k = 0; k < kPacks; ++k)
-            keep[r][k] = loaders[r].fetch_bwd(first_col + k * stride, ys[r][k], gs[r][k]);
+            keep[r][k] = loaders[r].template fetch_bwd<kVectorEndsBwd<kCluster, kRows * kElems>>(
+                first_col + k * stride, ys[r][k], gs[r][k]);
         // keep: the mask bytes as fetched, then the positions kept (every load is out by now).
 #pragma unroll
         for (int r = 0; r < kRows; ++r)
 #pragma unroll
           for (int k = 0; k < kPacks; ++k)
-            keep[r][k] = loaders[r].keep_bwd(first_col + k * stride, keep[r][k], ys[r][k],
-                                             gs[r][k]);
+            keep[r][k] = loaders[r].template keep_bwd<kVectorEndsBwd<kCluster, kRows * kElems>>(
+                first_col + k * stride, keep[r][k], ys[r][k], gs[r][k]);
 #pragma unroll
         for (int r = 0; r < kRows; ++r) partial[r] = raw_dot<T>(ys[r], gs[r], p.log);
       } else {
         BatchOperands<Loader, kRows, kPacks, true> ops;
         fetch_batch_operands(loaders, first_col, stride, ops);
-        load_batch_fwd<true>(loaders, first_col, stride, ops, v, any, p.skip_masked);
+        load_batch_fwd<true, kRows == 1>(loaders, first_col, stride, ops, v, any, p.skip_masked);
       }
     } else {
       // Backward rows in float values, and the other float32/float64 general forward rows: each

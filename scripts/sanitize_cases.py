@@ -73,6 +73,12 @@ CASES = [  # (rows, cols, dtype)
     # float32 forward 5 of a staged 8 x 512 tier (backward 9 of 16 x 512), windowed.
     (101, 32769, jnp.bfloat16),
     (3, 65537, jnp.float32),
+    # Odd 16-bit rows whose partial end vectors, and the vector after the window that holds the
+    # wrapped columns, are read whole where they lie inside x (RowLoader::vecs_inside; the last
+    # rows element by element): backward lane groups of two rows (255) and a cluster whose rows
+    # wrap (65535).
+    (11, 255, jnp.bfloat16),
+    (5, 65535, jnp.bfloat16),
 ]
 
 

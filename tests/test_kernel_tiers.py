@@ -216,6 +216,51 @@ def test_many_long_rows(backend, device, rng, dtype, n):
     check_sizes(device, rng, dtype, [n], lambda n: max(3, min(301, 2**23 // n)))
 
 
+def _plain_fwd_bwd(x, g):
+    """(softmax, log_softmax) forward and backward without a mask: four outputs."""
+    outs = []
+    for f in (js.softmax, js.log_softmax):
+        y, pull = jax.vjp(f, x)
+        outs += [y, pull(g)[0]]
+    return outs
+
+
+_plain_fwd_bwd_many = jax.jit(lambda cases: [_plain_fwd_bwd(*c) for c in cases])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
+def test_windowed_row_neighbours(backend, device, rng, dtype):
+    # Odd rows (read through 16-byte windows) share their first and last vectors with the rows
+    # beside them, and the 16-bit backward tiers and the forward register tiers of one row per
+    # lane group read those vectors whole, with the vector after the window for the wrapped
+    # columns, where they lie inside x (RowLoader::vecs_inside: all rows but the last one or
+    # two), dropping the other rows' positions after the load. Every other row here is NaN, so a
+    # value of a neighbour that leaked into a row would turn it NaN. 11 rows: every shift of a
+    # 16-bit row in its window, and the last rows, read element by element. Tiers: lane groups
+    # (255: two rows per group backward), blocks (4097; 8193, whose 512-thread block of 32 values
+    # reads element by element), clusters (32767 and 65535 wrap, 50257 never does) and the
+    # staged forward tiers' windows in shared memory.
+    cases = []
+    for n in (255, 1001, 4097, 8193, 32767, 50257, 65535):
+        x = rng.standard_normal((11, n)) * 3.0
+        x[1::2] = np.nan
+        cases.append((rounded(x, dtype), rounded(rng.standard_normal((11, n)), dtype)))
+    for x, _ in cases:
+        poison(device, x.shape, dtype, count=4)
+    results = _plain_fwd_bwd_many([put(device, *c) for c in cases])
+    for (x, g), outs in zip(cases, results):
+        refs = reference(x, g, None, dtype)
+        outs = iter(np.asarray(o) for o in outs)
+        for log in (False, True):
+            y, dx = next(outs), next(outs)
+            ry, rdx, mag = refs[log]
+            what = f"N={x.shape[1]} {'log_softmax' if log else 'softmax'}"
+            assert not np.isnan(y[0::2]).any() and not np.isnan(dx[0::2]).any(), what
+            assert_close(y, ry, dtype, what="fwd " + what)
+            assert_close(dx, rdx, dtype, tol=GRAD_TOL, mag=mag, what="bwd " + what)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 @pytest.mark.parametrize(
