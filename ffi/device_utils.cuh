@@ -311,6 +311,34 @@ __device__ __forceinline__ void prefetch_l2(const void* begin, const void* end, 
 #endif
 }
 
+// --- per-thread asynchronous copies into shared memory (sm_80+) ---------------------------------
+// A thread copies 16 bytes from global to shared memory without holding them in registers; the
+// copies it issued before a commit form a group, and wait_all waits for all of its groups, after
+// which the thread (only the thread that issued them) may read the bytes. src_bytes 0 copies
+// nothing and fills the 16 bytes with zeros (src must still be a valid address). `after`: a value
+// the copy waits for (an input of the instruction, otherwise unused), such as one computed from
+// what this thread last read of the same shared memory, so that those reads have returned before
+// the copy may overwrite them.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, uint32_t src_bytes,
+                                           uint32_t after = 0) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2; // after %3" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src), "r"(src_bytes), "r"(after)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
 // --- bulk copies into shared memory (sm_90) -----------------------------------------------------
 // The staged kernels move each CTA's next tiles into shared memory with cp.async.bulk while the
 // current tile is reduced: the copy engine keeps those bytes in flight, not registers. One mbarrier

@@ -149,6 +149,10 @@ struct RowParams {
   // SkipMaskedX), which comes from L1 or L2; a mask row of its own per row would put a DRAM
   // latency before each batch's loads.
   bool skip_masked = false;
+  // CUDA, 16-bit backward cluster rows held through the reduction (kAsyncNextRow): each CTA copies
+  // its next row into shared memory while it reduces this one. The launcher sets it where the
+  // row leaves some of the cluster's CTAs short of a whole chunk (LaunchCluster says why).
+  bool copy_next_row = false;
   RowOrder order;         // CUDA: which rows each CTA takes (the launcher sets it)
   BroadcastView bias;     // forward only; element type = the input's
   BroadcastView mask;     // bool (one byte per element)

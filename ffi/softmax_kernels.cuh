@@ -554,16 +554,7 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
             load_pairs(in + wrapped_at(w), wy);
             load_pairs(grad + wrapped_at(w), wg);
           }
-          const Bytes inside = row_bytes(c);
-          keep_pairs(inside, ys);
-          keep_pairs(inside, gs);
-          if (wraps) {
-            const Bytes wrapped = kAllBytes >> (8 * (kVec - nwrap()));
-            keep_pairs(wrapped, wy);
-            keep_pairs(wrapped, wg);
-#pragma unroll
-            for (int i = 0; i < kVec / 2; ++i) ys.w[i] |= wy.w[i], gs.w[i] |= wg.w[i];
-          }
+          trim_whole_bwd(c, wraps, ys, gs, wy, wg);
           return kAllBytes;
         }
       }
@@ -583,6 +574,25 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
       keep_pairs(keep, ys);
       keep_pairs(keep, gs);
       return keep;
+    }
+  }
+
+  // Windowed rows (kRawBwd): y and dy of a partial vector at column c (c <= limit) as read whole
+  // (where vecs_inside): zeros at its positions outside the row and, where `wraps` (wraps_at: a
+  // row's first vector), the wrapped columns from wy and wg, the vector after the window as loaded.
+  __device__ __forceinline__ void trim_whole_bwd(int c, bool wraps, Pairs<kVec>& ys,
+                                                 Pairs<kVec>& gs, Pairs<kVec> wy,
+                                                 Pairs<kVec> wg) const {
+    static_assert(kRawBwd && kWraps, "16-bit windowed backward rows");
+    const Bytes inside = row_bytes(c);
+    keep_pairs(inside, ys);
+    keep_pairs(inside, gs);
+    if (wraps) {
+      const Bytes wrapped = kAllBytes >> (8 * (kVec - nwrap()));
+      keep_pairs(wrapped, wy);
+      keep_pairs(wrapped, wg);
+#pragma unroll
+      for (int i = 0; i < kVec / 2; ++i) ys.w[i] |= wy.w[i], gs.w[i] |= wg.w[i];
     }
   }
 
@@ -1622,6 +1632,68 @@ __device__ __forceinline__ int64_t ordered_row(const RowParams& p, int64_t mem0)
 template <typename Loader, int kElems>
 constexpr bool kRereadRows = Loader::kBackward && !Loader::kRawBwd && kElems > 16;
 
+// 16-bit backward cluster rows of up to 16 values per thread, plain or windowed (y and dy held
+// through the reduction as loaded pairs): where RowParams::copy_next_row says so, a CTA copies its
+// next row's y and dy into shared memory (cp.async, each thread its own vectors) as soon as it has
+// this row's partial dot product, so that they are in flight through this row's block and cluster
+// reduction and its stores. The register kernel otherwise has only the loads of the rows it is
+// reducing in flight, and a row took about 3 us whatever its length (H200: 50257 and 65536
+// columns alike, 30 clusters of 8 x 512 threads at once), so 50257 ran at 70% of the copy, 65536
+// at 91%.
+template <typename Loader, int kCluster, int kRows, int kElems>
+constexpr bool kAsyncNextRow =
+    Loader::kRawBwd && Loader::kPlain && kCluster > 1 && kRows == 1 && kElems <= 16;
+
+// Where a thread's copies of the next row land (kAsyncNextRow): its kPacks vectors of y (j = 0)
+// and dy (j = 1) at v[k][j][thread], so that a warp's 16-byte accesses are contiguous; the vectors
+// after the window that hold a windowed row's wrapped columns (copied by the thread whose first
+// vector is the row's first) in wrap.
+template <int kBlock, int kPacks, bool kOn>
+struct NextRowBuffer {
+  uint4 v[kPacks][2][kBlock];
+  uint4 wrap[2];
+};
+template <int kBlock, int kPacks>
+struct NextRowBuffer<kBlock, kPacks, false> {};
+
+// Issues the copies of y and dy of row `row` (< p.rows) for this thread into buf and commits them
+// as a group; returns whether it did. Windowed rows whose window and the vector after it do not
+// lie inside x (the last row or two, RowLoader::vecs_inside) are left to fetch_bwd. `after`: see
+// cp_async16 (the copies overwrite what this thread read of buf for the row before).
+template <typename Loader, int kPacks, int kBlock>
+__device__ __forceinline__ bool copy_next_row(const RowParams& p, int64_t row, int first_col,
+                                              int stride, NextRowBuffer<kBlock, kPacks, true>& buf,
+                                              uint32_t after) {
+  const Loader next(p, row, true);
+  if constexpr (Loader::kWraps) {
+    if (!next.vecs_inside) return false;
+  }
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int w = first_col + k * stride;
+    // Whole vectors at or before the limit (vecs_inside: a windowed row's partial ones too, as
+    // fetch_bwd<true> reads them); zeros past it.
+    const bool read = w - next.shift <= next.limit;
+    const uint32_t bytes = read ? 16 : 0;
+    cp_async16(&buf.v[k][0][threadIdx.x], read ? next.in + w : next.in, bytes, after);
+    cp_async16(&buf.v[k][1][threadIdx.x], read ? next.grad + w : next.grad, bytes, after);
+  }
+  if constexpr (Loader::kWraps) {
+    if (next.wraps_at(first_col)) {
+      cp_async16(&buf.wrap[0], next.in + next.wrapped_at(first_col), 16, after);
+      cp_async16(&buf.wrap[1], next.grad + next.wrapped_at(first_col), 16, after);
+    }
+  }
+  cp_async_commit();
+  return true;
+}
+
+template <int kVec>
+__device__ __forceinline__ Pairs<kVec> pairs_of(const uint4& v) {
+  static_assert(kVec == 8, "16-byte vectors of 16-bit values");
+  return Pairs<kVec>{{v.x, v.y, v.z, v.w}};
+}
+
 // kRows: rows a lane group handles per iteration (lane-group tiers only). Their lanes hold one or
 // two vectors of a row, so several rows are loaded before the first shuffle to keep enough bytes
 // in flight; their reductions are independent shuffle chains.
@@ -1642,6 +1714,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
 
   __shared__ S block_slots[2][32];
   __shared__ ClusterExchange<S, kCluster> exchange;
+  constexpr bool kAsync = kAsyncNextRow<Loader, kCluster, kRows, kElems>;
+  __shared__ NextRowBuffer<kBlock, kPacks, kAsync> next_row;
   if constexpr (kCluster > 1) {
     if (threadIdx.x == 0) {
       exchange.init();
@@ -1659,6 +1733,13 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   const int64_t unit = kCluster > 1 ? grid.index : blockIdx.x;
 
   uint32_t use = 0;  // rows (batches) this CTA has reduced: picks the reduction buffers
+  bool next_copied = false;  // kAsync: the copies of the row this CTA reduces next are on their way
+  if constexpr (kAsync) {
+    if (p.copy_next_row && unit < p.rows)
+      next_copied = copy_next_row<Loader>(p, unit, first_col,
+                                          pack_stride<Loader, kGroup, kPacks * kVec, kCluster>(),
+                                          next_row, 0u);
+  }
   // The loop bound is uniform over the block (and cluster): lane groups past the last row still
   // take part in the shuffles, with nothing loaded or stored. Row r of a group's batch is
   // row0 + r * (groups per block) + group, so each load instruction of a warp covers
@@ -1725,7 +1806,48 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
         const int64_t row = row0 + r * (kBlock / kGroup) + group;
         loaders[r] = Loader(p, row, row < p.rows);
       }
-      if constexpr (Loader::kRawBwd) {
+      if constexpr (kAsync) {
+        // One row per CTA (kRows == 1, group 0). Its copies, if issued, have landed after the wait;
+        // rows left to fetch_bwd read as the other tiers do.
+        cp_async_wait_all();
+        if (next_copied) {
+#pragma unroll
+          for (int k = 0; k < kPacks; ++k) {
+            ys[0][k] = pairs_of<kVec>(next_row.v[k][0][threadIdx.x]);
+            gs[0][k] = pairs_of<kVec>(next_row.v[k][1][threadIdx.x]);
+            keep[0][k] = Loader::kAllBytes;
+            if constexpr (Loader::kWraps) {  // the partial vectors at the row's ends
+              const Loader& l = loaders[0];
+              const int w = first_col + k * stride, c = w - l.shift;
+              if (c <= l.limit && (c < 0 || c + kVec > l.end())) {
+                const bool wraps = l.wraps_at(w);
+                Pairs<kVec> wy{}, wg{};
+                if (wraps) {
+                  wy = pairs_of<kVec>(next_row.wrap[0]);
+                  wg = pairs_of<kVec>(next_row.wrap[1]);
+                }
+                l.trim_whole_bwd(c, wraps, ys[0][k], gs[0][k], wy, wg);
+              }
+            }
+          }
+        } else {
+#pragma unroll
+          for (int k = 0; k < kPacks; ++k)
+            keep[0][k] = loaders[0].template fetch_bwd<true>(first_col + k * stride, ys[0][k],
+                                                             gs[0][k]);
+#pragma unroll
+          for (int k = 0; k < kPacks; ++k)
+            keep[0][k] = loaders[0].template keep_bwd<true>(first_col + k * stride, keep[0][k],
+                                                            ys[0][k], gs[0][k]);
+        }
+        partial[0] = raw_dot<T>(ys[0], gs[0], p.log);
+        // The next row's copies go out now, in flight through this row's reduction and stores.
+        // They wait for the dot product, so this thread's reads of the buffer have returned.
+        const int64_t next0 = mem0 + num_ctas * kRowsPerBlock;
+        next_copied = p.copy_next_row && next0 < p.rows &&
+                      copy_next_row<Loader>(p, next0, first_col, stride, next_row,
+                                            __float_as_uint(partial[0]));
+      } else if constexpr (Loader::kRawBwd) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r)
 #pragma unroll

@@ -607,13 +607,27 @@ template <typename T, int kBlock, int kElems, int kVec, int kCluster, bool kBwd,
 ffi::Error LaunchCluster(const LaunchCtx& c) {
   constexpr auto kernel = softmax_rows_kernel<T, kBlock, kElems, kVec, kCluster, kBwd, kAccess>;
   constexpr bool kMayFit = !kRereadRows<RowLoader<T, kVec, kBwd, kAccess>, kElems>;
-  const ClusterShape shape = FitCluster<kernel, kBlock, kCluster>(
-      c.device, WindowWidth<kVec, kAccess>(c.p.cols), int64_t{kBlock} * kElems, kMayFit);
+  const int64_t width = WindowWidth<kVec, kAccess>(c.p.cols);
+  const ClusterShape shape =
+      FitCluster<kernel, kBlock, kCluster>(c.device, width, int64_t{kBlock} * kElems, kMayFit);
   if (shape.active == 0) return LaunchTwoPass<T, kVec, kBwd, kAccess>(c);
   const int64_t clusters = GridUnits(c.p.rows, shape.active, kPersistentWaves, shape.ctas);
+  RowParams p = c.p;
+  // 16-bit backward rows held through the reduction: the next row's copies in flight
+  // (kAsyncNextRow) where some CTA of the cluster has less than a whole chunk. Measured (H200,
+  // session 24, bfloat16, us per call, without / with): such rows gained, 50257 (8 x 512, 6.1
+  // chunks) 267 -> 231, 100003 (16 x 512, 12.2) 292 -> 251, 32769 (5 of 8 x 512) 261 -> 245,
+  // 65537 (9 of 16) 275 -> 251; rows that fill every CTA lost, 65536 206 -> 236, 32768 (8 x 256)
+  // 195 -> 236, 131072 221 -> 228, 32767 (windowed, W = 32768) 204 -> 217, 65535 218 -> 217.
+  // (Why the full clusters lose was not measured; they already ran at 85-96% of the copy.)
+  // JAX_SOFTMAX_NEXT_ROW (read once; A/B runs): 0 never, 2 wherever the kernel can.
+  if constexpr (kAsyncNextRow<RowLoader<T, kVec, kBwd, kAccess>, kCluster, 1, kElems>) {
+    static const long knob = EnvKnob("JAX_SOFTMAX_NEXT_ROW", 1);
+    p.copy_next_row = knob == 2 || (knob == 1 && width < int64_t(shape.ctas) * kBlock * kElems);
+  }
   return Launch(KernelLaunch(static_cast<unsigned>(clusters * shape.ctas), kBlock, 0, c.stream,
                              shape.ctas, c.dependent),
-                kernel, "softmax cluster kernel", c.p);
+                kernel, "softmax cluster kernel", p);
 }
 
 // --- staged tiers (sm_90+, forward rows) ---------------------------------------------------------
