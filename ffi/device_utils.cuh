@@ -311,6 +311,11 @@ __device__ __forceinline__ void prefetch_l2(const void* begin, const void* end, 
 #endif
 }
 
+// A shared-memory address as the state space's 32-bit address (for asm operands).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
 // --- per-thread asynchronous copies into shared memory (sm_80+) ---------------------------------
 // A thread copies 16 bytes from global to shared memory without holding them in registers; the
 // copies it issued before a commit form a group, and wait_all waits for all of its groups, after
@@ -322,8 +327,7 @@ __device__ __forceinline__ void prefetch_l2(const void* begin, const void* end, 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, uint32_t src_bytes,
                                            uint32_t after = 0) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2; // after %3" ::"r"(
-                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2; // after %3" ::"r"(smem_addr(dst)),
                "l"(src), "r"(src_bytes), "r"(after)
                : "memory");
 #endif
@@ -343,10 +347,6 @@ __device__ __forceinline__ void cp_async_wait_all() {
 // The staged kernels move each CTA's next tiles into shared memory with cp.async.bulk while the
 // current tile is reduced: the copy engine keeps those bytes in flight, not registers. One mbarrier
 // per stage counts the bytes that arrive (expect_tx); its phase parity says which fill completed.
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(arrivals)

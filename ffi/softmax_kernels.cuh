@@ -74,14 +74,6 @@ __host__ __device__ constexpr I round_up_vec(I n) {
   return round_down_vec<kVec>(n + I{kVec - 1});
 }
 
-// Per-row state for reading x (or y and dy) plus the optional bias and mask of a row. Positions
-// passed to load_fwd() and fetch_bwd() are window offsets: column = w - shift (shift is 0 unless
-// kWindowed). Windowed rows read columns up to `limit` at their own offset; window offsets
-// w < nwrap() (in the first vector, before the row) hold the columns after it, limit + 1 + w,
-// which lie W elements further on: in x at in + w + (kWrapSlot ? kWrapSlot : W) (a staged cluster
-// keeps them in a slot of its own, kWrapSlot elements after the start of its first CTA's stage),
-// in y, dy and the output at W. (Kept as fields, nwrap and the wrap distance cost the 16-bit
-// four-row lane groups 16-28 bytes of spills and the 16-bit backward clusters 56-68.)
 // Windowed rows: whether the window's vectors and the wrap vector after it (window offsets 0 ..
 // W + kVec) all lie inside x (all rows but the last one or two of x). A partial vector at the row's
 // ends, and the wrapped columns, are then read as whole 16-byte-aligned vectors and the positions
@@ -97,6 +89,14 @@ struct WindowVectors<true> {
   bool vecs_inside;
 };
 
+// Per-row state for reading x (or y and dy) plus the optional bias and mask of a row. Positions
+// passed to load_fwd() and fetch_bwd() are window offsets: column = w - shift (shift is 0 unless
+// kWindowed). Windowed rows read columns up to `limit` at their own offset; window offsets
+// w < nwrap() (in the first vector, before the row) hold the columns after it, limit + 1 + w,
+// which lie W elements further on: in x at in + w + (kWrapSlot ? kWrapSlot : W) (a staged cluster
+// keeps them in a slot of its own, kWrapSlot elements after the start of its first CTA's stage),
+// in y, dy and the output at W. (Kept as fields, nwrap and the wrap distance cost the 16-bit
+// four-row lane groups 16-28 bytes of spills and the 16-bit backward clusters 56-68.)
 template <typename T, int kVec, bool kBwd, Access kAccess, int kWrapSlot = 0>
 struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
   using A = acc_t<T>;
@@ -542,9 +542,8 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
       // A windowed row's wrapped columns join its first vector here, after every fetch of the
       // batch: in fetch_bwd, their block made bfloat16 N = 50257, which never wraps, 17% slower
       // (H200, session 19). With kVectorEnds, where vecs_inside, fetch_bwd read the partial
-      // vectors whole: their
-      // positions outside the row are zeroed here, and the wrapped columns come from one load of
-      // the vector after the window (as vector_partial).
+      // vectors whole: their positions outside the row are zeroed here, and the wrapped columns
+      // come from one load of the vector after the window (as vector_partial).
       if constexpr (kWraps) {
         const int c = w - shift;
         if (kVectorEnds && this->vecs_inside && c <= limit && (c < 0 || c + kVec > end())) {
@@ -921,8 +920,8 @@ __device__ __forceinline__ void load_batch_split(const Loader (&loaders)[kRows],
 // batches whose vectors all lie inside their rows skip all of this (load_batch_inside).
 // skip_masked (RowParams): batches that fetch x and the mask bytes ahead do not read x where a
 // vector's mask bytes are all zero.
-// kVectorEnds: a windowed row's partial end vectors are read as whole vectors, with everything
-// else (RowLoader::vector_partial). The register kernel's one-row batches only: in its four-row
+// kVectorEnds: a windowed row's partial end vectors are read as whole vectors, with the batch's
+// other loads (RowLoader::vector_partial). The register kernel's one-row batches only: in its four-row
 // lane groups it spilled 20-40 bytes, and the two-pass kernel went from 63 to 100 registers
 // (ptxas sm_90a, bfloat16); the staged kernels read their ends from shared memory.
 template <bool kFetchX, bool kVectorEnds = false, typename Loader, int kRows, int kPacks, int kVec,
@@ -1401,6 +1400,15 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
   }
 }
 
+// Whether a 16-bit backward tier of kElems values per thread (all its rows) reads a windowed row's
+// partial end vectors whole (RowLoader::vecs_inside, fetch_bwd / keep_bwd): every tier but the
+// 512-thread block of 32 values (rows of 8193-16384 columns), which spilled 32 bytes with it (ptxas
+// sm_90a) and ran 3-7% slower (H200, session 24, us per call: 8193 258 -> 277, 16383 209 -> 215).
+// Measured elsewhere: 255 290 -> 244, 4097 256 -> 218, 32767 227 -> 204, 65535 239 -> 218, 262143
+// (16 x 512 x 32, also re-read) 282 -> 261; 50257, whose rows never wrap, 266 -> 267.
+template <int kCluster, int kElems>
+constexpr bool kVectorEndsBwd = kCluster > 1 || kElems <= 16;
+
 // Backward of 16-bit rows (RowLoader::kRawBwd): the kernel loads y and dy as loaded pairs (two
 // values per register, half the registers of float values), zeros at the positions that do not
 // take part, and reduces each row's partial dot product from them (raw_dot). Then, for the output
@@ -1411,15 +1419,6 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
 //           them a reduction ago), so that only the dot product is live through it. Tiers of 32
 //           values per thread: holding their 32 words through the reduction spilled 68-92 bytes
 //           at 64 registers (TUNING.md, session 8).
-// Whether a 16-bit backward tier of kElems values per thread (all its rows) reads a windowed row's
-// partial end vectors whole (RowLoader::vecs_inside, fetch_bwd / keep_bwd): every tier but the
-// 512-thread block of 32 values (rows of 8193-16384 columns), which spilled 32 bytes with it (ptxas
-// sm_90a) and ran 3-7% slower (H200, session 24, us per call: 8193 258 -> 277, 16383 209 -> 215).
-// Measured elsewhere: 255 290 -> 244, 4097 256 -> 218, 32767 227 -> 204, 65535 239 -> 218, 262143
-// (16 x 1024 x 32, also re-read) 282 -> 261; 50257, whose rows never wrap, 266 -> 267.
-template <int kCluster, int kElems>
-constexpr bool kVectorEndsBwd = kCluster > 1 || kElems <= 16;
-
 template <typename T, int kPacks, int kVec>
 __device__ __forceinline__ float raw_dot(const Pairs<kVec> (&ys)[kPacks],
                                          const Pairs<kVec> (&gs)[kPacks], bool log) {
