@@ -153,6 +153,10 @@ struct RowParams {
   // its next row into shared memory while it reduces this one. The launcher sets it where the
   // row leaves some of the cluster's CTAs short of a whole chunk (LaunchCluster says why).
   bool copy_next_row = false;
+  // CUDA, 16-bit backward cluster rows of 32 values per thread (kSmemRowBwd): each CTA reads its
+  // chunk of the row through shared memory (dynamic, sized by the launcher), not twice from
+  // global memory, and copies its next row there as soon as this one has been read again.
+  bool row_in_smem = false;
   RowOrder order;         // CUDA: which rows each CTA takes (the launcher sets it)
   BroadcastView bias;     // forward only; element type = the input's
   BroadcastView mask;     // bool (one byte per element)

@@ -1409,6 +1409,74 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
 template <int kCluster, int kElems>
 constexpr bool kVectorEndsBwd = kCluster > 1 || kElems <= 16;
 
+// A thread's copies of a row in shared memory (kAsyncNextRow, kSmemRowBwd): its kPacks vectors of
+// y (j = 0) and dy (j = 1) at base[(k * 2 + j) * kBlock + thread], so that a warp's 16-byte
+// accesses are contiguous; then the two vectors after the window that hold a windowed row's
+// wrapped columns (copied by the thread whose first vector is the row's first).
+template <int kBlock, int kPacks>
+struct RowSlots {
+  static constexpr int kVectors = kPacks * 2 * kBlock + 2;
+  uint4* base;
+  __device__ __forceinline__ uint4& at(int k, int j) const {
+    return base[(k * 2 + j) * kBlock + threadIdx.x];
+  }
+  __device__ __forceinline__ uint4& wrap(int j) const { return base[kPacks * 2 * kBlock + j]; }
+};
+
+// Issues the copies of y and dy of row `row` (< p.rows) for this thread into buf and commits them
+// as a group; returns whether it did. Windowed rows whose window and the vector after it do not
+// lie inside x (the last row or two, RowLoader::vecs_inside) are left to fetch_bwd. `after`: see
+// cp_async16 (the copies overwrite what this thread read of buf for the row before).
+template <typename Loader, int kPacks, int kBlock>
+__device__ __forceinline__ bool copy_next_row(const RowParams& p, int64_t row, int first_col,
+                                              int stride, RowSlots<kBlock, kPacks> buf,
+                                              uint32_t after) {
+  const Loader next(p, row, true);
+  if constexpr (Loader::kWraps) {
+    if (!next.vecs_inside) return false;
+  }
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int w = first_col + k * stride;
+    // Whole vectors at or before the limit (vecs_inside: a windowed row's partial ones too, as
+    // fetch_bwd<true> reads them); zeros past it.
+    const bool read = w - next.shift <= next.limit;
+    const uint32_t bytes = read ? 16 : 0;
+    cp_async16(&buf.at(k, 0), read ? next.in + w : next.in, bytes, after);
+    cp_async16(&buf.at(k, 1), read ? next.grad + w : next.grad, bytes, after);
+  }
+  if constexpr (Loader::kWraps) {
+    if (next.wraps_at(first_col)) {
+      cp_async16(&buf.wrap(0), next.in + next.wrapped_at(first_col), 16, after);
+      cp_async16(&buf.wrap(1), next.grad + next.wrapped_at(first_col), 16, after);
+    }
+  }
+  cp_async_commit();
+  return true;
+}
+
+template <int kVec>
+__device__ __forceinline__ Pairs<kVec> pairs_of(const uint4& v) {
+  static_assert(kVec == 8, "16-byte vectors of 16-bit values");
+  return Pairs<kVec>{{v.x, v.y, v.z, v.w}};
+}
+template <int kVec>
+__device__ __forceinline__ uint4 vector_of(const Pairs<kVec>& v) {
+  static_assert(kVec == 8, "16-byte vectors of 16-bit values");
+  return make_uint4(v.w[0], v.w[1], v.w[2], v.w[3]);
+}
+
+// The second read of finish_batch_raw's re-read rows from their copy in shared memory
+// (kSmemRowBwd): from_slots says whether this row went through the slots (a windowed row near the
+// end of x does not, copy_next_row); next_row (-1: none) is the row whose copies go out once this
+// row's second read of the slots has returned.
+template <int kBlock, int kPacks>
+struct SlotsReread {
+  RowSlots<kBlock, kPacks> slots{nullptr};
+  bool from_slots = false;
+  int64_t next_row = -1;
+};
+
 // Backward of 16-bit rows (RowLoader::kRawBwd): the kernel loads y and dy as loaded pairs (two
 // values per register, half the registers of float values), zeros at the positions that do not
 // take part, and reduces each row's partial dot product from them (raw_dot). Then, for the output
@@ -1418,7 +1486,8 @@ constexpr bool kVectorEndsBwd = kCluster > 1 || kElems <= 16;
 //   re-read: y, dy and the mask bytes read again after the reduction (from L1 or L2: this CTA read
 //           them a reduction ago), so that only the dot product is live through it. Tiers of 32
 //           values per thread: holding their 32 words through the reduction spilled 68-92 bytes
-//           at 64 registers (TUNING.md, session 8).
+//           at 64 registers (TUNING.md, session 8). Their plain and windowed cluster rows read
+//           both times from a copy in shared memory instead (kSmemRowBwd, SlotsReread).
 template <typename T, int kPacks, int kVec>
 __device__ __forceinline__ float raw_dot(const Pairs<kVec> (&ys)[kPacks],
                                          const Pairs<kVec> (&gs)[kPacks], bool log) {
@@ -1434,18 +1503,21 @@ __device__ __forceinline__ float raw_dot(const Pairs<kVec> (&ys)[kPacks],
   return s;
 }
 
-template <int kGroup, int kCluster, int kRows, int kPacks, int kVec, typename Loader, typename S,
-          typename A>
-__device__ __forceinline__ void finish_batch_raw(
+// Returns whether the copies of reread.next_row went out (kSlots).
+template <int kGroup, int kCluster, int kRows, int kPacks, int kVec, bool kSlots = false,
+          typename Loader, typename S, typename A>
+__device__ __forceinline__ bool finish_batch_raw(
     const RowParams& p, const Loader (&loaders)[kRows], int64_t row0, int group, int first_col,
     const A (&partial)[kRows], const Pairs<kVec> (&held_ys)[kRows][kPacks],
     const Pairs<kVec> (&held_gs)[kRows][kPacks],
     const typename Loader::Bytes (&held_keep)[kRows][kPacks], S* block_slots,
-    ClusterSlots<S> cluster) {
+    ClusterSlots<S> cluster, const SlotsReread<BlockThreads(kGroup), kPacks>& reread = {}) {
   using T = typename Loader::Elem;
   constexpr bool kHold = kRows * kPacks * kVec <= 16;  // see above
+  static_assert(!kSlots || (!kHold && kRows == 1), "kSmemRowBwd tiers re-read one row");
   constexpr bool kVectorEnds = kVectorEndsBwd<kCluster, kRows * kPacks * kVec>;
   constexpr int kBlock = BlockThreads(kGroup);
+  bool next_copied = false;
   const int stride = pack_stride<Loader, kGroup, kPacks * kVec, kCluster>();
   constexpr bool kRuntime = kRuntimeWarps<Loader, kGroup, kPacks * kVec, kCluster>;
   const bool log = p.log;
@@ -1465,15 +1537,41 @@ __device__ __forceinline__ void finish_batch_raw(
         ys[k] = held_ys[r][k];
         gs[k] = held_gs[r][k];
         keep[k] = held_keep[r][k];
-      } else {
-        keep[k] = loader.template fetch_bwd<kVectorEnds>(first_col + k * stride, ys[k], gs[k]);
       }
     }
-    if constexpr (!kHold) {  // keep[k]: the mask bytes as fetched, then the positions kept
+    if constexpr (!kHold) {
+      // The slots hold the row as the first read left it (a windowed row's ends trimmed).
+      // `read`: a value that depends on every read of the slots, so that the next row's copies,
+      // which wait for it, do not overwrite a slot before its read has returned.
+      auto fetch_again = [&] {
 #pragma unroll
-      for (int k = 0; k < kPacks; ++k)
-        keep[k] = loader.template keep_bwd<kVectorEnds>(first_col + k * stride, keep[k], ys[k],
-                                                        gs[k]);
+        for (int k = 0; k < kPacks; ++k)
+          keep[k] = loader.template fetch_bwd<kVectorEnds>(first_col + k * stride, ys[k], gs[k]);
+        // keep[k]: the mask bytes as fetched, then the positions kept
+#pragma unroll
+        for (int k = 0; k < kPacks; ++k)
+          keep[k] = loader.template keep_bwd<kVectorEnds>(first_col + k * stride, keep[k], ys[k],
+                                                          gs[k]);
+      };
+      if constexpr (kSlots) {
+        uint32_t read = 0;
+        if (reread.from_slots) {
+#pragma unroll
+          for (int k = 0; k < kPacks; ++k) {
+            ys[k] = pairs_of<kVec>(reread.slots.at(k, 0));
+            gs[k] = pairs_of<kVec>(reread.slots.at(k, 1));
+            keep[k] = Loader::kAllBytes;
+            read ^= ys[k].w[0] ^ gs[k].w[0];
+          }
+        } else {
+          fetch_again();
+        }
+        if (reread.next_row >= 0)
+          next_copied = copy_next_row<Loader>(p, reread.next_row, first_col, stride, reread.slots,
+                                              read);
+      } else {
+        fetch_again();
+      }
     }
     T* dst = loader.out_row(p, row);
     // Plain rows: one test for all of the thread's vectors, even where it holds one: through
@@ -1500,6 +1598,7 @@ __device__ __forceinline__ void finish_batch_raw(
         loader.template store<kRuntime>(dst, w, out);
     }
   }
+  return next_copied;
 }
 
 // Backward of a float row of which each thread has more than 16 values (float32 clusters of
@@ -1643,55 +1742,28 @@ template <typename Loader, int kCluster, int kRows, int kElems>
 constexpr bool kAsyncNextRow =
     Loader::kRawBwd && Loader::kPlain && kCluster > 1 && kRows == 1 && kElems <= 16;
 
-// Where a thread's copies of the next row land (kAsyncNextRow): its kPacks vectors of y (j = 0)
-// and dy (j = 1) at v[k][j][thread], so that a warp's 16-byte accesses are contiguous; the vectors
-// after the window that hold a windowed row's wrapped columns (copied by the thread whose first
-// vector is the row's first) in wrap.
+// 16-bit backward cluster rows of 32 values per thread (8 x 512, 16 x 512 and 16 x 1024 threads:
+// rows of 65537-131071 and 131073-524288 columns), whose 32 words of y and dy spill where held
+// through the reduction (finish_batch_raw): where RowParams::row_in_smem says so, each CTA copies
+// its chunk of the row into shared memory (cp.async; 64 KiB per 512-thread CTA, dynamic) and reads
+// it from there twice, for the partial dot product and, after the row's reduction, for the
+// output, instead of reading y and dy again from L2 (ncu, session 13: 1.3x the must-move DRAM
+// bytes at 262144, the second read missing L2 in part). The copies of the CTA's next row go out as
+// soon as this row's second read of the buffer has returned, in flight through its output and
+// stores. Measured (H100, session 25, bfloat16, us per call, read twice -> through shared memory):
+// 151936 305 -> 284, 262143 316 -> 296, 262144 310 -> 275, 524288 315 -> 304.
+template <typename Loader, int kCluster, int kRows, int kElems>
+constexpr bool kSmemRowBwd =
+    Loader::kRawBwd && Loader::kPlain && kCluster > 1 && kRows == 1 && kElems > 16;
+
+// The static buffer of the kAsyncNextRow tiers (up to 16 values per thread: 32 KiB per 512-thread
+// CTA); the kSmemRowBwd tiers' buffer is dynamic shared memory.
 template <int kBlock, int kPacks, bool kOn>
 struct NextRowBuffer {
-  uint4 v[kPacks][2][kBlock];
-  uint4 wrap[2];
+  uint4 v[RowSlots<kBlock, kPacks>::kVectors];
 };
 template <int kBlock, int kPacks>
 struct NextRowBuffer<kBlock, kPacks, false> {};
-
-// Issues the copies of y and dy of row `row` (< p.rows) for this thread into buf and commits them
-// as a group; returns whether it did. Windowed rows whose window and the vector after it do not
-// lie inside x (the last row or two, RowLoader::vecs_inside) are left to fetch_bwd. `after`: see
-// cp_async16 (the copies overwrite what this thread read of buf for the row before).
-template <typename Loader, int kPacks, int kBlock>
-__device__ __forceinline__ bool copy_next_row(const RowParams& p, int64_t row, int first_col,
-                                              int stride, NextRowBuffer<kBlock, kPacks, true>& buf,
-                                              uint32_t after) {
-  const Loader next(p, row, true);
-  if constexpr (Loader::kWraps) {
-    if (!next.vecs_inside) return false;
-  }
-#pragma unroll
-  for (int k = 0; k < kPacks; ++k) {
-    const int w = first_col + k * stride;
-    // Whole vectors at or before the limit (vecs_inside: a windowed row's partial ones too, as
-    // fetch_bwd<true> reads them); zeros past it.
-    const bool read = w - next.shift <= next.limit;
-    const uint32_t bytes = read ? 16 : 0;
-    cp_async16(&buf.v[k][0][threadIdx.x], read ? next.in + w : next.in, bytes, after);
-    cp_async16(&buf.v[k][1][threadIdx.x], read ? next.grad + w : next.grad, bytes, after);
-  }
-  if constexpr (Loader::kWraps) {
-    if (next.wraps_at(first_col)) {
-      cp_async16(&buf.wrap[0], next.in + next.wrapped_at(first_col), 16, after);
-      cp_async16(&buf.wrap[1], next.grad + next.wrapped_at(first_col), 16, after);
-    }
-  }
-  cp_async_commit();
-  return true;
-}
-
-template <int kVec>
-__device__ __forceinline__ Pairs<kVec> pairs_of(const uint4& v) {
-  static_assert(kVec == 8, "16-byte vectors of 16-bit values");
-  return Pairs<kVec>{{v.x, v.y, v.z, v.w}};
-}
 
 // kRows: rows a lane group handles per iteration (lane-group tiers only). Their lanes hold one or
 // two vectors of a row, so several rows are loaded before the first shuffle to keep enough bytes
@@ -1714,7 +1786,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   __shared__ S block_slots[2][32];
   __shared__ ClusterExchange<S, kCluster> exchange;
   constexpr bool kAsync = kAsyncNextRow<Loader, kCluster, kRows, kElems>;
+  constexpr bool kSmemRow = kSmemRowBwd<Loader, kCluster, kRows, kElems>;
   __shared__ NextRowBuffer<kBlock, kPacks, kAsync> next_row;
+  extern __shared__ uint4 row_smem[];  // kSmemRow: RowSlots' vectors (LaunchCluster sizes it)
   if constexpr (kCluster > 1) {
     if (threadIdx.x == 0) {
       exchange.init();
@@ -1732,12 +1806,19 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   const int64_t unit = kCluster > 1 ? grid.index : blockIdx.x;
 
   uint32_t use = 0;  // rows (batches) this CTA has reduced: picks the reduction buffers
-  bool next_copied = false;  // kAsync: the copies of the row this CTA reduces next are on their way
-  if constexpr (kAsync) {
-    if (p.copy_next_row && unit < p.rows)
+  // kAsync, kSmemRow: rows go through the shared-memory slots where the launcher says so
+  // (RowParams::copy_next_row, row_in_smem); next_copied: the copies of the row this CTA reduces
+  // next are on their way.
+  RowSlots<kBlock, kPacks> slots{nullptr};
+  bool via_slots = false;
+  if constexpr (kAsync) slots.base = next_row.v, via_slots = p.copy_next_row;
+  if constexpr (kSmemRow) slots.base = row_smem, via_slots = p.row_in_smem;
+  bool next_copied = false;
+  if constexpr (kAsync || kSmemRow) {
+    if (via_slots && unit < p.rows)
       next_copied = copy_next_row<Loader>(p, unit, first_col,
                                           pack_stride<Loader, kGroup, kPacks * kVec, kCluster>(),
-                                          next_row, 0u);
+                                          slots, 0u);
   }
   // The loop bound is uniform over the block (and cluster): lane groups past the last row still
   // take part in the shuffles, with nothing loaded or stored. Row r of a group's batch is
@@ -1792,6 +1873,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     // Backward: the mask bytes as fetched, then (kRawBwd) the positions that take part.
     typename Loader::Bytes keep[kRows][kPacks];
     A partial[kRows];       // backward, kRawBwd: this thread's part of each row's dot product
+    bool row_copied = false;   // kAsync, kSmemRow: this row came through the slots
+    int64_t next_after = -1;   // kSmemRow: the next row, copied once this one's are read again
     bool any[kRows];               // forward: whether any of this thread's positions takes part
     // Built once per row: its bias/mask offsets and causal limit cost integer divisions.
     Loader loaders[kRows];
@@ -1805,15 +1888,16 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
         const int64_t row = row0 + r * (kBlock / kGroup) + group;
         loaders[r] = Loader(p, row, row < p.rows);
       }
-      if constexpr (kAsync) {
+      if constexpr (kAsync || kSmemRow) {
         // One row per CTA (kRows == 1, group 0). Its copies, if issued, have landed after the wait;
         // rows left to fetch_bwd read as the other tiers do.
         cp_async_wait_all();
+        row_copied = next_copied;
         if (next_copied) {
 #pragma unroll
           for (int k = 0; k < kPacks; ++k) {
-            ys[0][k] = pairs_of<kVec>(next_row.v[k][0][threadIdx.x]);
-            gs[0][k] = pairs_of<kVec>(next_row.v[k][1][threadIdx.x]);
+            ys[0][k] = pairs_of<kVec>(slots.at(k, 0));
+            gs[0][k] = pairs_of<kVec>(slots.at(k, 1));
             keep[0][k] = Loader::kAllBytes;
             if constexpr (Loader::kWraps) {  // the partial vectors at the row's ends
               const Loader& l = loaders[0];
@@ -1822,10 +1906,14 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
                 const bool wraps = l.wraps_at(w);
                 Pairs<kVec> wy{}, wg{};
                 if (wraps) {
-                  wy = pairs_of<kVec>(next_row.wrap[0]);
-                  wg = pairs_of<kVec>(next_row.wrap[1]);
+                  wy = pairs_of<kVec>(slots.wrap(0));
+                  wg = pairs_of<kVec>(slots.wrap(1));
                 }
                 l.trim_whole_bwd(c, wraps, ys[0][k], gs[0][k], wy, wg);
+                if constexpr (kSmemRow) {  // as trimmed, for finish_batch_raw's second read
+                  slots.at(k, 0) = vector_of<kVec>(ys[0][k]);
+                  slots.at(k, 1) = vector_of<kVec>(gs[0][k]);
+                }
               }
             }
           }
@@ -1840,12 +1928,18 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
                                                             ys[0][k], gs[0][k]);
         }
         partial[0] = raw_dot<T>(ys[0], gs[0], p.log);
-        // The next row's copies go out now, in flight through this row's reduction and stores.
-        // They wait for the dot product, so this thread's reads of the buffer have returned.
         const int64_t next0 = mem0 + num_ctas * kRowsPerBlock;
-        next_copied = p.copy_next_row && next0 < p.rows &&
-                      copy_next_row<Loader>(p, next0, first_col, stride, next_row,
-                                            __float_as_uint(partial[0]));
+        if constexpr (kAsync) {
+          // The next row's copies go out now, in flight through this row's reduction and stores.
+          // They wait for the dot product, so this thread's reads of the buffer have returned.
+          next_copied = via_slots && next0 < p.rows &&
+                        copy_next_row<Loader>(p, next0, first_col, stride, slots,
+                                              __float_as_uint(partial[0]));
+        } else {
+          // This row's second read of the slots comes first (finish_batch_raw).
+          next_copied = false;
+          next_after = via_slots && next0 < p.rows ? next0 : -1;
+        }
       } else if constexpr (Loader::kRawBwd) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r)
@@ -1894,7 +1988,11 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
             loaders[r].flags_bwd(first_col + k * stride, keep[r][k], ok[r][k]);
       }
     }
-    if constexpr (Loader::kRawBwd)
+    if constexpr (kSmemRow)
+      next_copied = finish_batch_raw<kGroup, kCluster, kRows, kPacks, kVec, true>(
+          p, loaders, row0, group, first_col, partial, ys, gs, keep, block_slots[use & 1],
+          exchange.buffer(use), SlotsReread<kBlock, kPacks>{slots, row_copied, next_after});
+    else if constexpr (Loader::kRawBwd)
       finish_batch_raw<kGroup, kCluster>(p, loaders, row0, group, first_col, partial, ys, gs, keep,
                                          block_slots[use & 1], exchange.buffer(use));
     else if constexpr (kBwd && !kRereadBwd)

@@ -32,7 +32,9 @@
 //   16-bit backward rows of V = 8, whose y and dy stay as loaded (two values per register),
 //   take 2E instead where that avoids a cluster or a 1024-thread CTA: one block of 512 threads
 //   for cols <= 512 * 2E, and beyond 16 * 512 * E clusters of 16 x 512 / 16 x 1024 threads of 2E
-//   (to 16 * 1024 * 2E) instead of 16 x 1024 of E and the two-pass kernel (LaunchTier says why).
+//   (to 16 * 1024 * 2E) instead of 16 x 1024 of E and the two-pass kernel (LaunchTier says why);
+//   plain and windowed ones also from 8 * 512 * E + 1 to 8 * 512 * 2E - 1 (8 x 512 threads of 2E,
+//   instead of 16 x 512 of E), their clusters of 2E reading the row through shared memory.
 //   Float32 backward rows of V = 4 take the same 2E clusters beyond 16 * 512 * E, reading y and
 //   dy twice (backward_row_reread), and one 1024-thread block of E instead of a cluster up to
 //   1024 * E.
@@ -606,13 +608,23 @@ ffi::Error LaunchTwoPass(const LaunchCtx& c) {
 template <typename T, int kBlock, int kElems, int kVec, int kCluster, bool kBwd, Access kAccess>
 ffi::Error LaunchCluster(const LaunchCtx& c) {
   constexpr auto kernel = softmax_rows_kernel<T, kBlock, kElems, kVec, kCluster, kBwd, kAccess>;
-  constexpr bool kMayFit = !kRereadRows<RowLoader<T, kVec, kBwd, kAccess>, kElems>;
+  using Loader = RowLoader<T, kVec, kBwd, kAccess>;
+  constexpr bool kMayFit = !kRereadRows<Loader, kElems>;
   const int64_t width = WindowWidth<kVec, kAccess>(c.p.cols);
-  const ClusterShape shape =
-      FitCluster<kernel, kBlock, kCluster>(c.device, width, int64_t{kBlock} * kElems, kMayFit);
+  RowParams p = c.p;
+  // 16-bit backward rows of 32 values per thread: the row through shared memory (kSmemRowBwd).
+  // JAX_SOFTMAX_SMEM_ROWS=0 (read once; A/B runs) reads y and dy twice from global memory.
+  size_t smem = 0;
+  if constexpr (kSmemRowBwd<Loader, kCluster, 1, kElems>) {
+    static const bool enabled = EnvKnob("JAX_SOFTMAX_SMEM_ROWS", 1) != 0;
+    if (enabled && AllowDynamicSmem<kernel>(c.device, c.dev))
+      smem = RowSlots<kBlock, kElems / kVec>::kVectors * sizeof(uint4);
+    p.row_in_smem = smem > 0;
+  }
+  const ClusterShape shape = FitCluster<kernel, kBlock, kCluster>(
+      c.device, width, int64_t{kBlock} * kElems, kMayFit, smem);
   if (shape.active == 0) return LaunchTwoPass<T, kVec, kBwd, kAccess>(c);
   const int64_t clusters = GridUnits(c.p.rows, shape.active, kPersistentWaves, shape.ctas);
-  RowParams p = c.p;
   // 16-bit backward rows held through the reduction: the next row's copies in flight
   // (kAsyncNextRow) where some CTA of the cluster has less than a whole chunk. Measured (H200,
   // session 24, bfloat16, us per call, without / with): such rows gained, 50257 (8 x 512, 6.1
@@ -621,11 +633,11 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
   // 195 -> 236, 131072 221 -> 228, 32767 (windowed, W = 32768) 204 -> 217, 65535 218 -> 217.
   // (Why the full clusters lose was not measured; they already ran at 85-96% of the copy.)
   // JAX_SOFTMAX_NEXT_ROW (read once; A/B runs): 0 never, 2 wherever the kernel can.
-  if constexpr (kAsyncNextRow<RowLoader<T, kVec, kBwd, kAccess>, kCluster, 1, kElems>) {
+  if constexpr (kAsyncNextRow<Loader, kCluster, 1, kElems>) {
     static const long knob = EnvKnob("JAX_SOFTMAX_NEXT_ROW", 1);
     p.copy_next_row = knob == 2 || (knob == 1 && width < int64_t(shape.ctas) * kBlock * kElems);
   }
-  return Launch(KernelLaunch(static_cast<unsigned>(clusters * shape.ctas), kBlock, 0, c.stream,
+  return Launch(KernelLaunch(static_cast<unsigned>(clusters * shape.ctas), kBlock, smem, c.stream,
                              shape.ctas, c.dependent),
                 kernel, "softmax cluster kernel", p);
 }
@@ -862,6 +874,17 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
     if (n <= 2 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 2, kBwd, kAccess>(c);
     if (n <= 4 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 4, kBwd, kAccess>(c);
     if (n <= 8 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 8, kBwd, kAccess>(c);
+    if constexpr (kRawWide && kAccess != Access::kGeneral) {
+      // 16-bit plain and windowed rows of 65537-131071 columns: 8 x 512 threads of 32 values (the
+      // row through shared memory, kSmemRowBwd) rather than 16 x 512 of 16 values, held. Measured
+      // (H100, session 25, bfloat16, us per call, 16 x 16 -> 8 x 32): 65537 314 -> 292, 81920 279
+      // -> 281, 100003 300 -> 286, 114688 304 -> 281 (14 of 16 CTAs: the 16-CTA size is kept,
+      // FitCluster); rows that fill all 16 CTAs lose, 131072 274 -> 282, so they stay held.
+      // JAX_SOFTMAX_RAW_WIDE=0 (read once; A/B runs) keeps 16 x 512 x 16 for all of them.
+      static const bool wide = EnvKnob("JAX_SOFTMAX_RAW_WIDE", 1) != 0;
+      if (wide && n < 8 * 512 * 2 * kE)
+        return LaunchCluster<T, 512, 2 * kE, kVec, 8, kBwd, kAccess>(c);
+    }
     if (n <= 16 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 16, kBwd, kAccess>(c);
     if constexpr (kRawWide || kRereadWide) {
       if (n <= 16 * 512 * 2 * kE) return LaunchCluster<T, 512, 2 * kE, kVec, 16, kBwd, kAccess>(c);

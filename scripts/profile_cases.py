@@ -154,7 +154,7 @@ for _dt, _name in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16")):
     # (FitCluster in ffi/softmax_launch.cuh), and a vocabulary's length (151936).
     for _n in (16385, 65537, 151936):
         CASES[f"{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n))
-    for _n in (32769, 65537, 100003, 151936):
+    for _n in (32769, 65537, 81920, 100003, 114688, 151936):
         CASES[f"{_name}_bwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n, bwd=True))
     # Odd rows, read through 16-byte windows; and rows that fill a block tier partly (3000).
     for _n in (255, 3000, 4095, 4097, 8193, 16383, 32767, 65535, 262143):

@@ -83,6 +83,10 @@ CASES = [  # (rows, cols, dtype)
     # reduce this one (RowParams::copy_next_row): 16 x 512 threads, more rows than clusters (50257
     # above, 8 x 512, and 32769, 5 of 8, take it too).
     (20, 100003, jnp.bfloat16),
+    # 16-bit backward cluster rows of 32 values per thread read through shared memory
+    # (RowParams::row_in_smem; 262144 and 524288 above): windowed rows that wrap, more rows than
+    # clusters (the next row's copies), the last rows read from global memory.
+    (37, 262143, jnp.bfloat16),
 ]
 
 

@@ -211,7 +211,9 @@ def test_two_pass_sizes(backend, device, rng, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
-@pytest.mark.parametrize("n", [2**12, 2**15 + 2, 50257, 2**17, 2**19, 2**21 + 1, 2**22], ids=str)
+@pytest.mark.parametrize(
+    "n", [2**12, 2**15 + 2, 50257, 2**17, 2**18 - 1, 2**19, 2**21 + 1, 2**22], ids=str
+)
 def test_many_long_rows(backend, device, rng, dtype, n):
     # More rows than clusters/blocks resident at once: the one-wave grids loop over rows.
     check_sizes(device, rng, dtype, [n], lambda n: max(3, min(301, 2**23 // n)))
@@ -228,10 +230,11 @@ def test_windowed_row_neighbours(backend, device, rng, dtype):
     # value of a neighbour that leaked into a row would turn it NaN. 11 rows: every shift of a
     # 16-bit row in its window, and the last rows, read element by element. Tiers: lane groups
     # (255: two rows per group backward), blocks (4097; 8193, whose 512-thread block of 32 values
-    # reads element by element), clusters (32767 and 65535 wrap, 50257 never does) and the
-    # staged forward tiers' windows in shared memory.
+    # reads element by element), clusters (32767 and 65535 wrap, 50257 never does; 262143, whose
+    # 16-bit backward rows go through shared memory, kSmemRowBwd) and the staged forward tiers'
+    # windows in shared memory.
     cases = []
-    for n in (255, 1001, 4097, 8193, 32767, 50257, 65535):
+    for n in (255, 1001, 4097, 8193, 32767, 50257, 65535, 262143):
         x = rng.standard_normal((11, n)) * 3.0
         x[1::2] = np.nan
         cases.append((rounded(x, dtype), None, rounded(rng.standard_normal((11, n)), dtype)))
