@@ -33,8 +33,9 @@
 //   take 2E instead where that avoids a cluster or a 1024-thread CTA: one block of 512 threads
 //   for cols <= 512 * 2E, and beyond 16 * 512 * E clusters of 16 x 512 / 16 x 1024 threads of 2E
 //   (to 16 * 1024 * 2E) instead of 16 x 1024 of E and the two-pass kernel (LaunchTier says why);
-//   plain and windowed ones also from 8 * 512 * E + 1 to 8 * 512 * 2E - 1 (8 x 512 threads of 2E,
-//   instead of 16 x 512 of E), their clusters of 2E reading the row through shared memory.
+//   plain and windowed ones also on 4 and 8 x 512 threads of 2E for rows of 4 * 512 * E + 1 to
+//   4 * 512 * 2E - 1 and 8 * 512 * E + 1 to 8 * 512 * 2E - 1 columns (instead of 8 and 16 x 512 of
+//   E), their clusters of 2E reading the row through shared memory (kSmemRowBwd).
 //   Float32 backward rows of V = 4 take the same 2E clusters beyond 16 * 512 * E, reading y and
 //   dy twice (backward_row_reread), and one 1024-thread block of E instead of a cluster up to
 //   1024 * E.
@@ -873,18 +874,21 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
     }
     if (n <= 2 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 2, kBwd, kAccess>(c);
     if (n <= 4 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 4, kBwd, kAccess>(c);
-    if (n <= 8 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 8, kBwd, kAccess>(c);
     if constexpr (kRawWide && kAccess != Access::kGeneral) {
-      // 16-bit plain and windowed rows of 65537-131071 columns: 8 x 512 threads of 32 values (the
-      // row through shared memory, kSmemRowBwd) rather than 16 x 512 of 16 values, held. Measured
-      // (H100, session 25, bfloat16, us per call, 16 x 16 -> 8 x 32): 65537 314 -> 292, 81920 279
-      // -> 281, 100003 300 -> 286, 114688 304 -> 281 (14 of 16 CTAs: the 16-CTA size is kept,
-      // FitCluster); rows that fill all 16 CTAs lose, 131072 274 -> 282, so they stay held.
-      // JAX_SOFTMAX_RAW_WIDE=0 (read once; A/B runs) keeps 16 x 512 x 16 for all of them.
+      // 16-bit plain and windowed rows of 32769-65535 and 65537-131071 columns: 4 or 8 x 512
+      // threads of 32 values (the row through shared memory, kSmemRowBwd) rather than 8 or 16 x
+      // 512 of 16 values, held. Measured (session 25, bfloat16, us per call, E -> 2E): H100 65537
+      // 314 -> 292, 81920 279 -> 281, 100003 300 -> 286, 114688 304 -> 281 (14 of 16 CTAs: the
+      // 16-CTA size is kept, FitCluster); H200 32769 233 -> 233, 50257 225 -> 216. Rows that fill
+      // every CTA of the E tier lose (H100 131072 274 -> 282), so 65536 and 131072 stay held.
+      // JAX_SOFTMAX_RAW_WIDE=0 (read once; A/B runs) keeps the E tiers for all of them.
       static const bool wide = EnvKnob("JAX_SOFTMAX_RAW_WIDE", 1) != 0;
-      if (wide && n < 8 * 512 * 2 * kE)
+      if (wide && n < 4 * 512 * 2 * kE)
+        return LaunchCluster<T, 512, 2 * kE, kVec, 4, kBwd, kAccess>(c);
+      if (wide && n > 8 * 512 * kE && n < 8 * 512 * 2 * kE)
         return LaunchCluster<T, 512, 2 * kE, kVec, 8, kBwd, kAccess>(c);
     }
+    if (n <= 8 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 8, kBwd, kAccess>(c);
     if (n <= 16 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 16, kBwd, kAccess>(c);
     if constexpr (kRawWide || kRereadWide) {
       if (n <= 16 * 512 * 2 * kE) return LaunchCluster<T, 512, 2 * kE, kVec, 16, kBwd, kAccess>(c);
