@@ -34,8 +34,8 @@
 //   for cols <= 512 * 2E, and beyond 16 * 512 * E clusters of 16 x 512 / 16 x 1024 threads of 2E
 //   (to 16 * 1024 * 2E) instead of 16 x 1024 of E and the two-pass kernel (LaunchTier says why);
 //   plain and windowed ones also on 4 and 8 x 512 threads of 2E for rows of 4 * 512 * E + 1 to
-//   4 * 512 * 2E - 1 and 8 * 512 * E + 1 to 8 * 512 * 2E - 1 columns (instead of 8 and 16 x 512 of
-//   E), their clusters of 2E reading the row through shared memory (kSmemRowBwd).
+//   4 * 512 * 2E and 8 * 512 * E + 1 to 8 * 512 * 2E columns (instead of 8 and 16 x 512 of E),
+//   their clusters of 2E reading the row through shared memory (kSmemRowBwd).
 //   Float32 backward rows of V = 4 take the same 2E clusters beyond 16 * 512 * E, reading y and
 //   dy twice (backward_row_reread), and one 1024-thread block of E instead of a cluster up to
 //   1024 * E.
@@ -633,6 +633,9 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
   // 65537 (9 of 16) 275 -> 251; rows that fill every CTA lost, 65536 206 -> 236, 32768 (8 x 256)
   // 195 -> 236, 131072 221 -> 228, 32767 (windowed, W = 32768) 204 -> 217, 65535 218 -> 217.
   // (Why the full clusters lose was not measured; they already ran at 85-96% of the copy.)
+  // Since session 25 the plain and windowed rows of 32769-131072 columns take the clusters of 32
+  // values instead (LaunchTier; JAX_SOFTMAX_RAW_WIDE=0 brings these tiers back for them); those
+  // of 16385-32768 (8 x 256) still come here.
   // JAX_SOFTMAX_NEXT_ROW (read once; A/B runs): 0 never, 2 wherever the kernel can.
   if constexpr (kAsyncNextRow<Loader, kCluster, 1, kElems>) {
     static const long knob = EnvKnob("JAX_SOFTMAX_NEXT_ROW", 1);
@@ -875,17 +878,20 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
     if (n <= 2 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 2, kBwd, kAccess>(c);
     if (n <= 4 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 4, kBwd, kAccess>(c);
     if constexpr (kRawWide && kAccess != Access::kGeneral) {
-      // 16-bit plain and windowed rows of 32769-65535 and 65537-131071 columns: 4 or 8 x 512
+      // 16-bit plain and windowed rows of 32769-65536 and 65537-131072 columns: 4 or 8 x 512
       // threads of 32 values (the row through shared memory, kSmemRowBwd) rather than 8 or 16 x
       // 512 of 16 values, held. Measured (session 25, bfloat16, us per call, E -> 2E): H100 65537
       // 314 -> 292, 81920 279 -> 281, 100003 300 -> 286, 114688 304 -> 281 (14 of 16 CTAs: the
-      // 16-CTA size is kept, FitCluster); H200 32769 233 -> 233, 50257 225 -> 216. Rows that fill
-      // every CTA of the E tier lose (H100 131072 274 -> 282), so 65536 and 131072 stay held.
-      // JAX_SOFTMAX_RAW_WIDE=0 (read once; A/B runs) keeps the E tiers for all of them.
-      static const bool wide = EnvKnob("JAX_SOFTMAX_RAW_WIDE", 1) != 0;
-      if (wide && n < 4 * 512 * 2 * kE)
+      // 16-CTA size is kept, FitCluster), 131072 274 -> 282; H200 32769 233 -> 233, 50257 225 ->
+      // 216, 65535 216 -> 213, 65536 209 -> 203, 131072 223 -> 199. The rows that fill every CTA
+      // of the E tier gained 3-12% on the H200 (65536, 131072); 131072 lost 3% on the H100
+      // (65536 not measured there). They take 2E too. JAX_SOFTMAX_RAW_WIDE (read once; A/B runs): 0 keeps the E tiers for all of them,
+      // 1 for those full rows only.
+      static const long wide = EnvKnob("JAX_SOFTMAX_RAW_WIDE", 2);
+      const int64_t full = wide == 1 ? 0 : 1;
+      if (wide != 0 && n < 4 * 512 * 2 * kE + full)
         return LaunchCluster<T, 512, 2 * kE, kVec, 4, kBwd, kAccess>(c);
-      if (wide && n > 8 * 512 * kE && n < 8 * 512 * 2 * kE)
+      if (wide != 0 && n > 8 * 512 * kE && n < 8 * 512 * 2 * kE + full)
         return LaunchCluster<T, 512, 2 * kE, kVec, 8, kBwd, kAccess>(c);
     }
     if (n <= 8 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 8, kBwd, kAccess>(c);
