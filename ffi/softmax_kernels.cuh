@@ -1737,13 +1737,14 @@ constexpr bool kRereadRows = Loader::kBackward && !Loader::kRawBwd && kElems > 1
 // reduction and its stores. The register kernel otherwise has only the loads of the rows it is
 // reducing in flight, and a row took about 3 us whatever its length (H200: 50257 and 65536
 // columns alike, 30 clusters of 8 x 512 threads at once), so 50257 ran at 70% of the copy, 65536
-// at 91%.
+// at 91%. (Since session 25 the plain and windowed rows of 32769-131072 columns take the
+// kSmemRowBwd tiers; these serve 16385-32768, and the others under JAX_SOFTMAX_RAW_WIDE=0.)
 template <typename Loader, int kCluster, int kRows, int kElems>
 constexpr bool kAsyncNextRow =
     Loader::kRawBwd && Loader::kPlain && kCluster > 1 && kRows == 1 && kElems <= 16;
 
-// 16-bit backward cluster rows of 32 values per thread (8 x 512, 16 x 512 and 16 x 1024 threads:
-// rows of 65537-131071 and 131073-524288 columns), whose 32 words of y and dy spill where held
+// 16-bit backward cluster rows of 32 values per thread (4, 8 and 16 x 512 and 16 x 1024 threads:
+// rows of 32769-524288 columns, LaunchTier), whose 32 words of y and dy spill where held
 // through the reduction (finish_batch_raw): where RowParams::row_in_smem says so, each CTA copies
 // its chunk of the row into shared memory (cp.async; 64 KiB per 512-thread CTA, dynamic) and reads
 // it from there twice, for the partial dot product and, after the row's reduction, for the

@@ -128,8 +128,8 @@ if want test; then
     "XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and dependent_calls")"
   # Every cluster tier at the size its rows need (by default only where that fits more clusters
-  # on the GPU: FitCluster), and the 16-bit backward rows of 65537-131071 columns on the
-  # 16 x 512 x 16 tier that 8 x 512 x 32 replaced (JAX_SOFTMAX_RAW_WIDE=0).
+  # on the GPU: FitCluster), and the 16-bit backward rows of 32769-131072 columns on the
+  # tiers of 16 values that those of 32 replaced (JAX_SOFTMAX_RAW_WIDE=0).
   test_job cluster_fit_all JAX_SOFTMAX_CLUSTER_FIT=2 JAX_SOFTMAX_RAW_WIDE=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (cluster_ctas or many_long_rows)")"
   wait_tests
