@@ -1919,6 +1919,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
             }
           }
         } else {
+          // The loads of the tiers below, for this one row. (One path for both, the slots' read
+          // ahead of the shared loads, spilled 150-650 bytes in the clusters of 32 values and 4 in
+          // those of 16: ptxas sm_90a, session 25.)
 #pragma unroll
           for (int k = 0; k < kPacks; ++k)
             keep[0][k] = loaders[0].template fetch_bwd<true>(first_col + k * stride, ys[0][k],
