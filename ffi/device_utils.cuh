@@ -311,6 +311,58 @@ __device__ __forceinline__ void prefetch_l2(const void* begin, const void* end, 
 #endif
 }
 
+// --- L2 eviction priorities (sm_80+) ------------------------------------------------------------
+// An access with .L2::cache_hint gives the L2 lines it touches the eviction priority of an opaque
+// policy (createpolicy; fraction 1.0: every access under it). An access under another priority
+// than evict_unchanged sets the line's priority again, so lines kept with evict_last for a second
+// read can be let go (evict_first) by that read. Before sm_80 the accesses below are plain.
+enum class L2Evict { kNormal, kFirst, kLast };
+
+template <L2Evict kPriority>
+__device__ __forceinline__ uint64_t l2_policy() {
+  uint64_t policy = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (kPriority == L2Evict::kLast)
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  else if constexpr (kPriority == L2Evict::kFirst)
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  else
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
+#endif
+  return policy;
+}
+
+// 16-byte load and store under an L2 policy (l2_policy). Volatile, as the plain accesses they
+// replace are ordered: a load stays after the reduction that precedes it in the code.
+template <int N, typename T>
+__device__ __forceinline__ void load_vec_l2(const T* src, T (&dst)[N], uint64_t policy) {
+  static_assert(N * sizeof(T) == 16, "16-byte vectors");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint4 w;
+  asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
+               : "l"(src), "l"(policy));
+  memcpy(dst, &w, sizeof(w));
+#else
+  (void)policy;
+  load_vec<N>(src, dst);
+#endif
+}
+template <int N, typename T>
+__device__ __forceinline__ void store_vec_l2(T* dst, const T (&src)[N], uint64_t policy) {
+  static_assert(N * sizeof(T) == 16, "16-byte vectors");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint4 w;
+  memcpy(&w, src, sizeof(w));
+  asm volatile("st.global.L2::cache_hint.v4.b32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(dst), "r"(w.x),
+               "r"(w.y), "r"(w.z), "r"(w.w), "l"(policy)
+               : "memory");
+#else
+  (void)policy;
+  store_vec<N>(dst, src);
+#endif
+}
+
 // A shared-memory address as the state space's 32-bit address (for asm operands).
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));

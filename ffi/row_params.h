@@ -157,6 +157,9 @@ struct RowParams {
   // chunk of the row through shared memory (dynamic, sized by the launcher), not twice from
   // global memory, and copies its next row there as soon as this one has been read again.
   bool row_in_smem = false;
+  // CUDA, float32 backward rows that read y and dy twice (backward_row_reread): the first read
+  // keeps its L2 lines (evict_last) until the second lets them go (evict_first, as the stores).
+  bool l2_hints = false;
   RowOrder order;         // CUDA: which rows each CTA takes (the launcher sets it)
   BroadcastView bias;     // forward only; element type = the input's
   BroadcastView mask;     // bool (one byte per element)

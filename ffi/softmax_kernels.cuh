@@ -1606,8 +1606,10 @@ __device__ __forceinline__ bool finish_batch_raw(
 // registers, so they are read twice, as the 16-bit rows of 32 values read their pairs
 // (finish_batch_raw): for the row's partial dot product, kAtOnce vectors of each at a time with
 // all their loads in flight, and again after the row's reduction for the output (from L2: the
-// cluster read them a reduction ago). Only the dot product is live through the reduction. The
-// tier it serves replaced 16 x 1024 threads of 16 values, one CTA per SM (TUNING.md, session 14).
+// cluster read them a reduction ago; the first read marks its lines evict_last so that the rows
+// in flight and the output's lines do not push them out first, RowParams::l2_hints). Only the
+// dot product is live through the reduction. The tier it serves replaced 16 x 1024 threads of 16
+// values, one CTA per SM (TUNING.md, session 14).
 template <int kGroup, int kCluster, int kPacks, typename Loader, typename S>
 __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Loader& loader,
                                                     int64_t row, int first_col, S* block_slots,
@@ -1634,8 +1636,15 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
     inside = loader.holds(first_col, last_col);
   else
     inside = last_col + kVec - 1 <= loader.limit;  // the limit is -1 for a row past the end
+  // L2 priorities (RowParams::l2_hints): the first read's lines stay (evict_last) until the second
+  // read lets them go (evict_first), and the output's lines, which this kernel never reads, leave
+  // first. (The per-vector path, a thread or two at the row's ends, reads and stores without.)
+  const bool hints = p.l2_hints;
+  const uint64_t first_read = hints ? l2_policy<L2Evict::kLast>() : l2_policy<L2Evict::kNormal>();
+  const uint64_t then = hints ? l2_policy<L2Evict::kFirst>() : l2_policy<L2Evict::kNormal>();
+  const uint64_t second_read = then, stores = then;
   // One chunk: y into v, dy into g, ok where a position takes part.
-  auto load_chunk = [&](int k0, A (&v)[kAtOnce][kVec], A (&g)[kAtOnce][kVec],
+  auto load_chunk = [&](int k0, uint64_t policy, A (&v)[kAtOnce][kVec], A (&g)[kAtOnce][kVec],
                         bool (&ok)[kAtOnce][kVec]) {
     typename Loader::Bytes keep[kAtOnce];
     if (inside) {
@@ -1648,8 +1657,8 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
       T ys[kAtOnce][kVec], gs[kAtOnce][kVec];
 #pragma unroll
       for (int j = 0; j < kAtOnce; ++j) {
-        load_vec<kVec>(loader.in + first_col + (k0 + j) * stride, ys[j]);
-        load_vec<kVec>(loader.grad + first_col + (k0 + j) * stride, gs[j]);
+        load_vec_l2<kVec>(loader.in + first_col + (k0 + j) * stride, ys[j], policy);
+        load_vec_l2<kVec>(loader.grad + first_col + (k0 + j) * stride, gs[j], policy);
       }
 #pragma unroll
       for (int j = 0; j < kAtOnce; ++j)
@@ -1667,17 +1676,17 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
     }
   };
   // One pass over the row: each chunk read, then handed to use(k0, v, g, ok).
-  auto each_chunk = [&](auto&& use) {
+  auto each_chunk = [&](uint64_t policy, auto&& use) {
 #pragma unroll
     for (int k0 = 0; k0 < kPacks; k0 += kAtOnce) {
       A v[kAtOnce][kVec], g[kAtOnce][kVec];
       bool ok[kAtOnce][kVec];
-      load_chunk(k0, v, g, ok);
+      load_chunk(k0, policy, v, g, ok);
       use(k0, v, g, ok);
     }
   };
   Sum<A> mine{A(0)};
-  each_chunk([&](int, const A (&v)[kAtOnce][kVec], const A (&g)[kAtOnce][kVec],
+  each_chunk(first_read, [&](int, const A (&v)[kAtOnce][kVec], const A (&g)[kAtOnce][kVec],
                  const bool (&ok)[kAtOnce][kVec]) {
 #pragma unroll
     for (int j = 0; j < kAtOnce; ++j)
@@ -1689,17 +1698,20 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
   if (row >= p.rows) return;
   const A scale = static_cast<A>(p.scale);
   T* dst = loader.out_row(p, row);
-  each_chunk([&](int k0, const A (&v)[kAtOnce][kVec], const A (&g)[kAtOnce][kVec],
-                 const bool (&ok)[kAtOnce][kVec]) {
+  each_chunk(second_read, [&](int k0, const A (&v)[kAtOnce][kVec], const A (&g)[kAtOnce][kVec],
+                              const bool (&ok)[kAtOnce][kVec]) {
 #pragma unroll
     for (int j = 0; j < kAtOnce; ++j) {
       A out[kVec];
 #pragma unroll
       for (int e = 0; e < kVec; ++e) out[e] = bwd_output(v[j][e], g[j][e], ok[j][e], dot, scale, log);
       const int w = first_col + (k0 + j) * stride;
-      if (inside)
-        store_vec_acc<kVec>(dst + w, out);
-      else
+      if (inside) {
+        T values[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) values[e] = from_acc<T>(out[e]);
+        store_vec_l2<kVec>(dst + w, values, stores);
+      } else
         loader.store(dst, w, out);
     }
   });

@@ -37,8 +37,8 @@
 //   4 * 512 * 2E and 8 * 512 * E + 1 to 8 * 512 * 2E columns (instead of 8 and 16 x 512 of E),
 //   their clusters of 2E reading the row through shared memory (kSmemRowBwd).
 //   Float32 backward rows of V = 4 take the same 2E clusters beyond 16 * 512 * E, reading y and
-//   dy twice (backward_row_reread), and one 1024-thread block of E instead of a cluster up to
-//   1024 * E.
+//   dy twice (backward_row_reread; the first read's lines kept in L2 for the second), and one
+//   1024-thread block of E instead of a cluster up to 1024 * E.
 // Staged tiers (sm_90+, forward rows in aligned buffers: plain rows, windowed ones where
 // LaunchStagedTier says so, and rows with a mask, bias or causal limit (cols % V == 0) where
 // StageGeneralRows says so, with only x staged): the same shapes fed
@@ -262,8 +262,9 @@ int ActiveClusters(int device, int cluster, size_t smem = 0) {
 // (5 of 8 CTAs) 170 / 249, 65537 (9 of 16) 199 / 283, 50257 (7 of 8, 256 threads) 161 / 170;
 // float32 backward 65537 200 / 290; but 100003 (7 of 8, 512 threads: 32 clusters against 30)
 // forward 155 / 150 (float32), 206 / 192 (bfloat16), and float32 backward 50257 (the same) 203 /
-// 196. Float32 backward rows that read y and dy twice (kRereadRows) keep kCluster: more rows in
-// flight crowd L2, which serves the second read (151936, 10 of 16: 253 / 245).
+// 196. Float32 backward rows that read y and dy twice (kRereadRows) are fitted only with their L2
+// hints (LaunchCluster): without them more rows in flight crowded L2, which serves the second read
+// (151936, 10 of 16: 253 / 245).
 // JAX_SOFTMAX_CLUSTER_FIT (read once): 0 always launches kCluster, 2 always the fitted size.
 inline int ClusterFitMode() {
   static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_CLUSTER_FIT", 1));
@@ -610,9 +611,21 @@ template <typename T, int kBlock, int kElems, int kVec, int kCluster, bool kBwd,
 ffi::Error LaunchCluster(const LaunchCtx& c) {
   constexpr auto kernel = softmax_rows_kernel<T, kBlock, kElems, kVec, kCluster, kBwd, kAccess>;
   using Loader = RowLoader<T, kVec, kBwd, kAccess>;
-  constexpr bool kMayFit = !kRereadRows<Loader, kElems>;
   const int64_t width = WindowWidth<kVec, kAccess>(c.p.cols);
   RowParams p = c.p;
+  bool may_fit = true;
+  // Float32 backward rows read twice (backward_row_reread) keep the first read's lines in L2 for
+  // the second (RowParams::l2_hints). Measured (H200, session 26, us per call, without / with):
+  // 262144 277 -> 242, 262143 285 -> 245, 524288 283 -> 243, 151936 257 -> 247, 262144 with a
+  // (rows, N) mask 312 -> 275. (With only the second read and the stores evict_first: 246-265;
+  // with plain stores: 250-279.) With the hints the fitted cluster sizes pay too (FitCluster):
+  // 151936 (10 of 16 CTAs) 247 -> 230, which without them lost (L2 crowded: 245 -> 253).
+  // JAX_SOFTMAX_L2_HINTS=0 (read once; A/B runs): neither.
+  if constexpr (kRereadRows<Loader, kElems>) {
+    static const bool hints = EnvKnob("JAX_SOFTMAX_L2_HINTS", 1) != 0;
+    p.l2_hints = hints;
+    may_fit = hints;
+  }
   // 16-bit backward rows of 32 values per thread: the row through shared memory (kSmemRowBwd).
   // JAX_SOFTMAX_SMEM_ROWS=0 (read once; A/B runs) reads y and dy twice from global memory.
   size_t smem = 0;
@@ -623,7 +636,7 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
     p.row_in_smem = smem > 0;
   }
   const ClusterShape shape = FitCluster<kernel, kBlock, kCluster>(
-      c.device, width, int64_t{kBlock} * kElems, kMayFit, smem);
+      c.device, width, int64_t{kBlock} * kElems, may_fit, smem);
   if (shape.active == 0) return LaunchTwoPass<T, kVec, kBwd, kAccess>(c);
   const int64_t clusters = GridUnits(c.p.rows, shape.active, kPersistentWaves, shape.ctas);
   // 16-bit backward rows held through the reduction: the next row's copies in flight
@@ -862,7 +875,9 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // run alone (95 us at 128 MiB), so the gain is where calls follow each other: the block grid has
   // a CTA per row, the cluster grid one persistent wave. A 512 x 32 block reading y and dy twice
   // (backward_row_reread) took 240 us, and clusters of 2-8 x 512 x 32 lost 20-40% to the
-  // clusters of 16 values at N = 32768-131072.
+  // clusters of 16 values at N = 32768-131072; with the second read's L2 hints (session 26, H200,
+  // 4 x 512 x 32 at 32769-65536, 8 x 512 x 32 at 65537-131072) still 1-20%: 50257 196 -> 227,
+  // 65536 198 -> 232, 65537 200 -> 228, 100003 231 -> 233, 131072 195 -> 235.
   if constexpr (!kRawWide)
     if ((kRereadWide || c.dev.cc_major < 9) && n <= 1024 * kE) JS_ROWS(1024, kE, 1);
   if (c.dev.cc_major >= 9) {
