@@ -45,7 +45,8 @@
 // through shared memory that cp.async.bulk fills (softmax_rows_staged_kernel): one tile per CTA
 // for the row tiers, a persistent ring of stages for the clusters; with their own
 // short-row table (LaunchStagedTier): rows of cols <= 8 V on G = 1..8 lanes of one vector, then
-// 8, 16, 32 lanes of up to E values, then blocks and clusters as above. (Float32 rows of up to
+// 8, 16, 32 lanes of up to E values, then blocks and clusters as above, but 16-bit rows of
+// 8 * 512 * E + 1 to 16 * 512 * E on 8 x 1024 threads (WideClusterMode). (Float32 rows of up to
 // 32 V measured 1.0-1.15x faster there than on the register lane groups once each CTA takes one
 // tile.) Where no tile fits, the register tiers run; plain 16-bit rows of 2049-65536 columns
 // take the register tiers too (faster there, LaunchStagedTier). The staged lane groups and warps
@@ -357,12 +358,15 @@ inline int TilesPerCta() {
   return t;
 }
 
-// Staged clusters of 1024-thread CTAs for plain rows (LaunchStagedTier), an experiment:
-// JAX_SOFTMAX_WIDE_CLUSTERS=1 (read once).
-inline bool WideClusters() {
-  static const bool wide = EnvKnob("JAX_SOFTMAX_WIDE_CLUSTERS", 0) == 1;
-  return wide;
+// Staged clusters of 1024-thread CTAs (LaunchStagedTier). JAX_SOFTMAX_WIDE_CLUSTERS (read once):
+// 1 (default) for 16-bit plain and windowed rows of 8 * 512 * E + 1 to 16 * 512 * E columns,
+// 0 never, 2 the session-7 experiment (such rows of every length from 2 * 512 * E + 1 on, at half
+// the cluster size; float32's too).
+inline int WideClusterMode() {
+  static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_WIDE_CLUSTERS", 1));
+  return mode;
 }
+inline bool WideClusters() { return WideClusterMode() == 2; }
 
 // Rows of up to 8 * 256 * E columns (65536 forward) without a mask, bias or causal limit split
 // over clusters of 4 or 8 CTAs of 256 threads instead of 2 or 4 of 512: four CTAs per SM instead
@@ -783,7 +787,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
 #undef JS_STAGED
   if constexpr (kAccess != Access::kGeneral && !kWindowedF32) {
     if (WideClusters()) {
-      // Experiment (JAX_SOFTMAX_WIDE_CLUSTERS=1): 1024-thread CTAs, half the cluster size. One
+      // Experiment (JAX_SOFTMAX_WIDE_CLUSTERS=2): 1024-thread CTAs, half the cluster size. One
       // CTA per SM (63 registers x 1024 threads), but clusters of 8 fit twice per GPC where
       // 16-CTA clusters of 512-thread CTAs fit 14 times on 132 SMs (TUNING.md session 5).
       if (n <= 2 * 1024 * kE) return LaunchStagedCluster<T, 1024, kE, kVec, 2, kAccess>(c);
@@ -800,6 +804,18 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if (n <= 4 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 4, kAccess>(c);
   }
   if (n <= 8 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 8, kAccess>(c);
+  // 16-bit rows of 8 * 512 * E + 1 to 16 * 512 * E columns: clusters of up to 8 CTAs of 1024
+  // threads rather than up to 16 of 512. Each thread holds E values either way; 512-thread CTAs
+  // pack worse into the GPU's processor clusters at 9-16 CTAs a cluster (FitCluster: 16 x 512 fit
+  // 14 times on the H200, 224 of 264 CTA slots). Measured (H200, session 26, bfloat16, us per
+  // call, 512 / 1024 threads): 140000 197 / 185, 151936 201 / 170, 170000 234 / 196, 200000 194 /
+  // 187, 230000 174 / 168, 262143 170 / 165, 262144 155 / 152. (Session 7, before the fitted
+  // clusters, 262144 193 / 186.) Float32 rows gained nothing there (151936 146 / 145) and 16-bit
+  // rows of 8 x 512 lost (65537: 5 of 8 x 512, 3 of 4 x 1024, 200 / 233; 131072 146 / 147).
+  if constexpr (sizeof(T) == 2 && kAccess != Access::kGeneral) {
+    if (n <= 16 * 512 * kE && WideClusterMode() == 1)
+      return LaunchStagedCluster<T, 1024, kE, kVec, 8, kAccess>(c);
+  }
   if (n <= 16 * 512 * kE) return LaunchStagedCluster<T, 512, kE, kVec, 16, kAccess>(c);
   if (n <= 16 * 1024 * kE) return LaunchStagedCluster<T, 1024, kE, kVec, 16, kAccess>(c);
   return std::nullopt;

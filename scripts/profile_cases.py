@@ -154,6 +154,10 @@ for _dt, _name in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16")):
     # (FitCluster in ffi/softmax_launch.cuh), and a vocabulary's length (151936).
     for _n in (16385, 65537, 151936):
         CASES[f"{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n))
+    # Rows of 9-16 chunks of a 512-thread CTA (16-bit forward: 16 x 512 or 8 x 1024 threads,
+    # LaunchWideClusterRows).
+    for _n in (140000, 170000, 200000, 230000):
+        CASES[f"{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n))
     for _n in (32769, 65537, 81920, 100003, 114688, 151936):
         CASES[f"{_name}_bwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n, bwd=True))
     # Odd rows, read through 16-byte windows; and rows that fill a block tier partly (3000).
