@@ -623,7 +623,8 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
   // 262144 277 -> 242, 262143 285 -> 245, 524288 283 -> 243, 151936 257 -> 247, 262144 with a
   // (rows, N) mask 312 -> 275. (With only the second read and the stores evict_first: 246-265;
   // with plain stores: 250-279.) With the hints the fitted cluster sizes pay too (FitCluster):
-  // 151936 (10 of 16 CTAs) 247 -> 230, which without them lost (L2 crowded: 245 -> 253).
+  // 151936 (10 of 16 CTAs) 247 -> 230, which without them lost (L2 crowded: 245 -> 253). H100
+  // (both together): 262144 395 -> 326, 262143 402 -> 341, 151936 317-322 -> 324.
   // JAX_SOFTMAX_L2_HINTS=0 (read once; A/B runs): neither.
   if constexpr (kRereadRows<Loader, kElems>) {
     static const bool hints = EnvKnob("JAX_SOFTMAX_L2_HINTS", 1) != 0;
@@ -809,9 +810,11 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // pack worse into the GPU's processor clusters at 9-16 CTAs a cluster (FitCluster: 16 x 512 fit
   // 14 times on the H200, 224 of 264 CTA slots). Measured (H200, session 26, bfloat16, us per
   // call, 512 / 1024 threads): 140000 197 / 185, 151936 201 / 170, 170000 234 / 196, 200000 194 /
-  // 187, 230000 174 / 168, 262143 170 / 165, 262144 155 / 152. (Session 7, before the fitted
-  // clusters, 262144 193 / 186.) Float32 rows gained nothing there (151936 146 / 145) and 16-bit
-  // rows of 8 x 512 lost (65537: 5 of 8 x 512, 3 of 4 x 1024, 200 / 233; 131072 146 / 147).
+  // 187, 230000 174 / 168, 262143 170 / 165, 262144 155 / 152; H100 140000 206 / 194, 151936
+  // 210 / 194, 170000 237 / 202, 200000 203 / 194, 262143 210 / 201, 262144 199 / 196. (Session
+  // 7, before the fitted clusters, 262144 193 / 186.) Float32 rows gained nothing there (151936
+  // 146 / 145) and 16-bit rows of 8 x 512 lost (65537: 5 of 8 x 512, 3 of 4 x 1024, 200 / 233;
+  // 131072 146 / 147).
   if constexpr (sizeof(T) == 2 && kAccess != Access::kGeneral) {
     if (n <= 16 * 512 * kE && WideClusterMode() == 1)
       return LaunchStagedCluster<T, 1024, kE, kVec, 8, kAccess>(c);
@@ -915,9 +918,12 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
       // 314 -> 292, 81920 279 -> 281, 100003 300 -> 286, 114688 304 -> 281 (14 of 16 CTAs: the
       // 16-CTA size is kept, FitCluster), 131072 274 -> 282; H200 32769 233 -> 233, 50257 225 ->
       // 216, 65535 216 -> 213, 65536 209 -> 203, 131072 223 -> 199. The rows that fill every CTA
-      // of the E tier gained 3-12% on the H200 (65536, 131072); 131072 lost 3% on the H100
-      // (65536 not measured there). They take 2E too. JAX_SOFTMAX_RAW_WIDE (read once; A/B runs): 0 keeps the E tiers for all of them,
-      // 1 for those full rows only.
+      // of the E tier gained 3-12% on the H200 (65536, 131072); 131072 lost 3% on the H100.
+      // They take 2E too. (Session 26, H100, us per call, E -> 2E: 65536 270 -> 282, 65535 272
+      // -> 291: the H100 loses at 32769-65536; the rule follows the H200, where the backward
+      // targets were missed, until the H100's curve there is measured.)
+      // JAX_SOFTMAX_RAW_WIDE (read once; A/B runs): 0 keeps the E tiers for all of them, 1 for
+      // those full rows only.
       static const long wide = EnvKnob("JAX_SOFTMAX_RAW_WIDE", 2);
       const int64_t full = wide == 1 ? 0 : 1;
       if (wide != 0 && n < 4 * 512 * 2 * kE + full)
