@@ -316,6 +316,8 @@ __device__ __forceinline__ void prefetch_l2(const void* begin, const void* end, 
 // policy (createpolicy; fraction 1.0: every access under it). An access under another priority
 // than evict_unchanged sets the line's priority again, so lines kept with evict_last for a second
 // read can be let go (evict_first) by that read. Before sm_80 the accesses below are plain.
+// A policy is a value without side effects (not volatile): the compiler may create it once per
+// kernel rather than once per row.
 enum class L2Evict { kNormal, kFirst, kLast };
 
 template <L2Evict kPriority>
@@ -323,11 +325,11 @@ __device__ __forceinline__ uint64_t l2_policy() {
   uint64_t policy = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if constexpr (kPriority == L2Evict::kLast)
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
   else if constexpr (kPriority == L2Evict::kFirst)
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   else
-    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
+    asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
 #endif
   return policy;
 }

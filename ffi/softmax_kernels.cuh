@@ -1640,9 +1640,9 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
   // read lets them go (evict_first), and the output's lines, which this kernel never reads, leave
   // first. (The per-vector path, a thread or two at the row's ends, reads and stores without.)
   const bool hints = p.l2_hints;
-  const uint64_t first_read = hints ? l2_policy<L2Evict::kLast>() : l2_policy<L2Evict::kNormal>();
-  const uint64_t then = hints ? l2_policy<L2Evict::kFirst>() : l2_policy<L2Evict::kNormal>();
-  const uint64_t second_read = then, stores = then;
+  const uint64_t keep_in_l2 =
+      hints ? l2_policy<L2Evict::kLast>() : l2_policy<L2Evict::kNormal>();
+  const uint64_t let_go = hints ? l2_policy<L2Evict::kFirst>() : l2_policy<L2Evict::kNormal>();
   // One chunk: y into v, dy into g, ok where a position takes part.
   auto load_chunk = [&](int k0, uint64_t policy, A (&v)[kAtOnce][kVec], A (&g)[kAtOnce][kVec],
                         bool (&ok)[kAtOnce][kVec]) {
@@ -1686,7 +1686,7 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
     }
   };
   Sum<A> mine{A(0)};
-  each_chunk(first_read, [&](int, const A (&v)[kAtOnce][kVec], const A (&g)[kAtOnce][kVec],
+  each_chunk(keep_in_l2, [&](int, const A (&v)[kAtOnce][kVec], const A (&g)[kAtOnce][kVec],
                  const bool (&ok)[kAtOnce][kVec]) {
 #pragma unroll
     for (int j = 0; j < kAtOnce; ++j)
@@ -1698,8 +1698,8 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
   if (row >= p.rows) return;
   const A scale = static_cast<A>(p.scale);
   T* dst = loader.out_row(p, row);
-  each_chunk(second_read, [&](int k0, const A (&v)[kAtOnce][kVec], const A (&g)[kAtOnce][kVec],
-                              const bool (&ok)[kAtOnce][kVec]) {
+  each_chunk(let_go, [&](int k0, const A (&v)[kAtOnce][kVec], const A (&g)[kAtOnce][kVec],
+                         const bool (&ok)[kAtOnce][kVec]) {
 #pragma unroll
     for (int j = 0; j < kAtOnce; ++j) {
       A out[kVec];
@@ -1710,7 +1710,7 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
         T values[kVec];
 #pragma unroll
         for (int e = 0; e < kVec; ++e) values[e] = from_acc<T>(out[e]);
-        store_vec_l2<kVec>(dst + w, values, stores);
+        store_vec_l2<kVec>(dst + w, values, let_go);
       } else
         loader.store(dst, w, out);
     }
