@@ -450,8 +450,9 @@ __device__ __forceinline__ void bulk_load_shared(void* dst, const void* src, uin
 // acquires, at cluster scope, what other CTAs' st.async released into this CTA (cluster_allreduce).
 // The suspend-time hint compiles (sm_90a) to TRYWAIT, then NANOSLEEP.SYNCS and a phase check in
 // the loop: the warp sleeps between checks instead of issuing, but it wakes at every event of the
-// CTA's barriers, so the loop still runs ~23 times per warp and row of a bfloat16 cluster row
-// (ncu source counters, session 9; ~19 spins without the hint, session 8): ~90 instructions.
+// CTA's barriers, so the loop still runs ~17-23 times per warp and row of a bfloat16 cluster row
+// (ncu source counters, sessions 9 and 27; ~19 spins without the hint, session 8): ~90
+// instructions. Hence one warp per CTA waits on the cluster's exchange (cluster_row_allreduce).
 constexpr uint32_t kMbarrierSuspendNs = 1000000;
 template <bool kClusterScope = false>
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
@@ -676,9 +677,9 @@ struct ClusterExchange {
   }
 };
 
-// All-reduce over the CTAs of a cluster, after each CTA holds its block-wide value (every thread
-// of every CTA calls it once per row, with that row's buffer). The cluster has kCluster CTAs or
-// fewer (cluster_grid).
+// All-reduce over the CTAs of a cluster, after each CTA holds its block-wide value (warp 0 of
+// every CTA calls it once per row, with that row's buffer: cluster_row_allreduce). The cluster
+// has kCluster CTAs or fewer (cluster_grid).
 template <int kCluster, typename S>
 __device__ __forceinline__ S cluster_allreduce(S v, ClusterSlots<S> x) {
   static_assert(kCluster <= 32, "one lane of warp 0 sends to each CTA, one lane reads each slot");
@@ -690,6 +691,35 @@ __device__ __forceinline__ S cluster_allreduce(S v, ClusterSlots<S> x) {
   // CTAs pads its group with the identity, which every merge returns exactly.
   const unsigned slot = threadIdx.x % kCluster;
   return group_allreduce<kCluster>(slot < ctas ? x.slots[slot] : S::identity());
+}
+
+// All-reduce over a cluster's row: every thread of every CTA calls it once per row, with that
+// row's block slots (block_allreduce's alternating buffers) and exchange buffer. Warp 0 alone
+// merges the warps' values, exchanges the CTA's value with the cluster, merges the cluster's and
+// hands the row's value to the other warps through slots[0], while they wait at a second barrier.
+// (Every warp merging and waiting on the exchange, the row's reduction took ~190 of a bfloat16
+// cluster row's ~620 instructions per warp: the merges' exps and shuffles, and the wait's loop,
+// ~17 rounds per warp and row; ncu source counters, session 27.) Slots are reused as
+// block_allreduce's: a buffer's partial values of row i + 2 are written after row i + 1's first
+// barrier, which every reader of row i's value in slots[0] has passed. Warp 0's lanes read
+// slots[0] before lane 0 writes the row's value there: that value depends, through the shuffles,
+// on every lane's read, and a __syncwarp says so to compute-sanitizer's racecheck.
+template <int kBlock, int kCluster, bool kWarpReduced = false, typename S>
+__device__ __forceinline__ S cluster_row_allreduce(S v, S* slots, ClusterSlots<S> cluster) {
+  static_assert(kBlock > 32, "clusters split rows of whole blocks");
+  if constexpr (!kWarpReduced) v = group_allreduce<32>(v);
+  constexpr int kWarps = kBlock / 32;
+  const int lane = threadIdx.x % 32;
+  if (lane == 0) slots[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    v = group_allreduce<kWarps>(slots[lane % kWarps]);
+    v = cluster_allreduce<kCluster>(v, cluster);
+    __syncwarp();  // for racecheck, which does not see the shuffles' ordering
+    if (lane == 0) slots[0] = v;
+  }
+  __syncthreads();
+  return slots[0];
 }
 
 }  // namespace jax_softmax

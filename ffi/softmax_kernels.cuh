@@ -1134,9 +1134,10 @@ __device__ __forceinline__ S row_allreduce(S v, S* block_slots, ClusterSlots<S> 
   if constexpr (kGroup <= 32) {
     return group_allreduce<kGroup>(v);
   } else {
-    v = block_allreduce<kBlock, kWarpReduced, kRuntime>(v, block_slots);
-    if constexpr (kCluster > 1) v = cluster_allreduce<kCluster>(v, cluster);
-    return v;
+    if constexpr (kCluster > 1)
+      return cluster_row_allreduce<kBlock, kCluster, kWarpReduced>(v, block_slots, cluster);
+    else
+      return block_allreduce<kBlock, kWarpReduced, kRuntime>(v, block_slots);
   }
 }
 
