@@ -99,7 +99,8 @@ def main():
     rng = np.random.default_rng(0)
     assert "cuda" in jax_softmax.available_platforms(), "CUDA extension not built"
     only = os.environ.get("SANITIZE_COLS")
-    only = {int(c) for c in only.split(",")} if only else None
+    # Commas or spaces between the lengths (gpu_check.sh passes the variable through as given).
+    only = {int(c) for c in only.replace(",", " ").split()} if only else None
     every_op = only is None or os.environ.get("SANITIZE_ALL_OPS") == "1"
     for rows, cols, dtype in CASES:
         if only is not None and cols not in only:
