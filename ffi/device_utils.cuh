@@ -549,6 +549,29 @@ __device__ __forceinline__ S group_allreduce(S v) {
   return v;
 }
 
+// The two halves of a block's reduction over shared memory, after each warp holds its value in
+// every lane: each warp's lane 0 writes it to slots[warp], then the block's barrier; then
+// merge_warp_slots. Every group of kWarps lanes reads every warp's value (lane % kWarps), so that
+// log2(kWarps) rounds reach the block's value in every lane (padding to 32 lanes with the identity
+// took 5 rounds: a round of (max, sum) merges is two shuffles and two exps on the row's critical
+// path). A block of fewer warps (kRuntimeWarps: blockDim.x / 32 of them) pads its group with the
+// identity, which every merge returns exactly: the same bits in every lane, run to run.
+template <typename S>
+__device__ __forceinline__ void publish_warp_value(S v, S* slots) {
+  if (threadIdx.x % 32 == 0) slots[threadIdx.x / 32] = v;
+  __syncthreads();
+}
+template <int kWarps, bool kRuntimeWarps, typename S>
+__device__ __forceinline__ S merge_warp_slots(const S* slots) {
+  const int slot = threadIdx.x % 32 % kWarps;
+  S v;
+  if constexpr (kRuntimeWarps)
+    v = slot < int(blockDim.x / 32) ? slots[slot] : S::identity();
+  else
+    v = slots[slot];
+  return group_allreduce<kWarps>(v);
+}
+
 // All-reduce over the block. `slots` is 32 states of shared memory; callers alternate between two
 // such buffers on consecutive calls, so one barrier per call suffices: a buffer is rewritten only
 // after the next call's barrier, which every reader of the previous one has passed.
@@ -558,21 +581,8 @@ template <int kBlock, bool kWarpReduced = false, bool kRuntimeWarps = false, typ
 __device__ __forceinline__ S block_allreduce(S v, S* slots) {
   if constexpr (!kWarpReduced) v = group_allreduce<32>(v);
   if constexpr (kBlock > 32) {
-    constexpr int kWarps = kBlock / 32;
-    const int lane = threadIdx.x % 32;
-    if (lane == 0) slots[threadIdx.x / 32] = v;
-    __syncthreads();
-    // Every group of kWarps lanes reads every warp's value (lane % kWarps), so that log2(kWarps)
-    // rounds reach the block's value in every lane (padding to 32 lanes with the identity took 5
-    // rounds: a round of (max, sum) merges is two shuffles and two exps on the row's critical
-    // path). A block of fewer warps pads its group with the identity, which every merge returns
-    // exactly: the same bits in every lane, run to run.
-    const int slot = lane % kWarps;
-    if constexpr (kRuntimeWarps)
-      v = slot < int(blockDim.x / 32) ? slots[slot] : S::identity();
-    else
-      v = slots[slot];
-    v = group_allreduce<kWarps>(v);
+    publish_warp_value(v, slots);
+    v = merge_warp_slots<kBlock / 32, kRuntimeWarps>(slots);
   }
   return v;
 }
@@ -708,15 +718,12 @@ template <int kBlock, int kCluster, bool kWarpReduced = false, typename S>
 __device__ __forceinline__ S cluster_row_allreduce(S v, S* slots, ClusterSlots<S> cluster) {
   static_assert(kBlock > 32, "clusters split rows of whole blocks");
   if constexpr (!kWarpReduced) v = group_allreduce<32>(v);
-  constexpr int kWarps = kBlock / 32;
-  const int lane = threadIdx.x % 32;
-  if (lane == 0) slots[threadIdx.x / 32] = v;
-  __syncthreads();
+  publish_warp_value(v, slots);
   if (threadIdx.x < 32) {
-    v = group_allreduce<kWarps>(slots[lane % kWarps]);
+    v = merge_warp_slots<kBlock / 32, false>(slots);
     v = cluster_allreduce<kCluster>(v, cluster);
     __syncwarp();  // for racecheck, which does not see the shuffles' ordering
-    if (lane == 0) slots[0] = v;
+    if (threadIdx.x == 0) slots[0] = v;
   }
   __syncthreads();
   return slots[0];
