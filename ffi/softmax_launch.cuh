@@ -35,7 +35,9 @@
 //   (to 16 * 1024 * 2E) instead of 16 x 1024 of E and the two-pass kernel (LaunchTier says why);
 //   plain and windowed ones also on 4 and 8 x 512 threads of 2E for rows of 4 * 512 * E + 1 to
 //   4 * 512 * 2E and 8 * 512 * E + 1 to 8 * 512 * 2E columns (instead of 8 and 16 x 512 of E),
-//   their clusters of 2E reading the row through shared memory (kSmemRowBwd).
+//   their clusters of 2E reading the row through shared memory (kSmemRowBwd); on GPUs with less
+//   DRAM bandwidth per SM cycle than the H200 (the H100) the rows of exactly 8 and 16 x 512 x E
+//   keep E (AmpleDramPerSm).
 //   Float32 backward rows of V = 4 take the same 2E clusters beyond 16 * 512 * E, reading y and
 //   dy twice (backward_row_reread; the first read's lines kept in L2 for the second), and one
 //   1024-thread block of E instead of a cluster up to 1024 * E.
@@ -104,6 +106,11 @@ struct DeviceInfo {
   int smem_per_block = 0;     // the most one block may opt in to
   int smem_reserved = 0;      // what the system takes per resident block
   int l2_bytes = 0;           // L2 cache size
+  // Peak DRAM bytes per SM and SM cycle (2 x memory clock x bus width / (SMs x SM clock), the
+  // attributes' figures; 0 where the device does not report them): H100 SXM 12.8 (3.35 TB/s),
+  // H200 18.4 (4.8 TB/s), both 132 SMs at 1.98 GHz. How much a row's instructions can cost before
+  // they, not DRAM, set its time. (AmpleDramPerSm.)
+  double dram_bytes_per_sm_cycle = 0;
 };
 
 constexpr int kMaxDevices = 64;
@@ -128,6 +135,20 @@ inline ffi::ErrorOr<DeviceInfo> GetDeviceInfo(int device) {
                                  cudaDevAttrReservedSharedMemoryPerBlock, device);
     if (e == cudaSuccess)
       e = cudaDeviceGetAttribute(&info[device].l2_bytes, cudaDevAttrL2CacheSize, device);
+    if (e == cudaSuccess) {
+      // Optional: a device that does not report these keeps 0 (an error here is cleared).
+      int mem_khz = 0, bus_bits = 0, sm_khz = 0;
+      const bool read =
+          cudaDeviceGetAttribute(&mem_khz, cudaDevAttrMemoryClockRate, device) == cudaSuccess &&
+          cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device) ==
+              cudaSuccess &&
+          cudaDeviceGetAttribute(&sm_khz, cudaDevAttrClockRate, device) == cudaSuccess;
+      if (read && sm_khz > 0 && info[device].sm_count > 0) {
+        info[device].dram_bytes_per_sm_cycle =
+            2.0 * mem_khz * (bus_bits / 8.0) / (double(info[device].sm_count) * sm_khz);
+      }
+      cudaGetLastError();
+    }
     status[device] = e;
   });
   if (status[device] != cudaSuccess)
@@ -180,6 +201,13 @@ inline long EnvKnob(const char* name, long fallback) {
   char* end = nullptr;
   const long v = std::strtol(env, &end, 10);
   return end == env ? fallback : v;
+}
+
+// Whether the device moves as many DRAM bytes per SM cycle as the H200 (DeviceInfo:
+// dram_bytes_per_sm_cycle, H200 18.4, H100 12.8; the threshold lies between): the rules measured
+// on the H200 hold there. A device that does not report it counts as one.
+inline bool AmpleDramPerSm(const DeviceInfo& dev) {
+  return dev.dram_bytes_per_sm_cycle == 0 || dev.dram_bytes_per_sm_cycle >= 16;
 }
 
 // Programmatic dependent launch (sm_90+): every kernel is launched with programmatic stream
@@ -920,11 +948,17 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
       // 216, 65535 216 -> 213, 65536 209 -> 203, 131072 223 -> 199. The rows that fill every CTA
       // of the E tier gained 3-12% on the H200 (65536, 131072); 131072 lost 3% on the H100.
       // They take 2E too. (Session 26, H100, us per call, E -> 2E: 65536 270 -> 282, 65535 272
-      // -> 291: the H100 loses at 32769-65536; the rule follows the H200, where the backward
-      // targets were missed, until the H100's curve there is measured.)
+      // -> 291.)
+      // Session 28 measured the H100's curve (us per call, 2E / E, two rounds each): the rows
+      // whose window fills every CTA of the E tier lose with 2E, 65535 290 / 271, 65536 281 / 270,
+      // 131072 283 / 274; the rows that leave E's CTAs partly empty gain, 32769 299 / 303, 65537
+      // 292 / 314, 100003 286 / 301; 50257 and 81920 equal. So on a GPU with less DRAM bandwidth
+      // per SM cycle than the H200 (not AmpleDramPerSm: the H100) those full rows (W = 8 or 16 x
+      // 512 x E) keep E; every other row, and every row on the H200, takes 2E.
       // JAX_SOFTMAX_RAW_WIDE (read once; A/B runs): 0 keeps the E tiers for all of them, 1 for
-      // those full rows only.
-      static const long wide = EnvKnob("JAX_SOFTMAX_RAW_WIDE", 2);
+      // those full rows only, 2 takes 2E for all; unset, the device decides (1 or 2).
+      static const long wide_knob = EnvKnob("JAX_SOFTMAX_RAW_WIDE", -1);
+      const long wide = wide_knob >= 0 ? wide_knob : AmpleDramPerSm(c.dev) ? 2 : 1;
       const int64_t full = wide == 1 ? 0 : 1;
       if (wide != 0 && n < 4 * 512 * 2 * kE + full)
         return LaunchCluster<T, 512, 2 * kE, kVec, 4, kBwd, kAccess>(c);
