@@ -1147,7 +1147,8 @@ def plot_results(records: list, meta: dict, png: str, xkey: str, row_keys, col_k
     fig.suptitle(f"{title}\n{sub}", fontsize=10)
     fig.tight_layout(rect=(0, 0.05 + 0.02 * (len(labels) > 6), 1, 0.95))
     os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
-    fig.savefig(png, dpi=110)
+    # bbox_inches="tight": a one-column figure is narrower than its subtitle and legend.
+    fig.savefig(png, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return png
 
