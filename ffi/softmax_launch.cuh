@@ -949,12 +949,13 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
       // of the E tier gained 3-12% on the H200 (65536, 131072); 131072 lost 3% on the H100.
       // They take 2E too. (Session 26, H100, us per call, E -> 2E: 65536 270 -> 282, 65535 272
       // -> 291.)
-      // Session 28 measured the H100's curve (us per call, 2E / E, two rounds each): the rows
-      // whose window fills every CTA of the E tier lose with 2E, 65535 290 / 271, 65536 281 / 270,
-      // 131072 283 / 274; the rows that leave E's CTAs partly empty gain, 32769 299 / 303, 65537
-      // 292 / 314, 100003 286 / 301; 50257 and 81920 equal. So on a GPU with less DRAM bandwidth
-      // per SM cycle than the H200 (not AmpleDramPerSm: the H100) those full rows (W = 8 or 16 x
-      // 512 x E) keep E; every other row, and every row on the H200, takes 2E.
+      // Session 28, H100 (us per call, 2E / E): the rows whose window fills every CTA of the E
+      // tier lose with 2E, 65535 291 / 271, 65536 282 / 270, 131072 281-282 / 273-274 (TUNING.md,
+      // A/B of this rule against JAX_SOFTMAX_RAW_WIDE=2); the rows that leave E's CTAs partly
+      // empty gain, 32769 299 / 303, 65537 292 / 314, 100003 286 / 301, 50257 and 81920 equal
+      // (the session's first try, whose log was lost; not re-measured). So on a GPU with less
+      // DRAM bandwidth per SM cycle than the H200 (not AmpleDramPerSm: the H100) those full rows
+      // (W = 8 or 16 x 512 x E) keep E; every other row, and every row on the H200, takes 2E.
       // JAX_SOFTMAX_RAW_WIDE (read once; A/B runs): 0 keeps the E tiers for all of them, 1 for
       // those full rows only, 2 takes 2E for all; unset, the device decides (1 or 2).
       static const long wide_knob = EnvKnob("JAX_SOFTMAX_RAW_WIDE", -1);
