@@ -390,7 +390,8 @@ def collect_meta(api_label: str, standin: bool) -> dict:
         dirty = _run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"])
         meta["git"] = rev + ("-dirty" if dirty else "")
     else:
-        meta["git"] = None
+        # The GPU machine's copy of the tree is no git checkout: the caller names the revision.
+        meta["git"] = os.environ.get("JAX_SOFTMAX_GIT_REV") or None
     meta["timing"] = ("gpu_clock: JAX chains between two reads of the GPU's global timer, torch "
                       "and triton chains between CUDA events" if gpu_clock_available() else
                       "host: JAX chains timed from the host (no GPU clock here)")
