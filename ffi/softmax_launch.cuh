@@ -339,11 +339,18 @@ inline int64_t RowWaves() {
   return waves;
 }
 
-// L2 prefetch of each CTA's next rows (RowParams::prefetch); JAX_SOFTMAX_PREFETCH=0 turns it off
-// for tuning experiments (read once).
-inline bool PrefetchEnabled() {
-  static const bool enabled = EnvKnob("JAX_SOFTMAX_PREFETCH", 1) != 0;
-  return enabled;
+// L2 prefetch of each CTA's next rows (RowParams::prefetch; softmax_rows_kernel says which rows
+// take it: 16-bit forward rows on the persistent register-cluster grids, among them the plain
+// rows of 16385-65536 columns), on sm_90+ where the device moves as many DRAM bytes per SM cycle as the
+// H200 (AmpleDramPerSm), where it was measured to help. On the H100 it slowed those rows
+// (TUNING.md, session 29, us per call with / without: bfloat16 32768 215 / 197, 65536 218 / 196;
+// 50257, whose windowed rows take the same tier, 213 / 213): there the next rows' lines queue in
+// front of the current rows' own loads. JAX_SOFTMAX_PREFETCH (read once; A/B runs): 0 never,
+// 1 on every sm_90+ device; unset, the device decides.
+inline bool PrefetchEnabled(const DeviceInfo& dev) {
+  static const long knob = EnvKnob("JAX_SOFTMAX_PREFETCH", -1);
+  if (dev.cc_major < 9) return false;
+  return knob >= 0 ? knob != 0 : AmpleDramPerSm(dev);
 }
 
 // Staged tiers (softmax_rows_staged_kernel) for plain forward rows on sm_90+. For tuning
@@ -992,7 +999,7 @@ ffi::Error LaunchSoftmax(const RowParams& p, cudaStream_t stream) {
   auto dev = GetDeviceInfo(device);
   if (dev.has_error()) return dev.error();
   RowParams params = p;
-  params.prefetch = PrefetchEnabled() && dev->cc_major >= 9;
+  params.prefetch = PrefetchEnabled(*dev);
   params.order = OperandReuseOrder(p, kBwd ? 3 : 2, sizeof(T), *dev);
   params.skip_masked = !kBwd && SkipMaskedX(p);
   const LaunchCtx ctx{params, stream, device, *dev, dev->cc_major >= 9 && DependentLaunchEnabled()};
