@@ -5,11 +5,14 @@
 #   bash scripts/gpu_check.sh [all|build|test|knobs|sanitize|bench|attention|ab|ncu]...   (default: all)
 #
 # all = build test knobs sanitize bench attention, more than one device call holds: give the steps
-# over several calls (a call's build takes 100 s). test: the suite in six parallel pytest processes
-# and the tier tests in command buffers beside them, then the long-key tests alone (session 17:
-# 300 s, with the build 490 s); knobs: the tier tests under other knobs (400 s); logs
-# $OUT/pytest_*.log; bench: the row-length sweep; attention: the (B, H, S, S) sweep; ATTN_ARGS
-# passes it options. ab: quick A/B timing of scripts/profile_cases.py cases under
+# over several calls (a call's build takes 135-180 s on the H100; a package prebuilt here with
+# scripts/prebuild.sh and carried as .prebuilt saves it, see below). test: the suite in eight
+# parallel pytest processes and the tier tests in command buffers beside them, then the long-key
+# tests alone (session 29, H100, prebuilt: 349 s); knobs: the tier tests under other knobs (400 s); logs
+# $OUT/pytest_*.log; bench: the row-length sweep (forward alone, two dtypes and all providers,
+# 130 s on the H100; backward and forward+backward together ran past 300 s: give them two calls);
+# attention: the (B, H, S, S) sweep, ATTN_ARGS passes it options (in full 420 points, about 14
+# minutes on the H100, session 29: split it with --dtypes / --modes / --variants). ab: quick A/B timing of scripts/profile_cases.py cases under
 # each variant in AB_VARIANTS (words of comma-separated VAR=value settings, default
 # "JAX_SOFTMAX_STAGED=1 JAX_SOFTMAX_STAGED=0"); abbase: the same cases timed on another build of
 # the package, the source tree AB_BASE_SRC (e.g. `git archive BASE | tar -x -C .base`, carried),
