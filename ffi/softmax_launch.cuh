@@ -340,13 +340,14 @@ inline int64_t RowWaves() {
 }
 
 // L2 prefetch of each CTA's next rows (RowParams::prefetch; softmax_rows_kernel says which rows
-// take it: 16-bit forward rows on the persistent register-cluster grids, among them the plain
-// rows of 16385-65536 columns), on sm_90+ where the device moves as many DRAM bytes per SM cycle as the
-// H200 (AmpleDramPerSm), where it was measured to help. On the H100 it slowed those rows
-// (TUNING.md, session 29, us per call with / without: bfloat16 32768 215 / 197, 65536 218 / 196;
-// 50257, whose windowed rows take the same tier, 213 / 213): there the next rows' lines queue in
-// front of the current rows' own loads. JAX_SOFTMAX_PREFETCH (read once; A/B runs): 0 never,
-// 1 on every sm_90+ device; unset, the device decides.
+// take it: 16-bit forward rows on the persistent register-cluster grids, such as the plain rows
+// of 16385-65536 columns, cols % 8 == 0; odd 16-bit rows are staged and never prefetch), on sm_90+
+// where the device moves as many DRAM bytes per SM cycle as the H200 (AmpleDramPerSm), where it
+// was measured to help. On the H100 it slowed those rows (TUNING.md, session 29, bfloat16 forward,
+// us per call with / without: 32768 215 / 196-197, 65536 217 / 192-193; not measured there: the
+// plain rows between the powers of two, and rows with a mask or bias on these tiers).
+// JAX_SOFTMAX_PREFETCH (read once; A/B runs): 0 never, 1 on every sm_90+ device; unset, the
+// device decides.
 inline bool PrefetchEnabled(const DeviceInfo& dev) {
   static const long knob = EnvKnob("JAX_SOFTMAX_PREFETCH", -1);
   if (dev.cc_major < 9) return false;

@@ -8,12 +8,13 @@
 # over several calls (a call's build takes 135-180 s on the H100; a package prebuilt here with
 # scripts/prebuild.sh and carried as .prebuilt saves it, see below). test: the suite in eight
 # parallel pytest processes and the tier tests in command buffers beside them, then the long-key
-# tests alone (session 29, H100, prebuilt: 349 s); knobs: the tier tests under other knobs (400 s); logs
-# $OUT/pytest_*.log; bench: the row-length sweep (forward alone, two dtypes and all providers,
-# 130 s on the H100; backward and forward+backward together ran past 300 s: give them two calls);
-# attention: the (B, H, S, S) sweep, ATTN_ARGS passes it options (in full 420 points, about 14
-# minutes on the H100, session 29: split it with --dtypes / --modes / --variants). ab: quick A/B timing of scripts/profile_cases.py cases under
-# each variant in AB_VARIANTS (words of comma-separated VAR=value settings, default
+# tests alone (session 29, H100, prebuilt: 349 s); knobs: the tier tests under other knobs
+# (400 s); logs $OUT/pytest_*.log; bench: the row-length sweep (forward alone, two dtypes and all
+# providers, 130 s on the H100; backward and forward+backward together ran past 300 s: give them
+# two calls); attention: the (B, H, S, S) sweep, ATTN_ARGS passes it options (in full 420 points,
+# about 14 minutes on the H100, session 29: split it with --dtypes / --modes / --variants).
+# ab: quick A/B timing of scripts/profile_cases.py cases under each variant in AB_VARIANTS
+# (words of comma-separated VAR=value settings, default
 # "JAX_SOFTMAX_STAGED=1 JAX_SOFTMAX_STAGED=0"); abbase: the same cases timed on another build of
 # the package, the source tree AB_BASE_SRC (e.g. `git archive BASE | tar -x -C .base`, carried),
 # built beside this one (give `build abbase`, in that order) and run as base / this / base / this
@@ -127,9 +128,9 @@ with_test_k() { if [ -n "${TEST_K:-}" ]; then echo "($TEST_K) and ($1)"; else ec
 if want test; then
   # The suite in parallel processes (a GPU test spends most of its time in XLA's compiler, on the
   # CPU; one process ran past a device call's 10 minutes). -k selects by test and module name;
-  # the shards cover every test once: the kernel-tier module in six (the staged-ring, dependent-call
-# and causal-size tests were one shard until session 29, which ran past 320 s beside the others),
-# the rest in two.
+  # the shards cover every test once: the kernel-tier module in six (the staged-ring,
+  # dependent-call and causal-size tests were one shard until session 28, which ran past 320 s
+  # beside the others), the rest in two.
   tiers_split="tier_boundaries or two_pass or many_long_rows or staged_ring or dependent_calls or causal_attention_sizes"
   shards=(
     "tiers_boundaries:test_kernel_tiers and tier_boundaries"
