@@ -1852,7 +1852,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     // The 16-bit backward cluster rows ran 1.08-1.27x faster without it (session 13: N = 65536
     // 242 -> 222 us, 262144 281 -> 239, 262144 with a mask 480 -> 379; at 262144, where y and dy
     // are read again after the reduction, ncu read 1.3x the must-move DRAM bytes with it).
-    // Only CTAs with a next batch prefetch: those of the persistent (cluster) grids, see RowWaves.
+    // Only CTAs with a next batch prefetch: those of the persistent (cluster) grids, see RowWaves;
+    // and only on GPUs with the H200's DRAM bytes per SM cycle (PrefetchEnabled: on the H100 it
+    // slowed bfloat16 32768 and 65536 by 9-11%).
     constexpr bool kPrefetch = kVec > 1 && sizeof(T) == 2 && !kBwd;
     if (kPrefetch && p.prefetch && threadIdx.x < 32) {
       if (mem0 + num_ctas * kRowsPerBlock < p.rows) {
