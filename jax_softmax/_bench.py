@@ -384,13 +384,14 @@ def collect_meta(api_label: str, standin: bool) -> dict:
         meta["triton"] = triton.__version__
     except Exception:
         meta["triton"] = None
-    here = os.path.dirname(os.path.abspath(__file__))
     # The caller may name the revision: the GPU machine's copy of the tree is not the checkout
     # it came from (its .git, where present, is not the built commit's).
-    rev = os.environ.get("JAX_SOFTMAX_GIT_REV") or _run(["git", "-C", here, "rev-parse", "--short", "HEAD"])
-    if rev and "JAX_SOFTMAX_GIT_REV" not in os.environ:
-        dirty = _run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"])
-        rev += "-dirty" if dirty else ""
+    rev = os.environ.get("JAX_SOFTMAX_GIT_REV")
+    if not rev:
+        here = os.path.dirname(os.path.abspath(__file__))
+        rev = _run(["git", "-C", here, "rev-parse", "--short", "HEAD"])
+        if rev and _run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"]):
+            rev += "-dirty"
     meta["git"] = rev or None
     meta["timing"] = ("gpu_clock: JAX chains between two reads of the GPU's global timer, torch "
                       "and triton chains between CUDA events" if gpu_clock_available() else
