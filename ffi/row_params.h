@@ -160,6 +160,9 @@ struct RowParams {
   // CUDA, float32 backward rows that read y and dy twice (backward_row_reread): the first read
   // keeps its L2 lines (evict_last) until the second lets them go (evict_first, as the stores).
   bool l2_hints = false;
+  // CUDA, the same rows: the first read also leaves y (1) or y and dy (2) in shared memory
+  // (dynamic, sized by the launcher), where the second read takes them instead of from L2.
+  uint8_t reread_smem = 0;
   RowOrder order;         // CUDA: which rows each CTA takes (the launcher sets it)
   BroadcastView bias;     // forward only; element type = the input's
   BroadcastView mask;     // bool (one byte per element)

@@ -1611,10 +1611,17 @@ __device__ __forceinline__ bool finish_batch_raw(
 // in flight and the output's lines do not push them out first, RowParams::l2_hints). Only the
 // dot product is live through the reduction. The tier it serves replaced 16 x 1024 threads of 16
 // values, one CTA per SM (TUNING.md, session 14).
+//
+// RowParams::reread_smem (1, or 2 in A/B runs; LaunchCluster): the first read also leaves this
+// thread's vectors of y (and, with 2, of dy) in shared memory, at row_smem[(j * kPacks + k) *
+// kBlock + thread] for vector k of y (j = 0) and dy (j = 1), so that a warp's 16-byte accesses
+// are contiguous; the second read takes them from there (measured: LaunchCluster). Each thread
+// reads back only what it wrote, so no barrier; the slots of a thread that reads per vector (a
+// row's ends) stay unused.
 template <int kGroup, int kCluster, int kPacks, typename Loader, typename S>
 __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Loader& loader,
                                                     int64_t row, int first_col, S* block_slots,
-                                                    ClusterSlots<S> cluster) {
+                                                    ClusterSlots<S> cluster, uint4* row_smem) {
   using A = typename Loader::A;
   using T = typename Loader::Elem;
   constexpr int kVec = Loader::kVecWidth;
@@ -1644,8 +1651,16 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
   const uint64_t keep_in_l2 =
       hints ? l2_policy<L2Evict::kLast>() : l2_policy<L2Evict::kNormal>();
   const uint64_t let_go = hints ? l2_policy<L2Evict::kFirst>() : l2_policy<L2Evict::kNormal>();
-  // One chunk: y into v, dy into g, ok where a position takes part.
-  auto load_chunk = [&](int k0, uint64_t policy, A (&v)[kAtOnce][kVec], A (&g)[kAtOnce][kVec],
+  // Vectors kept in shared memory (the per-vector path keeps none): 0, y, or y and dy. Their
+  // first read lets their L2 lines go as the second read does.
+  const int in_smem = inside ? p.reread_smem : 0;
+  constexpr int kBlock = BlockThreads(kGroup);
+  auto slot = [&](int j, int k) -> uint4& {
+    return row_smem[(j * kPacks + k) * kBlock + threadIdx.x];
+  };
+  // One chunk of the first (second = false) or second read: y into v, dy into g, ok where a
+  // position takes part.
+  auto load_chunk = [&](int k0, bool second, A (&v)[kAtOnce][kVec], A (&g)[kAtOnce][kVec],
                         bool (&ok)[kAtOnce][kVec]) {
     typename Loader::Bytes keep[kAtOnce];
     if (inside) {
@@ -1655,11 +1670,30 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
         if constexpr (!Loader::kPlain)
           keep[j] = loader.template fetch_mask</*kLive=*/true>(first_col + (k0 + j) * stride);
       }
+      const uint64_t y_policy = second || in_smem >= 1 ? let_go : keep_in_l2;
+      const uint64_t g_policy = second || in_smem >= 2 ? let_go : keep_in_l2;
       T ys[kAtOnce][kVec], gs[kAtOnce][kVec];
 #pragma unroll
       for (int j = 0; j < kAtOnce; ++j) {
-        load_vec_l2<kVec>(loader.in + first_col + (k0 + j) * stride, ys[j], policy);
-        load_vec_l2<kVec>(loader.grad + first_col + (k0 + j) * stride, gs[j], policy);
+        if (second && in_smem >= 1) {
+          const uint4 w = slot(0, k0 + j);
+          memcpy(ys[j], &w, sizeof(w));
+        } else {
+          load_vec_l2<kVec>(loader.in + first_col + (k0 + j) * stride, ys[j], y_policy);
+        }
+        if (second && in_smem >= 2) {
+          const uint4 w = slot(1, k0 + j);
+          memcpy(gs[j], &w, sizeof(w));
+        } else {
+          load_vec_l2<kVec>(loader.grad + first_col + (k0 + j) * stride, gs[j], g_policy);
+        }
+      }
+      if (!second) {
+#pragma unroll
+        for (int j = 0; j < kAtOnce; ++j) {
+          if (in_smem >= 1) memcpy(&slot(0, k0 + j), ys[j], sizeof(uint4));
+          if (in_smem >= 2) memcpy(&slot(1, k0 + j), gs[j], sizeof(uint4));
+        }
       }
 #pragma unroll
       for (int j = 0; j < kAtOnce; ++j)
@@ -1677,17 +1711,17 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
     }
   };
   // One pass over the row: each chunk read, then handed to use(k0, v, g, ok).
-  auto each_chunk = [&](uint64_t policy, auto&& use) {
+  auto each_chunk = [&](bool second, auto&& use) {
 #pragma unroll
     for (int k0 = 0; k0 < kPacks; k0 += kAtOnce) {
       A v[kAtOnce][kVec], g[kAtOnce][kVec];
       bool ok[kAtOnce][kVec];
-      load_chunk(k0, policy, v, g, ok);
+      load_chunk(k0, second, v, g, ok);
       use(k0, v, g, ok);
     }
   };
   Sum<A> mine{A(0)};
-  each_chunk(keep_in_l2, [&](int, const A (&v)[kAtOnce][kVec], const A (&g)[kAtOnce][kVec],
+  each_chunk(false, [&](int, const A (&v)[kAtOnce][kVec], const A (&g)[kAtOnce][kVec],
                  const bool (&ok)[kAtOnce][kVec]) {
 #pragma unroll
     for (int j = 0; j < kAtOnce; ++j)
@@ -1699,7 +1733,7 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
   if (row >= p.rows) return;
   const A scale = static_cast<A>(p.scale);
   T* dst = loader.out_row(p, row);
-  each_chunk(let_go, [&](int k0, const A (&v)[kAtOnce][kVec], const A (&g)[kAtOnce][kVec],
+  each_chunk(true, [&](int k0, const A (&v)[kAtOnce][kVec], const A (&g)[kAtOnce][kVec],
                          const bool (&ok)[kAtOnce][kVec]) {
 #pragma unroll
     for (int j = 0; j < kAtOnce; ++j) {
@@ -1802,7 +1836,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   constexpr bool kAsync = kAsyncNextRow<Loader, kCluster, kRows, kElems>;
   constexpr bool kSmemRow = kSmemRowBwd<Loader, kCluster, kRows, kElems>;
   __shared__ NextRowBuffer<kBlock, kPacks, kAsync> next_row;
-  extern __shared__ uint4 row_smem[];  // kSmemRow: RowSlots' vectors (LaunchCluster sizes it)
+  // kSmemRow: RowSlots' vectors; kRereadBwd: backward_row_reread's (LaunchCluster sizes it)
+  extern __shared__ uint4 row_smem[];
   if constexpr (kCluster > 1) {
     if (threadIdx.x == 0) {
       exchange.init();
@@ -1877,7 +1912,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     if constexpr (kRereadBwd) {  // one row per block (or cluster), read twice
       const Loader loader(p, row0, row0 < p.rows);
       backward_row_reread<kGroup, kCluster, kPacks>(p, loader, row0, first_col, block_slots[use & 1],
-                                                    exchange.buffer(use));
+                                                    exchange.buffer(use), row_smem);
       continue;
     }
     A v[kRows][kPacks][kVec];

@@ -38,9 +38,10 @@
 //   their clusters of 2E reading the row through shared memory (kSmemRowBwd); on GPUs with less
 //   DRAM bandwidth per SM cycle than the H200 (the H100) the rows of exactly 8 and 16 x 512 x E
 //   keep E (AmpleDramPerSm).
-//   Float32 backward rows of V = 4 take the same 2E clusters beyond 16 * 512 * E, reading y and
-//   dy twice (backward_row_reread; the first read's lines kept in L2 for the second), and one
-//   1024-thread block of E instead of a cluster up to 1024 * E.
+//   Float32 backward rows of V = 4 take the same 2E clusters beyond 16 * 512 * E, reading dy
+//   twice (backward_row_reread; the first read's lines kept in L2 for the second) and y once,
+//   kept in shared memory for the second read, and one 1024-thread block of E instead of a
+//   cluster up to 1024 * E.
 // Staged tiers (sm_90+, forward rows in aligned buffers: plain rows, windowed ones where
 // LaunchStagedTier says so, and rows with a mask, bias or causal limit (cols % V == 0) where
 // StageGeneralRows says so, with only x staged): the same shapes fed
@@ -662,14 +663,30 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
   // 151936 (10 of 16 CTAs) 247 -> 230, which without them lost (L2 crowded: 245 -> 253). H100
   // (both together): 262144 395 -> 326, 262143 402 -> 341, 151936 317-322 -> 324.
   // JAX_SOFTMAX_L2_HINTS=0 (read once; A/B runs): neither.
+  size_t smem = 0;
   if constexpr (kRereadRows<Loader, kElems>) {
     static const bool hints = EnvKnob("JAX_SOFTMAX_L2_HINTS", 1) != 0;
     p.l2_hints = hints;
     may_fit = hints;
+    // The first read also keeps y in shared memory for the second (RowParams::reread_smem; 64
+    // KiB per 512-thread CTA, so two still fit an SM), which then reads only dy from L2. ncu
+    // (H100, session 30, 262144, 128 MiB): DRAM read 309 -> 271 MB (268 must move), 165 -> 145
+    // us. Measured (H100, us per call, none / y / y and dy): 262144 329 / 289 / 320, 262143 340
+    // / 305 / 363, 524288 (16 x 1024, 128 KiB, one CTA per SM as before) 341 / 302 / 333 (y and
+    // dy did not fit: none), 151936 (fitted) 325 / 290 / 422, 262144 with a (rows, N) mask 373 /
+    // 324 / 399. Keeping dy too (128 KiB per 512-thread CTA) leaves one CTA per SM.
+    // JAX_SOFTMAX_REREAD_SMEM (read once; A/B runs): 0 keeps neither, 2 both, where they fit.
+    static const long in_smem = EnvKnob("JAX_SOFTMAX_REREAD_SMEM", 1);
+    const size_t bytes = size_t(in_smem) * (kElems / kVec) * kBlock * sizeof(uint4);
+    if ((in_smem == 1 || in_smem == 2) &&
+        int64_t(bytes) <= int64_t(c.dev.smem_per_block) - kStaticSmemBound &&
+        AllowDynamicSmem<kernel>(c.device, c.dev)) {
+      smem = bytes;
+      p.reread_smem = static_cast<uint8_t>(in_smem);
+    }
   }
   // 16-bit backward rows of 32 values per thread: the row through shared memory (kSmemRowBwd).
   // JAX_SOFTMAX_SMEM_ROWS=0 (read once; A/B runs) reads y and dy twice from global memory.
-  size_t smem = 0;
   if constexpr (kSmemRowBwd<Loader, kCluster, 1, kElems>) {
     static const bool enabled = EnvKnob("JAX_SOFTMAX_SMEM_ROWS", 1) != 0;
     if (enabled && AllowDynamicSmem<kernel>(c.device, c.dev))

@@ -152,8 +152,9 @@ if want test; then
     -- -k "$(with_test_k "gpu and test_kernel_tiers and dependent_calls")"
   # Every cluster tier at the size its rows need (by default only where that fits more clusters
   # on the GPU: FitCluster), and the 16-bit backward rows of 32769-131072 columns on the
-  # tiers of 16 values that those of 32 replaced (JAX_SOFTMAX_RAW_WIDE=0).
-  test_job cluster_fit_all JAX_SOFTMAX_CLUSTER_FIT=2 JAX_SOFTMAX_RAW_WIDE=0 \
+  # tiers of 16 values that those of 32 replaced (JAX_SOFTMAX_RAW_WIDE=0), and the float32
+  # backward rows read twice with both y and dy kept in shared memory (JAX_SOFTMAX_REREAD_SMEM=2).
+  test_job cluster_fit_all JAX_SOFTMAX_CLUSTER_FIT=2 JAX_SOFTMAX_RAW_WIDE=0 JAX_SOFTMAX_REREAD_SMEM=2 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (cluster_ctas or many_long_rows)")"
   wait_tests
   test_job tiers_big XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 -- -k "$(with_test_k "test_kernel_tiers and ($big)")"
