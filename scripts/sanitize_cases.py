@@ -89,8 +89,10 @@ CASES = [  # (rows, cols, dtype)
     # global memory; 262144 and 524288 above, 4 x 512 at 32769 and 50257.
     (20, 100003, jnp.bfloat16),
     (37, 262143, jnp.bfloat16),
-    # Float32 backward rows read twice with L2 hints (RowParams::l2_hints), on a fitted cluster
-    # (10 of 16 x 512 x 32: FitCluster fits these rows since the hints), more rows than clusters.
+    # Float32 backward rows read twice with L2 hints (RowParams::l2_hints), y kept in shared
+    # memory between the reads (RowParams::reread_smem; 262143, 262144 and 524288 above too), on
+    # a fitted cluster (10 of 16 x 512 x 32: FitCluster fits these rows since the hints), more
+    # rows than clusters.
     (31, 151936, jnp.float32),
 ]
 
