@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
@@ -58,8 +57,11 @@ def main(argv=None):
 
     os.makedirs(args.out, exist_ok=True)
     slug = "".join(c if c.isalnum() else "_" for c in device.lower()).strip("_")
-    meta = {"device": device, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
-            "settings": vars(args)}
+    # The softmax benches' record of the machine: device, driver, versions, git revision.
+    from jax_softmax._bench import collect_meta
+
+    meta = collect_meta("jax_softmax", standin=False)
+    meta["settings"] = vars(args)
     with open(os.path.join(args.out, f"train_step_{slug}.json"), "w") as f:
         json.dump({"meta": meta, "points": rows}, f, indent=1)
     try:
