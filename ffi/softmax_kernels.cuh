@@ -1772,8 +1772,8 @@ __device__ __forceinline__ int64_t ordered_row(const RowParams& p, int64_t mem0)
   return mem0;
 }
 
-// Float backward rows of more than 16 values per thread read y and dy twice
-// (backward_row_reread).
+// Float backward rows of more than 16 values per thread read y and dy twice, or (by default) dy
+// twice and y once, kept in shared memory between the reads (backward_row_reread).
 template <typename Loader, int kElems>
 constexpr bool kRereadRows = Loader::kBackward && !Loader::kRawBwd && kElems > 16;
 
