@@ -33,11 +33,11 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     args = p.parse_args(argv)
 
-    import jax
-
     from train_lm import train  # examples/train_lm.py
 
-    device = jax.devices()[0].device_kind
+    from jax_softmax._bench import collect_meta, device_kind, slug
+
+    device = device_kind()
     rows = []
     for s in args.seq_lens:
         batch = max(1, args.tokens // s)
@@ -56,13 +56,10 @@ def main(argv=None):
               flush=True)
 
     os.makedirs(args.out, exist_ok=True)
-    slug = "".join(c if c.isalnum() else "_" for c in device.lower()).strip("_")
     # The softmax benches' record of the machine: device, driver, versions, git revision.
-    from jax_softmax._bench import collect_meta
-
     meta = collect_meta("jax_softmax", standin=False)
     meta["settings"] = vars(args)
-    with open(os.path.join(args.out, f"train_step_{slug}.json"), "w") as f:
+    with open(os.path.join(args.out, f"train_step_{slug(device)}.json"), "w") as f:
         json.dump({"meta": meta, "points": rows}, f, indent=1)
     try:
         import matplotlib
@@ -79,7 +76,7 @@ def main(argv=None):
         ax.set_title(f"train_lm step ({args.dtype}, {args.layers} layers, d={args.d_model}) on {device}")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(os.path.join(args.out, f"train_step_{slug}.png"), dpi=110)
+        fig.savefig(os.path.join(args.out, f"train_step_{slug(device)}.png"), dpi=110)
     except ImportError:
         pass
     print(f"{'S':>6} {'flax steps/s':>13} {'ours steps/s':>13} {'speedup':>8}")

@@ -1410,18 +1410,20 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
 template <int kCluster, int kElems>
 constexpr bool kVectorEndsBwd = kCluster > 1 || kElems <= 16;
 
-// A thread's copies of a row in shared memory (kAsyncNextRow, kSmemRowBwd): its kPacks vectors of
-// y (j = 0) and dy (j = 1) at base[(k * 2 + j) * kBlock + thread], so that a warp's 16-byte
-// accesses are contiguous; then the two vectors after the window that hold a windowed row's
-// wrapped columns (copied by the thread whose first vector is the row's first).
+// A thread's copies of a row in shared memory (kAsyncNextRow, kSmemRowBwd, backward_row_reread):
+// its kPacks vectors of y (j = 0) and dy (j = 1) at base[(j * kPacks + k) * kBlock + thread], so
+// that a warp's 16-byte accesses are contiguous and y's vectors come first (a buffer of
+// kPerTensor vectors holds y alone); then the two vectors after the window that hold a windowed
+// row's wrapped columns (copied by the thread whose first vector is the row's first).
 template <int kBlock, int kPacks>
 struct RowSlots {
-  static constexpr int kVectors = kPacks * 2 * kBlock + 2;
+  static constexpr int kPerTensor = kPacks * kBlock;
+  static constexpr int kVectors = 2 * kPerTensor + 2;
   uint4* base;
   __device__ __forceinline__ uint4& at(int k, int j) const {
-    return base[(k * 2 + j) * kBlock + threadIdx.x];
+    return base[(j * kPacks + k) * kBlock + threadIdx.x];
   }
-  __device__ __forceinline__ uint4& wrap(int j) const { return base[kPacks * 2 * kBlock + j]; }
+  __device__ __forceinline__ uint4& wrap(int j) const { return base[2 * kPerTensor + j]; }
 };
 
 // Issues the copies of y and dy of row `row` (< p.rows) for this thread into buf and commits them
@@ -1613,11 +1615,10 @@ __device__ __forceinline__ bool finish_batch_raw(
 // values, one CTA per SM (TUNING.md, session 14).
 //
 // RowParams::reread_smem (1, or 2 in A/B runs; LaunchCluster): the first read also leaves this
-// thread's vectors of y (and, with 2, of dy) in shared memory, at row_smem[(j * kPacks + k) *
-// kBlock + thread] for vector k of y (j = 0) and dy (j = 1), so that a warp's 16-byte accesses
-// are contiguous; the second read takes them from there (measured: LaunchCluster). Each thread
-// reads back only what it wrote, so no barrier; the slots of a thread that reads per vector (a
-// row's ends) stay unused.
+// thread's vectors of y (and, with 2, of dy) in its RowSlots in shared memory (with 1 a buffer
+// of y alone), where the second read takes them (measured: LaunchCluster). Each thread reads
+// back only what it wrote, so no barrier; the slots of a thread that reads per vector (a row's
+// ends) stay unused, and so do the wrap slots.
 template <int kGroup, int kCluster, int kPacks, typename Loader, typename S>
 __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Loader& loader,
                                                     int64_t row, int first_col, S* block_slots,
@@ -1654,10 +1655,7 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
   // Vectors kept in shared memory (the per-vector path keeps none): 0, y, or y and dy. Their
   // first read lets their L2 lines go as the second read does.
   const int in_smem = inside ? p.reread_smem : 0;
-  constexpr int kBlock = BlockThreads(kGroup);
-  auto slot = [&](int j, int k) -> uint4& {
-    return row_smem[(j * kPacks + k) * kBlock + threadIdx.x];
-  };
+  const RowSlots<BlockThreads(kGroup), kPacks> slots{row_smem};
   // One chunk of the first (second = false) or second read: y into v, dy into g, ok where a
   // position takes part.
   auto load_chunk = [&](int k0, bool second, A (&v)[kAtOnce][kVec], A (&g)[kAtOnce][kVec],
@@ -1676,13 +1674,13 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
 #pragma unroll
       for (int j = 0; j < kAtOnce; ++j) {
         if (second && in_smem >= 1) {
-          const uint4 w = slot(0, k0 + j);
+          const uint4 w = slots.at(k0 + j, 0);
           memcpy(ys[j], &w, sizeof(w));
         } else {
           load_vec_l2<kVec>(loader.in + first_col + (k0 + j) * stride, ys[j], y_policy);
         }
         if (second && in_smem >= 2) {
-          const uint4 w = slot(1, k0 + j);
+          const uint4 w = slots.at(k0 + j, 1);
           memcpy(gs[j], &w, sizeof(w));
         } else {
           load_vec_l2<kVec>(loader.grad + first_col + (k0 + j) * stride, gs[j], g_policy);
@@ -1691,8 +1689,8 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
       if (!second) {
 #pragma unroll
         for (int j = 0; j < kAtOnce; ++j) {
-          if (in_smem >= 1) memcpy(&slot(0, k0 + j), ys[j], sizeof(uint4));
-          if (in_smem >= 2) memcpy(&slot(1, k0 + j), gs[j], sizeof(uint4));
+          if (in_smem >= 1) memcpy(&slots.at(k0 + j, 0), ys[j], sizeof(uint4));
+          if (in_smem >= 2) memcpy(&slots.at(k0 + j, 1), gs[j], sizeof(uint4));
         }
       }
 #pragma unroll

@@ -677,7 +677,7 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
     // 324 / 399. Keeping dy too (128 KiB per 512-thread CTA) leaves one CTA per SM.
     // JAX_SOFTMAX_REREAD_SMEM (read once; A/B runs): 0 keeps neither, 2 both, where they fit.
     static const long in_smem = EnvKnob("JAX_SOFTMAX_REREAD_SMEM", 1);
-    const size_t bytes = size_t(in_smem) * (kElems / kVec) * kBlock * sizeof(uint4);
+    const size_t bytes = size_t(in_smem) * RowSlots<kBlock, kElems / kVec>::kPerTensor * sizeof(uint4);
     if ((in_smem == 1 || in_smem == 2) &&
         int64_t(bytes) <= int64_t(c.dev.smem_per_block) - kStaticSmemBound &&
         AllowDynamicSmem<kernel>(c.device, c.dev)) {
