@@ -19,7 +19,11 @@
 # the package, the source tree AB_BASE_SRC (e.g. `git archive BASE | tar -x -C .base`, carried),
 # built beside this one (give `build abbase`, in that order) and run as base / this / base / this
 # (AB_ROUNDS processes, default 4), one process each; with AB_VAR_SRC, a third tree built the same
-# way, the rounds go base / this / var; ncu: Nsight Compute on NCU_CASES.
+# way, the rounds go base / this / var; ncu: Nsight Compute on NCU_CASES. An A/B against
+# a base package built off the device (PREBUILD_BUILD_DIR=... scripts/prebuild.sh in a worktree of
+# the base, copied to .prebuilt_base and carried): `ab` with a variant word
+# PYTHONPATH=$PWD/.prebuilt_base/site; the step prints each case's us per call, one column per
+# variant.
 # Env: JAX_SOFTMAX_CUDA_ARCHS (default 90a-real: the device is an H100/H200), AB_BASE_SRC, BENCH_ARGS
 # (extra arguments for `python -m jax_softmax bench`), NCU_REGEX / NCU_SECTIONS / NCU_METRICS (kernels, ncu sections, extra metrics), TEST_ARGS (extra pytest arguments), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), TEST_MEM_FRACTION (each test process's share of GPU memory), AB_CASES, NCU_CASES, SANITIZE_COLS / RACECHECK_COLS (row lengths of scripts/sanitize_cases.py to run; SANITIZE_ALL_OPS=1 keeps all their calls), *_TIMEOUT (seconds).
 set -uo pipefail
@@ -227,6 +231,8 @@ if want ab; then
     i=$((i + 1))
     profile_round "$OUT/ab_$i.log" "variant $variant" ${variant//,/ }
   done
+  echo "== A/B: us per call (x over XLA), one column per variant: ${AB_VARIANTS:-} =="
+  profile_summary $(for j in $(seq 1 "$i"); do echo "$OUT/ab_$j.log"; done)
 fi
 
 if want abbase; then

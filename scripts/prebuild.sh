@@ -5,6 +5,7 @@
 # against that Python and that jaxlib's FFI headers, for sm_90a only.
 #
 #   bash scripts/prebuild.sh            # PY312 (default: pyenv's 3.12) and JAXLIB_VERSION (0.11.2)
+#   PREBUILD_BUILD_DIR=/tmp/base_build bash scripts/prebuild.sh   # a second tree (an A/B base)
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY312=${PY312:-$(ls -d "$HOME"/.pyenv/versions/3.12*/bin/python 2>/dev/null | tail -1)}
@@ -20,7 +21,7 @@ mkdir -p "$REPO/.prebuilt"
 t0=$(date +%s)
 (cd "$REPO" && JAX_SOFTMAX_CUDA=ON JAX_SOFTMAX_CUDA_ARCHS="${JAX_SOFTMAX_CUDA_ARCHS:-90a-real}" \
    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$VENV/bin/python" -m pip install --no-build-isolation --no-deps -v \
-   --target "$REPO/.prebuilt/site" -C build-dir=/tmp/jax_softmax_prebuild \
+   --target "$REPO/.prebuilt/site" -C build-dir="${PREBUILD_BUILD_DIR:-/tmp/jax_softmax_prebuild}" \
    -C cmake.define.JAX_SOFTMAX_PTXAS_VERBOSE=ON . >"$REPO/.prebuilt/build.log" 2>&1) \
   || { tail -30 "$REPO/.prebuilt/build.log"; echo "PREBUILD FAILED" >&2; exit 1; }
 rev=$(git -C "$REPO" rev-parse --short HEAD)
