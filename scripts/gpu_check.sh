@@ -231,8 +231,6 @@ if want ab; then
     i=$((i + 1))
     profile_round "$OUT/ab_$i.log" "variant $variant" ${variant//,/ }
   done
-  echo "== A/B: us per call (x over XLA), one column per variant: ${AB_VARIANTS:-} =="
-  profile_summary $(for j in $(seq 1 "$i"); do echo "$OUT/ab_$j.log"; done)
 fi
 
 if want abbase; then
