@@ -438,12 +438,18 @@ inline bool SkipMaskedX(const RowParams& p) {
 // some inner axis must not be (else one operand row serves every row). Only where memory order
 // would lose the operand from L2 between copies: the bytes that pass through L2 from one copy's
 // read of an operand row to the next (x read and y written, or y and dy read and dx written, for
-// rows_per_copy rows; the operands read) exceed half of L2 (L2 is two partitions). Where they
-// fit, the reordered CTAs only scatter the reads of x: measured (TUNING.md, session 11, H200,
-// 60 MiB L2) a (1, 1, S, S) mask at S = 128-1024 ran 3-7% slower reordered, at S = 4096
-// (bfloat16: 80 MiB between copies) 1.09x faster; a (1, H, S, S) bias at S = 512-1024 (float32)
-// 1.27-1.28x faster. JAX_SOFTMAX_REUSE_ORDER (read once; for A/B runs): 0 keeps memory order,
-// 2 orders wherever the shapes allow.
+// rows_per_copy rows; the operands read) exceed a quarter of L2. Where they fit, the reordered
+// CTAs only scatter the reads of x: measured (TUNING.md, session 11, H200) a (1, 1, S, S) mask at
+// S = 128-1024 ran 3-7% slower reordered, at S = 4096 (bfloat16: 80 MiB between copies) 1.09x
+// faster; a (1, H, S, S) bias at S = 512-1024 (float32) 1.27-1.28x faster. Until session 31 the
+// bound was half of L2 (two partitions); on the H100 (50 MiB L2) a bfloat16 (1, 16, 512, 512) bias
+// over 32 copies (25 MB between) then came from DRAM about 5.5 times (ncu: 180 MB read for 142
+// that must move) and ran at 84% of the copy. Measured there (us per call, memory order /
+// reordered): that bias 213 / 195; between a quarter and a half of L2, bfloat16 and float32 (1, 1,
+// 2048, 2048) masks (21 and 38 MB) 192 / 193 and 188 / 188; below a quarter, the bias at S = 256
+// (6 MB) 185 / 194, float32 (13 MB, just below) 192 / 192, a (1, 1, 512, 512) mask 181 / 189.
+// JAX_SOFTMAX_REUSE_ORDER (read once; for A/B runs): 0 keeps memory order, 2 orders wherever the
+// shapes allow.
 // passes: tensors of x's type read or written per element (forward 2: x, y; backward 3: y, dy, dx).
 inline RowOrder OperandReuseOrder(const RowParams& p, int passes, size_t elem_bytes,
                                   const DeviceInfo& dev) {
@@ -469,7 +475,7 @@ inline RowOrder OperandReuseOrder(const RowParams& p, int passes, size_t elem_by
   const int64_t per_elem = passes * int64_t(elem_bytes) +
                            (p.bias.data ? int64_t(elem_bytes) : 0) + (p.mask.data ? 1 : 0);
   const double between = double(rows_per_copy) * double(p.cols) * double(per_elem);
-  if (knob != 2 && between <= 0.5 * double(dev.l2_bytes)) return order;
+  if (knob != 2 && between <= 0.25 * double(dev.l2_bytes)) return order;
   order.copies = RowDivisor(copies, true);
   order.rows_per_copy = static_cast<uint32_t>(rows_per_copy);
   return order;

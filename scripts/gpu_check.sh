@@ -160,6 +160,11 @@ if want test; then
   # backward rows read twice with both y and dy kept in shared memory (JAX_SOFTMAX_REREAD_SMEM=2).
   test_job cluster_fit_all JAX_SOFTMAX_CLUSTER_FIT=2 JAX_SOFTMAX_RAW_WIDE=0 JAX_SOFTMAX_REREAD_SMEM=2 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (cluster_ctas or many_long_rows)")"
+  # The broadcast operands' rows taken copy by copy (RowOrder) in every tier: by default only
+  # where the bytes between copies exceed a quarter of L2 (OperandReuseOrder), which the tests'
+  # shapes do not reach (session 31, H100: 16 passed, 25 s).
+  test_job reuse_order JAX_SOFTMAX_REUSE_ORDER=2 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and broadcast_operand_order")"
   wait_tests
   test_job tiers_big XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 -- -k "$(with_test_k "test_kernel_tiers and ($big)")"
   wait_tests
