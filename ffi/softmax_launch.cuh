@@ -443,11 +443,12 @@ inline bool SkipMaskedX(const RowParams& p) {
 // S = 128-1024 ran 3-7% slower reordered, at S = 4096 (bfloat16: 80 MiB between copies) 1.09x
 // faster; a (1, H, S, S) bias at S = 512-1024 (float32) 1.27-1.28x faster. Until session 31 the
 // bound was half of L2 (two partitions); on the H100 (50 MiB L2) a bfloat16 (1, 16, 512, 512) bias
-// over 32 copies (25 MB between) then came from DRAM about 5.5 times (ncu: 180 MB read for 142
-// that must move) and ran at 84% of the copy. Measured there (us per call, memory order /
+// over its batch (25 MB between) then came from DRAM about 5.5 times (ncu at 128 MiB: 180 MB read
+// for 142 that must move) and ran at 84% of the copy. Measured there (us per call, memory order /
 // reordered): that bias 213 / 195; between a quarter and a half of L2, bfloat16 and float32 (1, 1,
-// 2048, 2048) masks (21 and 38 MB) 192 / 193 and 188 / 188; below a quarter, the bias at S = 256
-// (6 MB) 185 / 194, float32 (13 MB, just below) 192 / 192, a (1, 1, 512, 512) mask 181 / 189.
+// 2048, 2048) masks (21 and 38 MB) 192 / 193 and 188 / 188; below a quarter, the bfloat16 bias at
+// S = 256 (6 MB) 185 / 194, the float32 one (13 MB, just under) 192 / 192, a bfloat16 (1, 1, 512,
+// 512) mask (1.3 MB) 181 / 189.
 // JAX_SOFTMAX_REUSE_ORDER (read once; for A/B runs): 0 keeps memory order, 2 orders wherever the
 // shapes allow.
 // passes: tensors of x's type read or written per element (forward 2: x, y; backward 3: y, dy, dx).

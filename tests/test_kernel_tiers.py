@@ -526,8 +526,9 @@ def test_broadcast_operand_order(backend, device, rng, dtype, operands):
     # tier tile each copy exactly (H * Sq or Sq rows per copy: 1024 or 512 for the 256- and
     # 512-row tiles of the shortest rows, 128 or 64 for the others), in memory order otherwise
     # (Sq = 37); by default only where the operand would leave L2 between copies, which shapes
-    # this small never do: gpu_check.sh runs this test again with JAX_SOFTMAX_REUSE_ORDER=2. Sk runs through the tiers: lane groups (8), a warp or 8 staged lanes (128),
-    # blocks (1000, 4096), a cluster (20000, float32: 2 x 512 x 32 columns); one jitted call.
+    # this small never do: gpu_check.sh runs this test again with JAX_SOFTMAX_REUSE_ORDER=2. Sk
+    # runs through the tiers: lane groups (8), a warp or 8 staged lanes (128), blocks (1000,
+    # 4096), a cluster (20000, float32: 2 x 512 x 32 columns); one jitted call.
     b, h = 3, 2
     cases = []
     for sq, sk in [(512, 8), (64, 128), (37, 128), (64, 1000), (37, 4096), (64, 4096), (16, 20000)]:
