@@ -119,13 +119,14 @@ __device__ __forceinline__ void load_vec(const T* src, T (&dst)[N]) {
   static_assert(sizeof(W) == N * sizeof(T), "vector width");
   *reinterpret_cast<W*>(dst) = *reinterpret_cast<const W*>(src);
 }
-// Stores go to global memory (the outputs). kAsmStore: a 16-byte store written as one
-// st.global.v4, for the block tiers of a run-time pack stride (kRuntimeWarps). Written as a copy
-// of a 16-byte word, the compiler split their stores into four 4-byte ones (2 of 8 float32 vector
-// stores left whole, sm_90a PTX, session 20), though every address is the row's 16-byte-aligned
-// window start plus whole vectors. Not everywhere: the asm (ordered with the kernel's other
-// accesses, as the store it replaces) cost the 16-bit backward tiers of 32 values 28-40 bytes of
-// spills, which they did not have.
+// Stores go to global memory (the outputs), or without kAsmStore anywhere (backward_row_reread's
+// shared-memory slots). kAsmStore: a 16-byte store written as one st.global.v4, for the block
+// tiers of a run-time pack stride (kRuntimeWarps). Written as a copy of a 16-byte word, the
+// compiler split their stores into four 4-byte ones (2 of 8 float32 vector stores left whole,
+// sm_90a PTX, session 20), though every address is the row's 16-byte-aligned window start plus
+// whole vectors. Not everywhere: the asm (ordered with the kernel's other accesses, as the store
+// it replaces) cost the 16-bit backward tiers of 32 values 28-40 bytes of spills, which they did
+// not have.
 template <int N, bool kAsmStore = false, typename T>
 __device__ __forceinline__ void store_vec(T* dst, const T (&src)[N]) {
   using W = typename VecWord<N * sizeof(T)>::type;

@@ -1673,24 +1673,20 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
       T ys[kAtOnce][kVec], gs[kAtOnce][kVec];
 #pragma unroll
       for (int j = 0; j < kAtOnce; ++j) {
-        if (second && in_smem >= 1) {
-          const uint4 w = slots.at(k0 + j, 0);
-          memcpy(ys[j], &w, sizeof(w));
-        } else {
+        if (second && in_smem >= 1)
+          load_vec<kVec>(reinterpret_cast<const T*>(&slots.at(k0 + j, 0)), ys[j]);
+        else
           load_vec_l2<kVec>(loader.in + first_col + (k0 + j) * stride, ys[j], y_policy);
-        }
-        if (second && in_smem >= 2) {
-          const uint4 w = slots.at(k0 + j, 1);
-          memcpy(gs[j], &w, sizeof(w));
-        } else {
+        if (second && in_smem >= 2)
+          load_vec<kVec>(reinterpret_cast<const T*>(&slots.at(k0 + j, 1)), gs[j]);
+        else
           load_vec_l2<kVec>(loader.grad + first_col + (k0 + j) * stride, gs[j], g_policy);
-        }
       }
       if (!second) {
 #pragma unroll
         for (int j = 0; j < kAtOnce; ++j) {
-          if (in_smem >= 1) memcpy(&slots.at(k0 + j, 0), ys[j], sizeof(uint4));
-          if (in_smem >= 2) memcpy(&slots.at(k0 + j, 1), gs[j], sizeof(uint4));
+          if (in_smem >= 1) store_vec<kVec>(reinterpret_cast<T*>(&slots.at(k0 + j, 0)), ys[j]);
+          if (in_smem >= 2) store_vec<kVec>(reinterpret_cast<T*>(&slots.at(k0 + j, 1)), gs[j]);
         }
       }
 #pragma unroll

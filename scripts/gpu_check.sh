@@ -19,11 +19,10 @@
 # the package, the source tree AB_BASE_SRC (e.g. `git archive BASE | tar -x -C .base`, carried),
 # built beside this one (give `build abbase`, in that order) and run as base / this / base / this
 # (AB_ROUNDS processes, default 4), one process each; with AB_VAR_SRC, a third tree built the same
-# way, the rounds go base / this / var; ncu: Nsight Compute on NCU_CASES. An A/B against
-# a base package built off the device (PREBUILD_BUILD_DIR=... scripts/prebuild.sh in a worktree of
-# the base, copied to .prebuilt_base and carried): `ab` with a variant word
-# PYTHONPATH=$PWD/.prebuilt_base/site; the step prints each case's us per call, one column per
-# variant.
+# way, the rounds go base / this / var. A base prebuilt off the device and carried as
+# .prebuilt_base (`PREBUILD_BUILD_DIR=/tmp/base_build bash scripts/prebuild.sh` in a worktree of
+# the base, its .prebuilt copied there) takes the place of AB_BASE_SRC and its build: then
+# `abbase` alone, with this tree prebuilt too. ncu: Nsight Compute on NCU_CASES.
 # Env: JAX_SOFTMAX_CUDA_ARCHS (default 90a-real: the device is an H100/H200), AB_BASE_SRC, BENCH_ARGS
 # (extra arguments for `python -m jax_softmax bench`), NCU_REGEX / NCU_SECTIONS / NCU_METRICS (kernels, ncu sections, extra metrics), TEST_ARGS (extra pytest arguments), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), TEST_MEM_FRACTION (each test process's share of GPU memory), AB_CASES, NCU_CASES, SANITIZE_COLS / RACECHECK_COLS (row lengths of scripts/sanitize_cases.py to run; SANITIZE_ALL_OPS=1 keeps all their calls), *_TIMEOUT (seconds).
 set -uo pipefail
@@ -40,11 +39,17 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 
 # abbase: the base tree builds into its own directory while this tree builds (same flags).
 BASE_SITE=/tmp/jax_softmax_base_site
+base_build=
 if want abbase; then
-  (cd "$REPO" && rm -rf "$BASE_SITE" && JAX_SOFTMAX_CUDA=ON JAX_SOFTMAX_CUDA_ARCHS="${JAX_SOFTMAX_CUDA_ARCHS:-90a-real}" \
-     CMAKE_BUILD_PARALLEL_LEVEL=8 "$PY" -m pip install --no-build-isolation --no-deps --target "$BASE_SITE" \
-     "${AB_BASE_SRC:?abbase needs AB_BASE_SRC}" >"$OUT/build_base.log" 2>&1) &
-  base_build=$!
+  if [ -d "$REPO/.prebuilt_base/site" ]; then
+    BASE_SITE=$REPO/.prebuilt_base/site  # prebuilt off the device and carried: nothing to build
+    echo "prebuilt base: $(cat "$REPO/.prebuilt_base/REVISION" 2>/dev/null)"
+  else
+    (cd "$REPO" && rm -rf "$BASE_SITE" && JAX_SOFTMAX_CUDA=ON JAX_SOFTMAX_CUDA_ARCHS="${JAX_SOFTMAX_CUDA_ARCHS:-90a-real}" \
+       CMAKE_BUILD_PARALLEL_LEVEL=8 "$PY" -m pip install --no-build-isolation --no-deps --target "$BASE_SITE" \
+       "${AB_BASE_SRC:?abbase needs AB_BASE_SRC or a carried .prebuilt_base}" >"$OUT/build_base.log" 2>&1) &
+    base_build=$!
+  fi
   # AB_VAR_SRC: a third tree (a variant of this one), built and timed beside the other two.
   VAR_SITE=/tmp/jax_softmax_var_site
   if [ -n "${AB_VAR_SRC:-}" ]; then
@@ -239,7 +244,9 @@ if want ab; then
 fi
 
 if want abbase; then
-  wait "$base_build" || { tail -20 "$OUT/build_base.log"; echo "BASE BUILD FAILED"; exit 1; }
+  if [ -n "$base_build" ]; then
+    wait "$base_build" || { tail -20 "$OUT/build_base.log"; echo "BASE BUILD FAILED"; exit 1; }
+  fi
   builds=(base this)
   if [ -n "${AB_VAR_SRC:-}" ]; then
     wait "$var_build" || { tail -20 "$OUT/build_var.log"; echo "VARIANT BUILD FAILED"; exit 1; }

@@ -5,7 +5,8 @@
 # against that Python and that jaxlib's FFI headers, for sm_90a only.
 #
 #   bash scripts/prebuild.sh            # PY312 (default: pyenv's 3.12) and JAXLIB_VERSION (0.11.2)
-#   PREBUILD_BUILD_DIR=/tmp/base_build bash scripts/prebuild.sh   # a second tree (an A/B base)
+#   PREBUILD_BUILD_DIR=/tmp/base_build bash scripts/prebuild.sh   # a second tree: an A/B base
+#                                        (gpu_check.sh abbase, carried as .prebuilt_base)
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY312=${PY312:-$(ls -d "$HOME"/.pyenv/versions/3.12*/bin/python 2>/dev/null | tail -1)}
