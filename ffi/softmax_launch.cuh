@@ -49,13 +49,14 @@
 // for the row tiers, a persistent ring of stages for the clusters; with their own
 // short-row table (LaunchStagedTier): rows of cols <= 8 V on G = 1..8 lanes of one vector, then
 // 8, 16, 32 lanes of up to E values, then blocks and clusters as above, but 16-bit rows of
-// 8 * 512 * E + 1 to 16 * 512 * E on 8 x 1024 threads (WideClusterMode). (Float32 rows of up to
-// 32 V measured 1.0-1.15x faster there than on the register lane groups once each CTA takes one
-// tile.) Where no tile fits, the register tiers run; plain 16-bit rows of 2049-65536 columns
-// take the register tiers too (faster there, LaunchStagedTier). The staged lane groups and warps
-// keep 16-bit plain rows as loaded, two values per register, and so do the staged bfloat16 blocks
-// of 256 threads or more, at 40 registers per thread for more CTAs per SM (kRawRows, MaxRegisters
-// in softmax_kernels.cuh); such rows need a scale > 0 (LaunchSoftmax).
+// 8 * 512 * E + 1 to 16 * 512 * E on 8 x 1024 threads, and those of 6 * 256 * E + 1 to
+// 7 * 256 * E and 6 * 512 * E + 1 to 7 * 512 * E on 2 and 4 x 1024 (WideClusterMode).
+// (Float32 rows of up to 32 V measured 1.0-1.15x faster there than on the register lane groups
+// once each CTA takes one tile.) Where no tile fits, the register tiers run; plain 16-bit rows of
+// 2049-65536 columns take the register tiers too (faster there, LaunchStagedTier). The staged
+// lane groups and warps keep 16-bit plain rows as loaded, two values per register, and so do the
+// staged bfloat16 blocks of 256 threads or more, at 40 registers per thread for more CTAs per
+// SM (kRawRows, MaxRegisters in softmax_kernels.cuh); such rows need a scale > 0 (LaunchSoftmax).
 // Access modes (softmax_kernels.cuh): plain rows (no bias/mask/causal) of cols % V != 0 are read
 // through 16-byte-aligned windows (kWindowed) instead of element by element, and take the tier
 // of cols rounded up to V (WindowWidth); rows with a mask or bias and cols % V != 0, or
@@ -396,7 +397,8 @@ inline int TilesPerCta() {
 }
 
 // Staged clusters of 1024-thread CTAs (LaunchStagedTier). JAX_SOFTMAX_WIDE_CLUSTERS (read once):
-// 1 (default) for 16-bit plain and windowed rows of 8 * 512 * E + 1 to 16 * 512 * E columns,
+// 1 (default) for 16-bit plain and windowed rows of 8 * 512 * E + 1 to 16 * 512 * E columns and
+// those that the 256- or 512-thread tables would split over 7 CTAs (49153-57344, 98305-114688),
 // 0 never, 2 the session-7 experiment (such rows of every length from 2 * 512 * E + 1 on, at half
 // the cluster size; float32's too).
 inline int WideClusterMode() {
@@ -854,6 +856,21 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
       if (n <= 2 * 1024 * kE) return LaunchStagedCluster<T, 1024, kE, kVec, 2, kAccess>(c);
       if (n <= 4 * 1024 * kE) return LaunchStagedCluster<T, 1024, kE, kVec, 4, kAccess>(c);
       if (n <= 8 * 1024 * kE) return LaunchStagedCluster<T, 1024, kE, kVec, 8, kAccess>(c);
+    }
+    // 16-bit rows of 6 * B * E + 1 to 7 * B * E columns, which the tables below split over
+    // 7 CTAs of a fitted 8-CTA cluster (B = 256 threads where NarrowClusters takes the row, else
+    // 512): 2 or 4 CTAs of 1024 threads instead, 75-88% filled. Measured (H100, session 32,
+    // bfloat16, us per call, 7 CTAs / 1024 threads): 49153 212 / 201, 50257 210 / 202, 100003
+    // 206 / 200. Rows whose table takes 8 CTAs gained nothing (57345 202 / 202, 65535 198 / 199,
+    // 114689 201 / 203, 131072 207 / 205), and rows that would fill the 1024-thread CTAs half or
+    // less lost (32769 223 / 255, 24577 211 / 336, 16385 233 / 469).
+    if constexpr (sizeof(T) == 2) {
+      if (WideClusterMode() == 1) {
+        if (NarrowClusters() && n > 6 * 256 * kE && n <= 7 * 256 * kE)
+          return LaunchStagedCluster<T, 1024, kE, kVec, 2, kAccess>(c);
+        if (n > 6 * 512 * kE && n <= 7 * 512 * kE)
+          return LaunchStagedCluster<T, 1024, kE, kVec, 4, kAccess>(c);
+      }
     }
     if (NarrowClusters()) {
       if (n <= 4 * 256 * kE) return LaunchStagedCluster<T, 256, kE, kVec, 4, kAccess>(c);

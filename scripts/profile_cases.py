@@ -23,6 +23,7 @@ function runs once after ours (profile it without the kernel filter).
 """
 
 import os
+import re
 import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch (Triton cases) shares the GPU
@@ -253,17 +254,30 @@ def copy_bandwidth():
     return 2 * x.nbytes / timeit(lambda a, s: a + s, [x, jnp.float32(1)])
 
 
+# Row cases of any length beyond the list above: {f32,bf16,f16}_{fwd,bwd,bwdmask}_N.
+_ROW_CASE = re.compile(r"(f32|bf16|f16)_(fwd|bwd|bwdmask)_([1-9][0-9]*)")
+_ROW_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+
+
+def _known(name):
+    return name in CASES or _ROW_CASE.fullmatch(name) is not None
+
+
 def _case(name):
     """(ours, xla, args, nbytes, xla_args): a case's functions, our inputs, the bytes it must
     move, and XLA's inputs (the same as ours except for the backward cases' residuals)."""
-    case = CASES[name]()
+    if name in CASES:
+        case = CASES[name]()
+    else:
+        dt, mode, n = _ROW_CASE.fullmatch(name).groups()
+        case = _row_case(_ROW_DTYPES[dt], int(n), bwd=mode != "fwd", masked=mode == "bwdmask")
     return (*case, case[2]) if len(case) == 4 else case
 
 
 def main(argv):
     mode = argv[0] if argv else "time"
     names = argv[1:] or (NCU_DEFAULT if mode == "ncu" else list(CASES))
-    unknown = [n for n in names if n not in CASES]
+    unknown = [n for n in names if not _known(n)]
     if unknown:
         raise SystemExit(f"unknown cases {unknown}; known: {list(CASES)}")
     if mode == "ncu":

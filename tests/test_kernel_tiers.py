@@ -202,6 +202,20 @@ def test_cluster_ctas(backend, device, rng, dtype):
     check_sizes(device, rng, dtype, sorted(sizes), lambda n: rows_for(backend, n))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
+def test_seven_chunk_rows(backend, device, rng, dtype):
+    # 16-bit staged forward rows that the 256- and 512-thread cluster tables would split over 7
+    # CTAs, W = 6 * 256 * 32 + 1 .. 7 * 256 * 32 and 6 * 512 * 32 + 1 .. 7 * 512 * 32, take 2 and
+    # 4 CTAs of 1024 threads instead (ffi/softmax_launch.cuh, LaunchStagedTier): each range's
+    # first and last widths, odd (windowed; the top one wraps) and plain, one past each end, and
+    # more rows than such clusters fit on the GPU at once, so that each cluster loops over rows.
+    # Plain 16-bit rows below 2^16 take the register tiers; float32 runs the same sizes through
+    # its own tiers.
+    sizes = [49151, 49153, 50257, 57343, 57345, 98303, 98305, 106496, 114687, 114688, 114689]
+    check_sizes(device, rng, dtype, sizes, lambda n: (2**22 // n) | 1)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
 def test_two_pass_sizes(backend, device, rng, dtype):
     # Beyond the largest cluster: the two-pass streaming kernel (vector and scalar paths).
@@ -256,7 +270,8 @@ def test_windowed_row_neighbours(backend, device, rng, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 @pytest.mark.parametrize(
-    "tier", ["4V", "16V", "32V", "64V", "1024", "4096", "32768", "131072", "1001", "50257"]
+    "tier",
+    ["4V", "16V", "32V", "64V", "1024", "4096", "32768", "131072", "1001", "40961", "50257"],
 )
 def test_staged_ring_wraps(backend, device, rng, dtype, tier):
     # The staged tiers (sm_90+, forward rows: ffi/softmax_launch.cuh, LaunchStagedTier) feed each
@@ -268,9 +283,10 @@ def test_staged_ring_wraps(backend, device, rng, dtype, tier):
     # wrap; an odd row count leaves the last tile partial. Sizes: lane groups of one vector (4V),
     # 8 lanes of two vectors or 32 values (16V, 32V), 16 lanes (64V), a warp (1024 bfloat16,
     # 32 lanes float32), a block, and clusters of 2 and of 8 (float32) or 4 (bfloat16) CTAs;
-    # odd rows, read through 16-byte windows, staged in bfloat16 on 32 lanes (1001) and a cluster
-    # of 8 x 256 (50257), whose tiles start before their row and end in the next (the last one at
-    # x's end); float32 odd rows of up to 2^16 columns take the register tiers (LaunchStagedTier).
+    # odd rows, read through 16-byte windows, staged in bfloat16 on 32 lanes (1001) and clusters
+    # of 256 threads (40961, 6 of 8 CTAs) and of 2 x 1024 (50257), whose tiles start before their
+    # row and end in the next (the last one at x's end); float32 odd rows of up to 2^16 columns
+    # take the register tiers (LaunchStagedTier).
     # Softmax and log_softmax, with their backward (register tiers), without and with a `where`
     # mask of shape (1, N): a mask that consecutive rows share, which the staged tiers take up to
     # N = 16 E, and for float32 beyond 4096 columns (x in the stages, the mask read from global
