@@ -1724,7 +1724,9 @@ def run_plot(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m jax_softmax bench plot",
         description="Re-plot (and merge) JSON results written by the softmax/attention benches.")
-    p.add_argument("json", nargs="+", help="result JSON files (same bench kind) to merge")
+    p.add_argument("json", nargs="+",
+                   help="result JSON files (same bench kind) to merge; a point that a later file "
+                        "measured again replaces the earlier one")
     p.add_argument("--out", default=None, help="PNG path (default: first JSON with .png)")
     p.add_argument("--table", action="store_true", help="also print the table")
     args = p.parse_args(argv)
@@ -1734,6 +1736,10 @@ def run_plot(argv=None) -> int:
             d = json.load(f)
         metas.append(d["meta"])
         records.extend(d["records"])
+    # One record per provider and point: the last file's, so that a re-run of some points can be
+    # merged over the sweep it updates.
+    point = ("provider", "op", "dtype", "mode", "variant", "N", "S", "size_mib")
+    records = list({tuple(r.get(k) for k in point): r for r in records}.values())
     meta = dict(metas[0])
     ceils = {}
     for m in metas:
