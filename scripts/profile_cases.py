@@ -1,4 +1,5 @@
-"""A fixed set of kernel cases for quick A/B timing and for Nsight Compute.
+"""Kernel cases for quick A/B timing and for Nsight Compute: a fixed set (CASES), and rows of
+any length named {f32,bf16,f16}_{fwd,bwd,bwdmask}_N (e.g. bf16_fwd_53001).
 
     python3 scripts/profile_cases.py time [CASE ...]   # one line per case: % of copy, x XLA
     python3 scripts/profile_cases.py ncu  [CASE ...]   # each case once, for `ncu -k regex:softmax`
@@ -279,7 +280,8 @@ def main(argv):
     names = argv[1:] or (NCU_DEFAULT if mode == "ncu" else list(CASES))
     unknown = [n for n in names if not _known(n)]
     if unknown:
-        raise SystemExit(f"unknown cases {unknown}; known: {list(CASES)}")
+        raise SystemExit(f"unknown cases {unknown}; known: {list(CASES)} and rows of any length, "
+                         "{f32,bf16,f16}_{fwd,bwd,bwdmask}_N")
     if mode == "ncu":
         for name in names:
             ours, xla, args, _, xla_args = _case(name)
