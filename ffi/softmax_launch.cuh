@@ -302,6 +302,9 @@ inline int ClusterFitMode() {
   return mode;
 }
 
+// CTAs of `chunk` columns that a row of n columns (its window) takes.
+constexpr int64_t CtasForRow(int64_t n, int64_t chunk) { return (n + chunk - 1) / chunk; }
+
 // The cluster size to launch and how many such clusters the GPU holds at once; {0, 0} where
 // neither size schedules.
 struct ClusterShape {
@@ -312,7 +315,7 @@ template <auto Kernel, int kBlock, int kCluster>
 ClusterShape FitCluster(int device, int64_t n, int64_t chunk, bool may_fit, size_t smem = 0) {
   const int full = ActiveClusters<Kernel, kBlock, kCluster>(device, kCluster, smem);
   const int mode = ClusterFitMode();
-  const int64_t needed = (n + chunk - 1) / chunk;
+  const int64_t needed = CtasForRow(n, chunk);
   const int ctas = static_cast<int>(needed < 2 ? 2 : needed > kCluster ? kCluster : needed);
   if (may_fit && mode != 0 && ctas < kCluster) {
     const int fitted = ActiveClusters<Kernel, kBlock, kCluster>(device, ctas, smem);
@@ -857,18 +860,18 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
       if (n <= 4 * 1024 * kE) return LaunchStagedCluster<T, 1024, kE, kVec, 4, kAccess>(c);
       if (n <= 8 * 1024 * kE) return LaunchStagedCluster<T, 1024, kE, kVec, 8, kAccess>(c);
     }
-    // 16-bit rows of 6 * B * E + 1 to 7 * B * E columns, which the tables below split over
-    // 7 CTAs of a fitted 8-CTA cluster (B = 256 threads where NarrowClusters takes the row, else
-    // 512): 2 or 4 CTAs of 1024 threads instead, 75-88% filled. Measured (H100, session 32,
-    // bfloat16, us per call, 7 CTAs / 1024 threads): 49153 212 / 201, 50257 210 / 202, 100003
-    // 206 / 200. Rows whose table takes 8 CTAs gained nothing (57345 202 / 202, 65535 198 / 199,
-    // 114689 201 / 203, 131072 207 / 205), and rows that would fill the 1024-thread CTAs half or
-    // less lost (32769 223 / 255, 24577 211 / 336, 16385 233 / 469).
+    // 16-bit rows that the tables below split over 7 CTAs of a fitted 8-CTA cluster (6 * B * E +
+    // 1 to 7 * B * E columns, B = 256 threads where NarrowClusters takes the row, else 512): 2 or
+    // 4 CTAs of 1024 threads instead, 75-88% filled. Measured (H100, session 32, bfloat16, us per
+    // call, 7 CTAs / 1024 threads): 49153 212 / 201, 50257 210 / 202, 100003 206 / 200. Rows
+    // whose table takes 8 CTAs gained nothing (57345 202 / 202, 65535 198 / 199, 114689 201 /
+    // 203, 131072 207 / 205), and rows that would fill the 1024-thread CTAs half or less lost
+    // (32769 223 / 255, 24577 211 / 336, 16385 233 / 469).
     if constexpr (sizeof(T) == 2) {
       if (WideClusterMode() == 1) {
-        if (NarrowClusters() && n > 6 * 256 * kE && n <= 7 * 256 * kE)
+        if (NarrowClusters() && CtasForRow(n, 256 * kE) == 7)
           return LaunchStagedCluster<T, 1024, kE, kVec, 2, kAccess>(c);
-        if (n > 6 * 512 * kE && n <= 7 * 512 * kE)
+        if (CtasForRow(n, 512 * kE) == 7)
           return LaunchStagedCluster<T, 1024, kE, kVec, 4, kAccess>(c);
       }
     }

@@ -137,8 +137,12 @@ def _triton_case(dtype, n, bwd=False):
     return _bench.triton_softmax_bwd, None, [y, torch.randn_like(x)], 3 * nbytes
 
 
+# Row cases' dtypes by name: the fixed set below and the rows of any length (_ROW_CASE).
+_ROW_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+
 CASES = {}
-for _dt, _name in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16")):
+for _name in ("f32", "bf16"):
+    _dt = _ROW_DTYPES[_name]
     for _n in (32, 128, 256, 512, 1000, 1024, 2048, 3000, 4096, 8192, 16384, 32768, 50257, 65536, 131072,
                262144, 1000001, 1048576):  # the last two: past the clusters, the two-pass kernel
         CASES[f"{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n))
@@ -167,7 +171,7 @@ for _dt, _name in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16")):
         CASES[f"{_name}_bwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n, bwd=True))
 # float16 forward where its staged tiers keep x as loaded (and a register-tier control, 4096).
 for _n in (256, 1000, 1001, 4096, 6143, 8191, 8193, 16383):
-    CASES[f"f16_fwd_{_n}"] = (lambda n=_n: _row_case(jnp.float16, n))
+    CASES[f"f16_fwd_{_n}"] = (lambda n=_n: _row_case(_ROW_DTYPES["f16"], n))
 for _n in (256, 1024, 4096, 8192, 16384, 32768):
     for _dt, _name in (("float32", "f32"), ("bfloat16", "bf16")):
         CASES[f"triton_{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _triton_case(dt, n))
@@ -256,8 +260,7 @@ def copy_bandwidth():
 
 
 # Row cases of any length beyond the list above: {f32,bf16,f16}_{fwd,bwd,bwdmask}_N.
-_ROW_CASE = re.compile(r"(f32|bf16|f16)_(fwd|bwd|bwdmask)_([1-9][0-9]*)")
-_ROW_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+_ROW_CASE = re.compile(r"(%s)_(fwd|bwd|bwdmask)_([1-9][0-9]*)" % "|".join(_ROW_DTYPES))
 
 
 def _known(name):

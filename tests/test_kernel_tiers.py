@@ -211,9 +211,12 @@ def test_seven_chunk_rows(backend, device, rng, dtype):
     # first and last widths, odd (windowed; the top one wraps) and plain, one past each end, and
     # more rows than such clusters fit on the GPU at once, so that each cluster loops over rows.
     # Plain 16-bit rows below 2^16 take the register tiers. (16-bit only: the other types' rows
-    # of these lengths run the tiers that test_cluster_ctas covers.)
-    sizes = [49151, 49153, 50257, 57343, 57345, 98303, 98305, 106496, 114687, 114688, 114689]
-    check_sizes(device, rng, dtype, sizes, lambda n: (2**22 // n) | 1)
+    # of these lengths run the tiers that test_cluster_ctas covers.) Sizes: 49151 .. 57345 and
+    # 98303 .. 114689, with 50257, 106496 and 114688 plain.
+    sizes = {50257, 106496, 7 * 512 * 32}
+    for chunk in (256 * 32, 512 * 32):
+        sizes |= {6 * chunk - 1, 6 * chunk + 1, 7 * chunk - 1, 7 * chunk + 1}
+    check_sizes(device, rng, dtype, sorted(sizes), lambda n: (2**22 // n) | 1)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
