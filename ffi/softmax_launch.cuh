@@ -409,6 +409,12 @@ inline int WideClusterMode() {
   return mode;
 }
 inline bool WideClusters() { return WideClusterMode() == 2; }
+// JAX_SOFTMAX_WIDE_BLOCKS=1 (read once): the experiment in LaunchStagedTier (16-bit rows of
+// 512 E + 1 to 1024 E on one staged CTA of up to 1024 threads). Default 0: off.
+inline bool WideBlocks() {
+  static const bool enabled = EnvKnob("JAX_SOFTMAX_WIDE_BLOCKS", 0) == 1;
+  return enabled;
+}
 
 // Rows of up to 8 * 256 * E columns (65536 forward) without a mask, bias or causal limit split
 // over clusters of 4 or 8 CTAs of 256 threads instead of 2 or 4 of 512: four CTAs per SM instead
@@ -849,6 +855,13 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if (n <= 128 * kE) JS_STAGED(128, kE, 1);
     if (n <= 256 * kE) JS_STAGED(256, kE, 1);
     if (n <= 512 * kE) JS_STAGED(512, kE, 1);
+    // Experiment (JAX_SOFTMAX_WIDE_BLOCKS=1, not measured yet): 16-bit rows of 512 E + 1 to
+    // 1024 E columns on one CTA of up to 1024 threads (as many warps as the row needs), one tile
+    // per CTA as the blocks above, instead of a cluster of 3-4 x 256 (16385-32768: 76-84% of
+    // the copy on the H100, session 32, where the 512 x 32 block's 16384 reads 99%).
+    if constexpr (sizeof(T) == 2 && kAccess != Access::kGeneral) {
+      if (n <= 1024 * kE && WideBlocks()) JS_STAGED(1024, kE, 1);
+    }
   }
 #undef JS_STAGED
   if constexpr (kAccess != Access::kGeneral && !kWindowedF32) {
