@@ -18,11 +18,19 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/pip" -q install "jax==$JAXLIB_VERSION" "jaxlib==$JAXLIB_VERSION" nanobind scikit-build-core
 fi
 rm -rf "$REPO/.prebuilt"
+# An object whose compile left ninja no header dependencies (seen once: instantiate_bf16.cu.o with
+# "#deps 0") is never rebuilt when a header changes, so the package would carry stale kernels:
+# such objects are removed and compiled again.
+BUILD_DIR=${PREBUILD_BUILD_DIR:-/tmp/jax_softmax_prebuild}
+if [ -f "$BUILD_DIR/build.ninja" ] && command -v ninja >/dev/null; then
+  (cd "$BUILD_DIR" && ninja -t deps 2>/dev/null | awk '/\.o: #deps 0,/ {sub(/:$/, "", $1); print $1}' |
+     while read -r obj; do echo "no recorded dependencies, rebuilding: $obj"; rm -f "$obj"; done)
+fi
 mkdir -p "$REPO/.prebuilt"
 t0=$(date +%s)
 (cd "$REPO" && JAX_SOFTMAX_CUDA=ON JAX_SOFTMAX_CUDA_ARCHS="${JAX_SOFTMAX_CUDA_ARCHS:-90a-real}" \
    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$VENV/bin/python" -m pip install --no-build-isolation --no-deps -v \
-   --target "$REPO/.prebuilt/site" -C build-dir="${PREBUILD_BUILD_DIR:-/tmp/jax_softmax_prebuild}" \
+   --target "$REPO/.prebuilt/site" -C build-dir="$BUILD_DIR" \
    -C cmake.define.JAX_SOFTMAX_PTXAS_VERBOSE=ON . >"$REPO/.prebuilt/build.log" 2>&1) \
   || { tail -30 "$REPO/.prebuilt/build.log"; echo "PREBUILD FAILED" >&2; exit 1; }
 rev=$(git -C "$REPO" rev-parse --short HEAD)
