@@ -409,10 +409,11 @@ inline int WideClusterMode() {
   return mode;
 }
 inline bool WideClusters() { return WideClusterMode() == 2; }
-// JAX_SOFTMAX_WIDE_BLOCKS=1 (read once): the experiment in LaunchStagedTier (16-bit rows of
-// 512 E + 1 to 1024 E on one staged CTA of up to 1024 threads). Default 0: off.
+// JAX_SOFTMAX_WIDE_BLOCKS (read once): 1 (default) lets LaunchStagedTier put 16-bit odd rows of
+// 512 E + 1 to 1024 E columns on one staged CTA of up to 1024 threads where two fit an SM; 0 keeps
+// them on clusters.
 inline bool WideBlocks() {
-  static const bool enabled = EnvKnob("JAX_SOFTMAX_WIDE_BLOCKS", 0) == 1;
+  static const bool enabled = EnvKnob("JAX_SOFTMAX_WIDE_BLOCKS", 1) == 1;
   return enabled;
 }
 
@@ -740,8 +741,10 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
 // caller uses the register tiers); otherwise the launch's outcome.
 using Launched = std::optional<ffi::Error>;
 
+// min_ctas_per_sm: decline (nullopt) where fewer of these CTAs fit an SM (registers and shared
+// memory, PlanStages), so that the caller's next tier takes the row.
 template <typename T, int kGroup, int kElems, int kVec, Access kAccess, int kRows>
-Launched LaunchStagedRows(const LaunchCtx& c) {
+Launched LaunchStagedRows(const LaunchCtx& c, int min_ctas_per_sm = 1) {
   using Tier = RowTier<kGroup, kElems, kVec, kRows>;
   constexpr int kRowsPerBlock = Tier::kRowsPerBlock;
   const int block =
@@ -755,7 +758,9 @@ Launched LaunchStagedRows(const LaunchCtx& c) {
                          (kAccess == Access::kWindowed ? 2 * kVec : 0)) * sizeof(T);
   const int tiles_per_cta = TilesPerCta();
   const StagePlan plan = PlanStages(tile, *reg, c.dev, tiles_per_cta);
-  if (plan.tiles.stages == 0 || !AllowDynamicSmem<kernel>(c.device, c.dev)) return std::nullopt;
+  if (plan.tiles.stages == 0 || plan.ctas_per_sm < min_ctas_per_sm ||
+      !AllowDynamicSmem<kernel>(c.device, c.dev))
+    return std::nullopt;
   const int64_t needed = (c.p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   const int grid =
       tiles_per_cta > 0
@@ -855,12 +860,18 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if (n <= 128 * kE) JS_STAGED(128, kE, 1);
     if (n <= 256 * kE) JS_STAGED(256, kE, 1);
     if (n <= 512 * kE) JS_STAGED(512, kE, 1);
-    // Experiment (JAX_SOFTMAX_WIDE_BLOCKS=1, not measured yet): 16-bit rows of 512 E + 1 to
-    // 1024 E columns on one CTA of up to 1024 threads (as many warps as the row needs), one tile
-    // per CTA as the blocks above, instead of a cluster of 3-4 x 256 (16385-32768: 76-84% of
-    // the copy on the H100, session 32, where the 512 x 32 block's 16384 reads 99%).
+    // 16-bit odd rows of 512 E + 1 to 1024 E columns: one CTA of as many warps as the row needs
+    // (up to 1024 threads), one tile per CTA as the blocks above, where two such CTAs fit an SM;
+    // otherwise the clusters below (3-4 x 256 threads). At bfloat16's 40 registers (kRawRows) the
+    // occupancy calculator fits two CTAs of up to 24 warps (W = 24576; 48 warps of 40 registers
+    // per SM); float16 (64 registers) fits one. Measured (H100, session 33, us per call at
+    // 256 MiB, cluster / block): bfloat16 16385 233 / 196 (17 warps), 16391 234 / 198, 20001
+    // 219 / 189 (20 warps); one CTA per SM lost: 24577 211 / 262 (25 warps), 28673 205 / 250,
+    // 32767 201 / 227, float16 16385 238 / 285. JAX_SOFTMAX_WIDE_BLOCKS=0 keeps the clusters.
     if constexpr (sizeof(T) == 2 && kAccess != Access::kGeneral) {
-      if (n <= 1024 * kE && WideBlocks()) JS_STAGED(1024, kE, 1);
+      if (n <= 1024 * kE && WideBlocks()) {
+        if (Launched launched = LaunchStagedRows<T, 1024, kE, kVec, kAccess, 1>(c, 2)) return launched;
+      }
     }
   }
 #undef JS_STAGED

@@ -170,9 +170,9 @@ if want test; then
   # shapes do not reach (session 31, H100: 16 passed, 25 s).
   test_job reuse_order JAX_SOFTMAX_REUSE_ORDER=2 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and broadcast_operand_order")"
-  # The experiment JAX_SOFTMAX_WIDE_BLOCKS=1 (16-bit odd rows of 16385-32768 on one staged CTA of
-  # up to 1024 threads instead of a cluster; branch exp/wide-blocks, not measured yet).
-  test_job wide_blocks JAX_SOFTMAX_WIDE_BLOCKS=1 \
+  # The 16-bit odd rows of 16385-24576 on the staged clusters that one CTA of up to 1024 threads
+  # replaced by default (JAX_SOFTMAX_WIDE_BLOCKS=0).
+  test_job wide_blocks_off JAX_SOFTMAX_WIDE_BLOCKS=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (wide_block_rows or cluster_ctas)")"
   wait_tests
   test_job tiers_big XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 -- -k "$(with_test_k "test_kernel_tiers and ($big)")"

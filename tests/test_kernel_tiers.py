@@ -222,11 +222,12 @@ def test_seven_chunk_rows(backend, device, rng, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_wide_block_rows(backend, device, rng, dtype):
-    # 16-bit odd rows of W = 512 * 32 + 8 .. 1024 * 32 (staged clusters of 256 threads by default;
-    # under JAX_SOFTMAX_WIDE_BLOCKS=1, which scripts/gpu_check.sh also runs, one staged CTA of as
-    # many warps as the row needs, up to 1024 threads: ffi/softmax_launch.cuh, LaunchStagedTier):
-    # the first and last widths, warp counts between, and one past each end.
-    sizes = [16383, 16385, 16391, 20001, 24577, 28673, 32767, 32769]
+    # 16-bit odd rows of W = 512 * 32 + 8 .. 1024 * 32 columns: one staged CTA of as many warps as
+    # the row needs where two such CTAs fit an SM (bfloat16 to 24 warps, W = 24576), else staged
+    # clusters of 256 threads (all of them under JAX_SOFTMAX_WIDE_BLOCKS=0, which
+    # scripts/gpu_check.sh also runs; ffi/softmax_launch.cuh, LaunchStagedTier): both ends of the
+    # range and one past each, warp counts between, and both sides of 24 warps.
+    sizes = [16383, 16385, 16391, 20001, 24575, 24577, 28673, 32767, 32769]
     check_sizes(device, rng, dtype, sizes, lambda n: (2**22 // n) | 1)
 
 
