@@ -50,7 +50,9 @@
 // short-row table (LaunchStagedTier): rows of cols <= 8 V on G = 1..8 lanes of one vector, then
 // 8, 16, 32 lanes of up to E values, then blocks and clusters as above, but 16-bit rows of
 // 8 * 512 * E + 1 to 16 * 512 * E on 8 x 1024 threads, and those of 6 * 256 * E + 1 to
-// 7 * 256 * E and 6 * 512 * E + 1 to 7 * 512 * E on 2 and 4 x 1024 (WideClusterMode).
+// 7 * 256 * E and 6 * 512 * E + 1 to 7 * 512 * E on 2 and 4 x 1024 (WideClusterMode), and odd
+// 16-bit rows of 512 * E + 1 to 1024 * E on one block of up to 1024 threads where two fit an SM
+// (WideBlocks).
 // (Float32 rows of up to 32 V measured 1.0-1.15x faster there than on the register lane groups
 // once each CTA takes one tile.) Where no tile fits, the register tiers run; plain 16-bit rows of
 // 2049-65536 columns take the register tiers too (faster there, LaunchStagedTier). The staged
@@ -868,9 +870,11 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     // 256 MiB, cluster / block): bfloat16 16385 233 / 196 (17 warps), 16391 234 / 198, 20001
     // 219 / 189 (20 warps); one CTA per SM lost: 24577 211 / 262 (25 warps), 28673 205 / 250,
     // 32767 201 / 227, float16 16385 238 / 285. JAX_SOFTMAX_WIDE_BLOCKS=0 keeps the clusters.
-    if constexpr (sizeof(T) == 2 && kAccess != Access::kGeneral) {
+    // (Plain 16-bit rows of these lengths took the register tiers above.)
+    if constexpr (sizeof(T) == 2 && kAccess == Access::kWindowed) {
       if (n <= 1024 * kE && WideBlocks()) {
-        if (Launched launched = LaunchStagedRows<T, 1024, kE, kVec, kAccess, 1>(c, 2)) return launched;
+        if (Launched launched = LaunchStagedRows<T, 1024, kE, kVec, kAccess, 1>(c, /*min_ctas_per_sm=*/2))
+          return launched;
       }
     }
   }
