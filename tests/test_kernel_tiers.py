@@ -80,6 +80,13 @@ def rows_for(backend, n):
     return int(np.clip(2**18 // n, 3, 1031))  # odd counts: a partial last block of rows
 
 
+def rows_past_one_wave(n):
+    # About 4 Mi elements in an odd number of rows: for the staged clusters, more rows than their
+    # one wave holds at once (each cluster then loops over rows; the staged blocks take one row
+    # per CTA anyway).
+    return (2**22 // n) | 1
+
+
 def make_mask(rng, rows, n):
     mask = rng.random((rows, n)) < 0.7  # row 0 (and any beyond 2): random
     mask[1] = False  # fully excluded
@@ -216,7 +223,7 @@ def test_seven_chunk_rows(backend, device, rng, dtype):
     sizes = {50257, 106496, 7 * 512 * 32}
     for chunk in (256 * 32, 512 * 32):
         sizes |= {6 * chunk - 1, 6 * chunk + 1, 7 * chunk - 1, 7 * chunk + 1}
-    check_sizes(device, rng, dtype, sorted(sizes), lambda n: (2**22 // n) | 1)
+    check_sizes(device, rng, dtype, sorted(sizes), rows_past_one_wave)
 
 
 @pytest.mark.gpu
@@ -228,7 +235,7 @@ def test_wide_block_rows(backend, device, rng, dtype):
     # scripts/gpu_check.sh also runs; ffi/softmax_launch.cuh, LaunchStagedTier): both ends of the
     # range and one past each, warp counts between, and both sides of 24 warps.
     sizes = [16383, 16385, 16391, 20001, 24575, 24577, 28673, 32767, 32769]
-    check_sizes(device, rng, dtype, sizes, lambda n: (2**22 // n) | 1)
+    check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
