@@ -870,8 +870,10 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     // 256 MiB, cluster / block): bfloat16 16385 233 / 196 (17 warps), 16391 234 / 198, 20001
     // 219 / 189 (20 warps); one CTA per SM lost: 24577 211 / 262 (25 warps), 28673 205 / 250,
     // 32767 201 / 227, float16 16385 238 / 285. JAX_SOFTMAX_WIDE_BLOCKS=0 keeps the clusters.
-    // (Plain 16-bit rows of these lengths took the register tiers above.)
-    if constexpr (sizeof(T) == 2 && kAccess == Access::kWindowed) {
+    // (Plain 16-bit rows of these lengths took the register tiers above.) Instantiated only where
+    // the block is held to 40 registers (kRawRows: bfloat16); float16's never fits two.
+    if constexpr (kAccess == Access::kWindowed &&
+                  kRawRows<RowLoader<T, kVec, /*kBwd=*/false, kAccess>, 1024, 1>) {
       if (n <= 1024 * kE && WideBlocks()) {
         if (Launched launched = LaunchStagedRows<T, 1024, kE, kVec, kAccess, 1>(c, /*min_ctas_per_sm=*/2))
           return launched;
