@@ -1261,46 +1261,81 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
 // Forward of 16-bit rows kept as loaded (RowLoader::kRawFwd): forward_row's statistics and
 // outputs, each of the three passes (max, sum of exps, output) converting the pairs again, the
 // output's exps computed again. z = scale * x with a scale > 0 (LaunchSoftmax), so the max of z is
-// the scale times the max of x (rounding is monotonic): one multiply per row. Every pass reads the
-// pairs through opaque(): left to itself the compiler would keep the converted values (or the
-// sum's exps) for the later passes, 32 registers through the row's reduction, which is what this
-// path exists to save.
-template <typename T, int kPacks, int kVec>
-__device__ __forceinline__ float raw_max(const Pairs<kVec> (&xs)[kPacks]) {
+// the scale times the max of x (rounding is monotonic): one multiply per row. The passes take a
+// row's pairs from a source, pack(k) giving its pack k:
+// - RawPacksHeld: the pairs as loaded into registers, read through opaque(): left to itself the
+//   compiler would keep the converted values (or the sum's exps) for the later passes, 32
+//   registers through the row's reduction, which is what this path exists to save.
+// - RawPacksStaged (the staged tiers' reread blocks, softmax_rows_staged_kernel's kReread): the
+//   pairs loaded again from the CTA's stage in every pass, so that no value of the row stays in a
+//   register through its reduction and a thread can take more of a row than it could hold.
+template <int kPacks, int kVec>
+struct RawPacksHeld {
+  const Pairs<kVec> (&xs)[kPacks];
+  __device__ __forceinline__ Pairs<kVec> operator()(int k) const {
+    Pairs<kVec> x;
+#pragma unroll
+    for (int i = 0; i < kVec / 2; ++i) x.w[i] = opaque(xs[k].w[i]);
+    return x;
+  }
+};
+
+template <typename Loader, int kPacks, int kVec>
+struct RawPacksStaged {
+  static_assert(!Loader::kWraps, "plain rows: no wrapped columns to fetch");
+  const Loader& loader;  // reading from the stage (softmax_rows_staged_kernel's build_loader)
+  int first_col;
+  int stride;
+  bool inside;  // every pack of the thread lies inside the row (Loader::holds)
+  __device__ __forceinline__ Pairs<kVec> operator()(int k) const {
+    const int w = first_col + k * stride;
+    Pairs<kVec> x;
+    if (inside)
+      load_pairs(loader.in + w, x);
+    else
+      loader.fetch_raw(w, x);  // -inf past the row's end
+    return x;
+  }
+};
+
+template <typename T, int kPacks, int kVec, typename Packs>
+__device__ __forceinline__ float raw_max(const Packs& pack) {
   float m = neg_inf<float>();
 #pragma unroll
-  for (int k = 0; k < kPacks; ++k)
+  for (int k = 0; k < kPacks; ++k) {
+    const Pairs<kVec> xs = pack(k);
 #pragma unroll
     for (int i = 0; i < kVec / 2; ++i) {
-      const float2 x = unpack_pair<T>(opaque(xs[k].w[i]));
+      const float2 x = unpack_pair<T>(xs.w[i]);
       m = row_max(row_max(m, x.x), x.y);
     }
+  }
   return m;
 }
 
 // Sum of exp(scale * x - shift), in the order exp_sum adds its values.
-template <typename T, int kPacks, int kVec>
-__device__ __forceinline__ float raw_exp_sum(const Pairs<kVec> (&xs)[kPacks], float scale,
-                                             float shift) {
+template <typename T, int kPacks, int kVec, typename Packs>
+__device__ __forceinline__ float raw_exp_sum(const Packs& pack, float scale, float shift) {
   float s = 0.f;
 #pragma unroll
-  for (int k = 0; k < kPacks; ++k)
+  for (int k = 0; k < kPacks; ++k) {
+    const Pairs<kVec> xs = pack(k);
 #pragma unroll
     for (int i = 0; i < kVec / 2; ++i) {
-      const float2 x = unpack_pair<T>(opaque(xs[k].w[i]));
+      const float2 x = unpack_pair<T>(xs.w[i]);
       s += exp_acc(scale * x.x - shift);
       s += exp_acc(scale * x.y - shift);
     }
+  }
   return s;
 }
 
 // A row's outputs from its pairs (fwd_output: shift is the one whose exps the sum added), a vector
 // at a time, each stored as soon as it is computed. kAsmStore: see store_vec.
-template <bool kLog, bool kAsmStore, typename Loader, int kPacks, int kVec>
+template <bool kLog, bool kAsmStore, int kPacks, int kVec, typename Loader, typename Packs>
 __device__ __forceinline__ void store_raw_fwd(const RowParams& p, const Loader& loader, int64_t row,
-                                              int first_col, int stride,
-                                              const Pairs<kVec> (&xs)[kPacks], float scale,
-                                              float shift, const FwdStats<float>& st) {
+                                              int first_col, int stride, const Packs& pack,
+                                              float scale, float shift, const FwdStats<float>& st) {
   using T = typename Loader::Elem;
   T* dst = loader.out_row(p, row);
   // Several vectors per thread: one test for all of them (as store_row).
@@ -1308,10 +1343,11 @@ __device__ __forceinline__ void store_raw_fwd(const RowParams& p, const Loader& 
   if constexpr (kPacks > 1) inside = loader.holds(first_col, first_col + (kPacks - 1) * stride);
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
+    const Pairs<kVec> xs = pack(k);
     Pairs<kVec> o;  // each pair rounded as soon as it is computed
 #pragma unroll
     for (int i = 0; i < kVec / 2; ++i) {
-      const float2 x = unpack_pair<T>(opaque(xs[k].w[i]));
+      const float2 x = unpack_pair<T>(xs.w[i]);
       if constexpr (kLog)
         o.w[i] = pack_pair<T>((scale * x.x - st.max) - st.log_sum,
                               (scale * x.y - st.max) - st.log_sum);
@@ -1327,12 +1363,14 @@ __device__ __forceinline__ void store_raw_fwd(const RowParams& p, const Loader& 
   }
 }
 
-template <int kGroup, int kCluster, int kRows, typename Loader, typename S, int kPacks, int kVec>
+// row_packs(r): the pair source of the batch's row r (RawPacksHeld or RawPacksStaged).
+template <int kGroup, int kCluster, int kRows, int kPacks, int kVec, typename Loader, typename S,
+          typename RowPacks>
 __device__ __forceinline__ void finish_batch_raw_fwd(const RowParams& p,
                                                      const Loader (&loaders)[kRows], int64_t row0,
                                                      int group, int first_col,
-                                                     const Pairs<kVec> (&xs)[kRows][kPacks],
-                                                     S* block_slots, ClusterSlots<S> cluster) {
+                                                     const RowPacks& row_packs, S* block_slots,
+                                                     ClusterSlots<S> cluster) {
   using T = typename Loader::Elem;
   using A = float;
   static_assert(Loader::kRawFwd, "16-bit plain forward rows");
@@ -1345,10 +1383,12 @@ __device__ __forceinline__ void finish_batch_raw_fwd(const RowParams& p,
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int64_t row = row0 + r * (kBlock / kGroup) + group;
+    const auto packs = row_packs(r);
     // As group_maxsum: the max, then the sum of exp(z - max) (shift 0 where no value is finite).
-    const A m = group_allreduce<kLanes>(Max<A>{raw_max<T>(xs[r]) * scale}).m;
+    const A m = group_allreduce<kLanes>(Max<A>{raw_max<T, kPacks, kVec>(packs) * scale}).m;
     const A shift = m == neg_inf<A>() ? A(0) : m;
-    const A s = group_allreduce<kLanes>(Sum<A>{raw_exp_sum<T>(xs[r], scale, shift)}).s;
+    const A s =
+        group_allreduce<kLanes>(Sum<A>{raw_exp_sum<T, kPacks, kVec>(packs, scale, shift)}).s;
     FwdStats<A> st;
     if constexpr (kGroup <= 32) {
       st = group_stats(MaxSum<A>{m, s}, log);
@@ -1360,10 +1400,11 @@ __device__ __forceinline__ void finish_batch_raw_fwd(const RowParams& p,
     if (row >= p.rows) continue;
     // Branch once per row on log, as finish_batch.
     if (log)
-      store_raw_fwd<true, kRuntime>(p, loaders[r], row, first_col, stride, xs[r], scale, shift, st);
+      store_raw_fwd<true, kRuntime, kPacks, kVec>(p, loaders[r], row, first_col, stride, packs,
+                                                  scale, shift, st);
     else
-      store_raw_fwd<false, kRuntime>(p, loaders[r], row, first_col, stride, xs[r], scale,
-                                     opaque(shift), st);
+      store_raw_fwd<false, kRuntime, kPacks, kVec>(p, loaders[r], row, first_col, stride, packs,
+                                                   scale, opaque(shift), st);
   }
 }
 
@@ -2147,10 +2188,15 @@ __device__ __forceinline__ StagedRange staged_wrap(const RowParams& p, int64_t r
   return staged_range<kVec>(p, window + width, window + width + kVec);
 }
 
-template <typename T, int kGroup, int kElems, int kVec, int kCluster, Access kAccess, int kRows = 1>
+// kReread (16-bit plain rows kept as loaded, one row per CTA): every pass over the row (max, sum,
+// output) loads its pairs from the stage again (RawPacksStaged) instead of holding them in
+// registers, and the stage is refilled only after the row's outputs are stored; a thread can then
+// take more values (kElems) than registers would hold.
+template <typename T, int kGroup, int kElems, int kVec, int kCluster, Access kAccess, int kRows = 1,
+          bool kReread = false>
 __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThreads(kGroup)))
-    __maxnreg__(MaxRegisters(kRawRows<RowLoader<T, kVec, false, kAccess>, kGroup, kCluster> &&
-                             kGroup > 32))
+    __maxnreg__(MaxRegisters((kRawRows<RowLoader<T, kVec, false, kAccess>, kGroup, kCluster> &&
+                              kGroup > 32) || kReread))
     softmax_rows_staged_kernel(const RowParams p, const StagedTiles tiles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
@@ -2165,6 +2211,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   // loaders read them.
   constexpr bool kStagesWrap = kAccess == Access::kWindowed && kCluster > 1;
   using Loader = RowLoader<T, kVec, /*kBwd=*/false, kAccess, kStagesWrap ? int(kChunk) : 0>;
+  static_assert(!kReread || (Loader::kRawFwd && kAccess == Access::kPlain && kCluster == 1 &&
+                             kRows == 1 && kGroup > 32),
+                "reread rows: 16-bit plain rows, one per CTA");
 
   extern __shared__ __align__(128) unsigned char staged_smem[];
   __shared__ uint64_t full[kMaxStages];
@@ -2271,9 +2320,11 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     // Whether any of this thread's positions of row r takes part (forward_row ignores it for
     // plain rows, where every position does).
     bool any[kRows];
-    constexpr bool kRaw = kRawRows<Loader, kGroup, kCluster>;
+    constexpr bool kRaw = kRawRows<Loader, kGroup, kCluster> && !kReread;
     Pairs<kVec> xs[kRaw ? kRows : 1][kRaw ? kPacks : 1];  // kRaw rows: x as loaded
-    if constexpr (kRaw) {
+    if constexpr (kReread) {
+      prepare();  // nothing loaded yet: each pass of finish_batch_raw_fwd reads the stage
+    } else if constexpr (kRaw) {
       prepare();
       load_batch_raw(loaders, first_col, stride, xs);
     } else if constexpr (Loader::kPlain || Ops::kSplit) {
@@ -2292,21 +2343,36 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
           any[r] |= loaders[r].load_fwd_direct(first_col + k * stride, v[r][k]);
       }
     }
-    // Every thread has its values: the stage can take the tile `stages` iterations ahead (if there
-    // is one: the condition is uniform over the block, and a CTA with one tile never waits here).
-    if (tile + stages * num_ctas < num_tiles) {
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        fence_proxy_async_shared();
-        fill(stage, kOrdered ? refill_row0 : (tile + stages * num_ctas) * kRowsPerBlock);
+    // Once every thread has its values, the stage can take the tile `stages` iterations ahead (if
+    // there is one: the condition is uniform over the block, and a CTA with one tile never waits
+    // here): before the reduction, or after it where the passes read the stage (kReread).
+    auto refill = [&] {
+      if (tile + stages * num_ctas < num_tiles) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          fence_proxy_async_shared();
+          fill(stage, kOrdered ? refill_row0 : (tile + stages * num_ctas) * kRowsPerBlock);
+        }
       }
-    }
-    if constexpr (kRaw)
-      finish_batch_raw_fwd<kGroup, kCluster>(p, loaders, row0, group, first_col, xs,
-                                             block_slots[use & 1], exchange.buffer(use));
-    else
+    };
+    if constexpr (!kReread) refill();
+    if constexpr (kReread) {
+      const auto row_packs = [&](int r) {
+        return RawPacksStaged<Loader, kPacks, kVec>{
+            loaders[r], first_col, stride,
+            loaders[r].holds(first_col, first_col + (kPacks - 1) * stride)};
+      };
+      finish_batch_raw_fwd<kGroup, kCluster, kRows, kPacks, kVec>(
+          p, loaders, row0, group, first_col, row_packs, block_slots[use & 1], exchange.buffer(use));
+      refill();
+    } else if constexpr (kRaw) {
+      const auto row_packs = [&](int r) { return RawPacksHeld<kPacks, kVec>{xs[r]}; };
+      finish_batch_raw_fwd<kGroup, kCluster, kRows, kPacks, kVec>(
+          p, loaders, row0, group, first_col, row_packs, block_slots[use & 1], exchange.buffer(use));
+    } else {
       finish_batch<kGroup, kCluster>(p, loaders, row0, group, first_col, v, any,
                                      block_slots[use & 1], exchange.buffer(use));
+    }
     if (++stage == stages) stage = 0, phase ^= 1;
   }
   // The CTAs of a cluster leave together: no value may be sent to, or be on its way from, a CTA

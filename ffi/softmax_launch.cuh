@@ -52,13 +52,16 @@
 // 8 * 512 * E + 1 to 16 * 512 * E on 8 x 1024 threads, and those of 6 * 256 * E + 1 to
 // 7 * 256 * E and 6 * 512 * E + 1 to 7 * 512 * E on 2 and 4 x 1024 (WideClusterMode), and odd
 // 16-bit rows of 512 * E + 1 to 1024 * E on one block of up to 1024 threads where two fit an SM
-// (WideBlocks).
+// (WideBlocks), and plain 16-bit rows of those lengths on one block of up to 512 threads of 2E
+// values that reads the row from the stage in each of its passes and holds none of it in
+// registers (RereadBlocks, softmax_rows_staged_kernel's kReread).
 // (Float32 rows of up to 32 V measured 1.0-1.15x faster there than on the register lane groups
-// once each CTA takes one tile.) Where no tile fits, the register tiers run; plain 16-bit rows of
-// 2049-65536 columns take the register tiers too (faster there, LaunchStagedTier). The staged
-// lane groups and warps keep 16-bit plain rows as loaded, two values per register, and so do the
-// staged bfloat16 blocks of 256 threads or more, at 40 registers per thread for more CTAs per
-// SM (kRawRows, MaxRegisters in softmax_kernels.cuh); such rows need a scale > 0 (LaunchSoftmax).
+// once each CTA takes one tile.) Where no tile fits, the register tiers run; the other plain
+// 16-bit rows of 2049-65536 columns take the register tiers too (faster there,
+// LaunchStagedTier). The staged lane groups and warps keep 16-bit plain rows as loaded, two
+// values per register, and so do the staged bfloat16 blocks of 256 threads or more, at 40
+// registers per thread for more CTAs per SM (kRawRows, MaxRegisters in softmax_kernels.cuh);
+// such rows need a scale > 0 (LaunchSoftmax).
 // Access modes (softmax_kernels.cuh): plain rows (no bias/mask/causal) of cols % V != 0 are read
 // through 16-byte-aligned windows (kWindowed) instead of element by element, and take the tier
 // of cols rounded up to V (WindowWidth); rows with a mask or bias and cols % V != 0, or
@@ -418,6 +421,14 @@ inline bool WideBlocks() {
   static const bool enabled = EnvKnob("JAX_SOFTMAX_WIDE_BLOCKS", 1) == 1;
   return enabled;
 }
+// JAX_SOFTMAX_REREAD_BLOCKS (read once): 1 (default) puts plain 16-bit rows of 512 E + 1 to
+// 1024 E columns on one staged CTA of up to 512 threads of 2 E values that reads its row from the
+// stage in each pass (softmax_rows_staged_kernel's kReread; LaunchStagedTier); 0 leaves them on
+// the register tiers, for A/B runs.
+inline bool RereadBlocks() {
+  static const bool enabled = EnvKnob("JAX_SOFTMAX_REREAD_BLOCKS", 1) == 1;
+  return enabled;
+}
 
 // Rows of up to 8 * 256 * E columns (65536 forward) without a mask, bias or causal limit split
 // over clusters of 4 or 8 CTAs of 256 threads instead of 2 or 4 of 512: four CTAs per SM instead
@@ -745,13 +756,15 @@ using Launched = std::optional<ffi::Error>;
 
 // min_ctas_per_sm: decline (nullopt) where fewer of these CTAs fit an SM (registers and shared
 // memory, PlanStages), so that the caller's next tier takes the row.
-template <typename T, int kGroup, int kElems, int kVec, Access kAccess, int kRows>
+template <typename T, int kGroup, int kElems, int kVec, Access kAccess, int kRows,
+          bool kReread = false>
 Launched LaunchStagedRows(const LaunchCtx& c, int min_ctas_per_sm = 1) {
   using Tier = RowTier<kGroup, kElems, kVec, kRows>;
   constexpr int kRowsPerBlock = Tier::kRowsPerBlock;
   const int block =
       TierThreads<RowLoader<T, kVec, false, kAccess>, kGroup, kElems, kAccess, false>(c.p.cols);
-  constexpr auto kernel = softmax_rows_staged_kernel<T, kGroup, kElems, kVec, 1, kAccess, kRows>;
+  constexpr auto kernel =
+      softmax_rows_staged_kernel<T, kGroup, kElems, kVec, 1, kAccess, kRows, kReread>;
   auto reg = BlocksPerSm<kernel, Tier::kBlock>(c.device, block);
   if (reg.has_error()) return reg.error();
   // A windowed tile also holds the few elements before its first row and after its last that
@@ -822,7 +835,9 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // (32-2048: staged 0-5% faster), rows of 131072 and more (staged 6-12% faster) and every
   // float32 row (staged 12-16% faster at 1000 and 3000, within 2% elsewhere) stay here.
   if constexpr (sizeof(T) == 2 && kAccess == Access::kPlain) {
-    if (n > 64 * kE && n <= 4 * 512 * kE) return std::nullopt;
+    // ... except those of 512 E + 1 to 1024 E columns: the reread blocks below.
+    const bool reread = RereadBlocks() && n > 512 * kE && n <= 1024 * kE;
+    if (n > 64 * kE && n <= 4 * 512 * kE && !reread) return std::nullopt;
   }
   // Windowed rows (odd lengths; n = W, cols rounded up to whole vectors) measured (H200, session
   // 19, us per call at 256 MiB, staged / register tiers): float32 255 161 / 140, 1001 137 / 135,
@@ -862,6 +877,22 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if (n <= 128 * kE) JS_STAGED(128, kE, 1);
     if (n <= 256 * kE) JS_STAGED(256, kE, 1);
     if (n <= 512 * kE) JS_STAGED(512, kE, 1);
+    // Plain 16-bit rows of 512 E + 1 to 1024 E columns: one CTA of up to 512 threads of 2 E values
+    // that holds nothing of the row in registers and reads it from the stage in each of the three
+    // passes (max, sum, output); 40 registers, 3 CTAs per SM at 32768 columns (64 KiB of stage
+    // each), where the register tiers ran them on clusters of up to 4 CTAs of 256 threads
+    // (NarrowClusters). Measured (H100, session 34, us per call at 256 MiB, register tiers / reread
+    // block): bfloat16 20480 189 / 182, 24576 197 / 182, 32768 196 / 183; float16 24576 197 / 182,
+    // 32768 196 / 183. Not taken (branch exp/reread-blocks): odd rows, whose windowed passes
+    // spilled and lost (bfloat16 16385 197 / 237, 24577 212 / 234, 32767 202 / 215; float16 16385
+    // 224 / 235), and clusters of such CTAs for longer plain rows (bfloat16 40960 194 / 216, 65536
+    // 194 / 207, 131072 209 / 203, 262144 195 / 200). JAX_SOFTMAX_REREAD_BLOCKS=0 turns them off.
+    if constexpr (sizeof(T) == 2 && kAccess == Access::kPlain) {
+      if (n <= 1024 * kE && RereadBlocks()) {
+        if (Launched launched = LaunchStagedRows<T, 512, 2 * kE, kVec, kAccess, 1, true>(c))
+          return launched;
+      }
+    }
     // 16-bit odd rows of 512 E + 1 to 1024 E columns: one CTA of as many warps as the row needs
     // (up to 1024 threads), one tile per CTA as the blocks above, where two such CTAs fit an SM;
     // otherwise the clusters below (3-4 x 256 threads). At bfloat16's 40 registers (kRawRows) the

@@ -174,6 +174,10 @@ if want test; then
   # replaced by default (JAX_SOFTMAX_WIDE_BLOCKS=0).
   test_job wide_blocks_off JAX_SOFTMAX_WIDE_BLOCKS=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (wide_block_rows or cluster_ctas)")"
+  # The 16-bit plain rows of 16385-32768 on the register tiers that the reread blocks replaced by
+  # default (JAX_SOFTMAX_REREAD_BLOCKS=0).
+  test_job reread_blocks_off JAX_SOFTMAX_REREAD_BLOCKS=0 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and reread_block_rows")"
   wait_tests
   test_job tiers_big XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 -- -k "$(with_test_k "test_kernel_tiers and ($big)")"
   wait_tests

@@ -238,6 +238,20 @@ def test_wide_block_rows(backend, device, rng, dtype):
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
+def test_reread_block_rows(backend, device, rng, dtype):
+    # 16-bit plain rows of N = 512 * 32 + 8 .. 1024 * 32 columns: one staged CTA of as many warps
+    # as the row needs (up to 512 threads of 64 values) that reads the row from shared memory in
+    # each pass (ffi/softmax_launch.cuh, LaunchStagedTier; the register tiers under
+    # JAX_SOFTMAX_REREAD_BLOCKS=0, which scripts/gpu_check.sh also runs). The register tiers on
+    # either side (16384, 32776), the first and last widths, and warp counts between: 9 warps
+    # with most of the last one's packs past the row's end (16392, read through fetch_raw) and
+    # with all packs inside (18432), 10, 12, 15 (28680) and 16.
+    sizes = [16384, 16392, 18432, 20480, 24576, 28680, 32760, 32768, 32776]
+    check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
 def test_two_pass_sizes(backend, device, rng, dtype):
     # Beyond the largest cluster: the two-pass streaming kernel (vector and scalar paths).
@@ -293,7 +307,8 @@ def test_windowed_row_neighbours(backend, device, rng, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 @pytest.mark.parametrize(
     "tier",
-    ["4V", "16V", "32V", "64V", "1024", "4096", "32768", "131072", "1001", "40961", "50257"],
+    ["4V", "16V", "32V", "64V", "1024", "4096", "20480", "32768", "131072", "1001", "40961",
+     "50257"],
 )
 def test_staged_ring_wraps(backend, device, rng, dtype, tier):
     # The staged tiers (sm_90+, forward rows: ffi/softmax_launch.cuh, LaunchStagedTier) feed each
@@ -304,7 +319,8 @@ def test_staged_ring_wraps(backend, device, rng, dtype, tier):
     # stages x 8 KiB = 25 MiB, the 128-thread tiers in bfloat16), so each CTA's barrier phases
     # wrap; an odd row count leaves the last tile partial. Sizes: lane groups of one vector (4V),
     # 8 lanes of two vectors or 32 values (16V, 32V), 16 lanes (64V), a warp (1024 bfloat16,
-    # 32 lanes float32), a block, and clusters of 2 and of 8 (float32) or 4 (bfloat16) CTAs;
+    # 32 lanes float32), a block (4096), bfloat16's reread blocks of 10 and 16 warps (20480,
+    # 32768; float32: clusters of 2), and clusters of 8 (float32) or 4 (bfloat16) CTAs (131072);
     # odd rows, read through 16-byte windows, staged in bfloat16 on 32 lanes (1001) and clusters
     # of 256 threads (40961, 6 of 8 CTAs) and of 2 x 1024 (50257), whose tiles start before their
     # row and end in the next (the last one at x's end); float32 odd rows of up to 2^16 columns

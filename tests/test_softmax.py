@@ -103,13 +103,14 @@ def special_rows(dtype):
     return rounded(np.array(SPECIAL_ROWS + extra), dtype)
 
 
-# Rows of 4 columns, and the same rows repeated to 1001 and 8193 columns, which take other kernels
-# on the GPU (bfloat16: staged 32-lane rows and a staged block that keep x as loaded; float16 the
-# 32-lane rows only).
+# Rows of 4 columns, and the same rows repeated to 1001, 8193 and 24576 columns, which take other
+# kernels on the GPU (bfloat16: staged 32-lane rows and a staged block that keep x as loaded;
+# float16 the 32-lane rows only; both 16-bit types a reread block at 24576, which reads x from
+# shared memory in each pass).
 @dtypes
 @funcs
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("n", [4, 1001, 8193])
+@pytest.mark.parametrize("n", [4, 1001, 8193, 24576])
 def test_special_values_like_jax_nn(backend, device, dtype, fname, masked, n):
     f, ref_f, _ = FUNCS[fname]
     x = np.tile(special_rows(dtype), (1, -(-n // 4)))[:, :n]
@@ -125,9 +126,10 @@ def test_special_values_like_jax_nn(backend, device, dtype, fname, masked, n):
 
 
 # Row lengths that take, on the GPU, a lane group (50), the staged lanes of 32 values per thread
-# (256, 1001), a block (8192), a staged block (8193) and a cluster (70000): every way a row's exps
-# are shifted and merged (bfloat16 rows of 256, 1001 and 8193 and float16 rows of 256 and 1001 keep
-# x as loaded and compute the output's exps again).
+# (256, 1001), a block (8192), a staged block (8193), a reread block (24576, 16-bit types) and a
+# cluster (70000): every way a row's exps are shifted and merged (bfloat16 rows of 256, 1001, 8193
+# and 24576 and float16 rows of 256, 1001 and 24576 keep x as loaded and compute the output's
+# exps again).
 # (Session 14's exp with the shift folded into one FFMA overflowed here at 1e30: TUNING.md.)
 @pytest.mark.parametrize(
     "dtype,big",
@@ -136,7 +138,7 @@ def test_special_values_like_jax_nn(backend, device, dtype, fname, masked, n):
     ids=["f32", "f32-2^127", "f32-3e38", "f16", "bf16", "bf16-3e38"],
 )
 @funcs
-@pytest.mark.parametrize("n", [50, 256, 1001, 8192, 8193, 70000])
+@pytest.mark.parametrize("n", [50, 256, 1001, 8192, 8193, 24576, 70000])
 def test_huge_magnitudes_no_overflow(backend, device, rng, dtype, fname, big, n):
     f, _, log = FUNCS[fname]
     x = rng.uniform(-1, 1, size=(3, n)) * big
