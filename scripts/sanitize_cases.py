@@ -27,7 +27,7 @@ CASES = [  # (rows, cols, dtype)
     (4, 1000, jnp.float32),  # warp per row
     (3, 1001, jnp.bfloat16),  # warp per row, scalar
     (2, 8192, jnp.float32),  # block per row
-    (2, 20000, jnp.bfloat16),  # block (backward: cluster)
+    (2, 20000, jnp.bfloat16),  # forward: staged reread block of 10 warps; backward: cluster
     (3, 16384, jnp.float32),  # backward: one 1024-thread block
     (2, 50257, jnp.float32),  # cluster of 8 x 256 threads (windowed; `where`: scalar path)
     (3, 65536, jnp.bfloat16),  # staged cluster of 8 x 256 threads (plain rows up to 65536)
@@ -48,7 +48,8 @@ CASES = [  # (rows, cols, dtype)
     # Staged tiers (sm_90, forward rows; the `where` rows too, and the causal rows of up to 512
     # columns) with more tiles than the CTAs' rings hold, so that stages are refilled while
     # neighbours are read: 16 lanes per row (a ring only under JAX_SOFTMAX_TILES_PER_CTA >= 2; by
-    # default one tile per CTA), and a cluster of 2.
+    # default one tile per CTA), and a reread block of 16 warps (plain 16-bit rows of 16385-32768,
+    # the row read from the stage in each pass; also one tile per CTA by default).
     (49999, 512, jnp.bfloat16),
     (1001, 32768, jnp.bfloat16),
     # Odd rows read through 16-byte windows, staged (forward): tiles that start before their
