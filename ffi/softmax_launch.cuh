@@ -887,11 +887,10 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     // spilled and lost (bfloat16 16385 197 / 237, 24577 212 / 234, 32767 202 / 215; float16 16385
     // 224 / 235), and clusters of such CTAs for longer plain rows (bfloat16 40960 194 / 216, 65536
     // 194 / 207, 131072 209 / 203, 262144 195 / 200). JAX_SOFTMAX_REREAD_BLOCKS=0 turns them off.
+    // Where no stage fits (nullopt), the register tiers take the row, as with the knob off.
     if constexpr (sizeof(T) == 2 && kAccess == Access::kPlain) {
-      if (n <= 1024 * kE && RereadBlocks()) {
-        if (Launched launched = LaunchStagedRows<T, 512, 2 * kE, kVec, kAccess, 1, true>(c))
-          return launched;
-      }
+      if (n <= 1024 * kE && RereadBlocks())
+        return LaunchStagedRows<T, 512, 2 * kE, kVec, kAccess, 1, /*kReread=*/true>(c);
     }
     // 16-bit odd rows of 512 E + 1 to 1024 E columns: one CTA of as many warps as the row needs
     // (up to 1024 threads), one tile per CTA as the blocks above, where two such CTAs fit an SM;
