@@ -2322,11 +2322,10 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     bool any[kRows];
     constexpr bool kRaw = kRawRows<Loader, kGroup, kCluster> && !kReread;
     Pairs<kVec> xs[kRaw ? kRows : 1][kRaw ? kPacks : 1];  // kRaw rows: x as loaded
-    if constexpr (kReread) {
-      prepare();  // nothing loaded yet: each pass of finish_batch_raw_fwd reads the stage
-    } else if constexpr (kRaw) {
+    if constexpr (kRaw || kReread) {
       prepare();
-      load_batch_raw(loaders, first_col, stride, xs);
+      // kReread: nothing loaded here; each pass of finish_batch_raw_fwd reads the stage.
+      if constexpr (kRaw) load_batch_raw(loaders, first_col, stride, xs);
     } else if constexpr (Loader::kPlain || Ops::kSplit) {
       if constexpr (!Ops::kAhead) prepare();
       load_batch_fwd<false>(loaders, first_col, stride, ops, v, any, false);

@@ -834,10 +834,22 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // 147 / 143 -> 132 / 132, 32768 153 -> 151, 65536 151 -> 147; 4096 130 -> 131.5). Shorter rows
   // (32-2048: staged 0-5% faster), rows of 131072 and more (staged 6-12% faster) and every
   // float32 row (staged 12-16% faster at 1000 and 3000, within 2% elsewhere) stay here.
+  // The exception since session 34, plain 16-bit rows of 512 E + 1 to 1024 E columns (the reread
+  // blocks): one CTA of up to 512 threads of 2 E values that holds nothing of the row in registers
+  // and reads it from the stage in each of the three passes (max, sum, output); 40 registers, 3 CTAs
+  // per SM at 32768 columns (64 KiB of stage each), where the register tiers ran them on clusters of
+  // up to 4 CTAs of 256 threads (NarrowClusters). Measured (H100, session 34, us per call at 256
+  // MiB, register tiers / reread block): bfloat16 20480 189 / 182, 24576 197 / 182, 32768 196 / 183;
+  // float16 24576 197 / 182, 32768 196 / 183. Not taken (branch exp/reread-blocks): odd rows, whose
+  // windowed passes spilled and lost (bfloat16 16385 197 / 237, 24577 212 / 234, 32767 202 / 215;
+  // float16 16385 224 / 235), and clusters of such CTAs for longer plain rows (bfloat16 40960 194 /
+  // 216, 65536 194 / 207, 131072 209 / 203, 262144 195 / 200). JAX_SOFTMAX_REREAD_BLOCKS=0 turns
+  // them off.
+  // Where no stage fits (nullopt), the register tiers take the row, as with the knob off.
   if constexpr (sizeof(T) == 2 && kAccess == Access::kPlain) {
-    // ... except those of 512 E + 1 to 1024 E columns: the reread blocks below.
-    const bool reread = RereadBlocks() && n > 512 * kE && n <= 1024 * kE;
-    if (n > 64 * kE && n <= 4 * 512 * kE && !reread) return std::nullopt;
+    if (RereadBlocks() && n > 512 * kE && n <= 1024 * kE)
+      return LaunchStagedRows<T, 512, 2 * kE, kVec, kAccess, 1, /*kReread=*/true>(c);
+    if (n > 64 * kE && n <= 4 * 512 * kE) return std::nullopt;
   }
   // Windowed rows (odd lengths; n = W, cols rounded up to whole vectors) measured (H200, session
   // 19, us per call at 256 MiB, staged / register tiers): float32 255 161 / 140, 1001 137 / 135,
@@ -877,21 +889,6 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if (n <= 128 * kE) JS_STAGED(128, kE, 1);
     if (n <= 256 * kE) JS_STAGED(256, kE, 1);
     if (n <= 512 * kE) JS_STAGED(512, kE, 1);
-    // Plain 16-bit rows of 512 E + 1 to 1024 E columns: one CTA of up to 512 threads of 2 E values
-    // that holds nothing of the row in registers and reads it from the stage in each of the three
-    // passes (max, sum, output); 40 registers, 3 CTAs per SM at 32768 columns (64 KiB of stage
-    // each), where the register tiers ran them on clusters of up to 4 CTAs of 256 threads
-    // (NarrowClusters). Measured (H100, session 34, us per call at 256 MiB, register tiers / reread
-    // block): bfloat16 20480 189 / 182, 24576 197 / 182, 32768 196 / 183; float16 24576 197 / 182,
-    // 32768 196 / 183. Not taken (branch exp/reread-blocks): odd rows, whose windowed passes
-    // spilled and lost (bfloat16 16385 197 / 237, 24577 212 / 234, 32767 202 / 215; float16 16385
-    // 224 / 235), and clusters of such CTAs for longer plain rows (bfloat16 40960 194 / 216, 65536
-    // 194 / 207, 131072 209 / 203, 262144 195 / 200). JAX_SOFTMAX_REREAD_BLOCKS=0 turns them off.
-    // Where no stage fits (nullopt), the register tiers take the row, as with the knob off.
-    if constexpr (sizeof(T) == 2 && kAccess == Access::kPlain) {
-      if (n <= 1024 * kE && RereadBlocks())
-        return LaunchStagedRows<T, 512, 2 * kE, kVec, kAccess, 1, /*kReread=*/true>(c);
-    }
     // 16-bit odd rows of 512 E + 1 to 1024 E columns: one CTA of as many warps as the row needs
     // (up to 1024 threads), one tile per CTA as the blocks above, where two such CTAs fit an SM;
     // otherwise the clusters below (3-4 x 256 threads). At bfloat16's 40 registers (kRawRows) the
@@ -900,7 +897,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     // 256 MiB, cluster / block): bfloat16 16385 233 / 196 (17 warps), 16391 234 / 198, 20001
     // 219 / 189 (20 warps); one CTA per SM lost: 24577 211 / 262 (25 warps), 28673 205 / 250,
     // 32767 201 / 227, float16 16385 238 / 285. JAX_SOFTMAX_WIDE_BLOCKS=0 keeps the clusters.
-    // (Plain 16-bit rows of these lengths took the register tiers above.) Instantiated only where
+    // (Plain 16-bit rows of these lengths took the reread blocks above.) Instantiated only where
     // the block is held to 40 registers (kRawRows: bfloat16); float16's never fits two.
     if constexpr (kAccess == Access::kWindowed &&
                   kRawRows<RowLoader<T, kVec, /*kBwd=*/false, kAccess>, 1024, 1>) {
