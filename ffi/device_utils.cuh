@@ -215,6 +215,21 @@ __device__ __forceinline__ float2 unpack_pair(uint32_t w) {
   }
 }
 
+// The larger value of each position of two words of 16-bit type T, as stored (max.f16x2 /
+// max.bf16x2 from sm_80: exact, and where one value is NaN the other, as fmaxf and row_max).
+template <typename T>
+__device__ __forceinline__ uint32_t max_pair(uint32_t a, uint32_t b) {
+  static_assert(sizeof(T) == 2, "16-bit values");
+  using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+  T2 x, y;
+  memcpy(&x, &a, sizeof(x));
+  memcpy(&y, &b, sizeof(y));
+  const T2 m = __hmax2(x, y);
+  uint32_t w;
+  memcpy(&w, &m, sizeof(w));
+  return w;
+}
+
 // Keeps the values of `pairs` at the positions whose byte of `bytes` is nonzero (byte e, from the
 // least significant, for value e) and zeros the others. Per four positions: the top bit of each
 // byte set iff the byte is nonzero (no carry crosses a byte: (b & 0x7f) + 0x7f <= 0xfe), then one

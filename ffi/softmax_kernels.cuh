@@ -733,7 +733,7 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
 };
 
 // The staged tiers that keep 16-bit plain rows as loaded (RowLoader::kRawFwd, finish_batch_raw_fwd):
-// lane groups and warps, and bfloat16 blocks of 256 threads or more (the odd rows of 5121-16384
+// lane groups and warps, and 16-bit blocks of 256 threads or more (the odd rows of 5121-16384
 // columns, LaunchStagedTier), whose CTAs fit an SM more often at 40 registers (MaxRegisters): 9
 // warps 5 times instead of 3. Not the clusters, nor the register tiers, nor blocks of 64-128
 // threads, where the output's exps computed again cost more issue slots than the extra CTAs repay.
@@ -744,11 +744,14 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
 // tiers 4097 176 / 189-190, 32768 150 / 150-171, 65536 148 / 154-169 (at 56 and 40 registers).
 // Float16 blocks spilled 92-112 bytes at 40 registers (ptxas; bfloat16 16-36), none at 56, where
 // only 9 warps gain a CTA: 8193 174 / 160, 6143 144 / 143, but 8191 143 / 150 and 16383 164 / 168;
-// so float16 keeps float values in its blocks (its lane groups: 1001 145 / 142, 256-1000 equal).
+// so float16 kept float values in its blocks (its lane groups: 1001 145 / 142, 256-1000 equal).
+// Since session 35 the max pass on the pairs as stored (raw_max) leaves float16 and bfloat16
+// blocks without spills at 40 registers, so float16 blocks of 256 threads or more keep their rows
+// as loaded too. Measured (H100, session 35, us per call at 256 MiB, float values / as loaded):
+// float16 8193 192 / 183, 16383 186 / 183, 6143 181 / 184, 8191 181 / 183; bfloat16 (as loaded
+// both times, spills / none) 8193 187 / 182, 16383 189 / 183.
 template <typename Loader, int kGroup, int kCluster>
-constexpr bool kRawRows =
-    Loader::kRawFwd && kCluster == 1 &&
-    (kGroup <= 32 || (kGroup >= 256 && std::is_same_v<typename Loader::Elem, __nv_bfloat16>));
+constexpr bool kRawRows = Loader::kRawFwd && kCluster == 1 && (kGroup <= 32 || kGroup >= 256);
 
 // Block tiers (kGroup > 32 threads per row, one row per CTA, no cluster) run with as many warps as
 // the row needs rather than kGroup threads: launched with RowThreads (about 32 * ceil(W / (32 *
@@ -1298,19 +1301,21 @@ struct RawPacksStaged {
   }
 };
 
+// The max pass takes the pairs' max as they are (max_pair: exact, NaN dropped as row_max does)
+// and converts one pair per row. Converting every pair, as the other passes do, ptxas kept the
+// max pass's float values for the sum pass (the same conversions of the same words): float16
+// blocks spilled 92-112 bytes at 40 registers, bfloat16 ones 16-36 (sm_90a, nvcc 13.0); none now.
 template <typename T, int kPacks, int kVec, typename Packs>
 __device__ __forceinline__ float raw_max(const Packs& pack) {
-  float m = neg_inf<float>();
+  uint32_t m2 = neg_inf_pair<T>();
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
     const Pairs<kVec> xs = pack(k);
 #pragma unroll
-    for (int i = 0; i < kVec / 2; ++i) {
-      const float2 x = unpack_pair<T>(xs.w[i]);
-      m = row_max(row_max(m, x.x), x.y);
-    }
+    for (int i = 0; i < kVec / 2; ++i) m2 = max_pair<T>(m2, xs.w[i]);
   }
-  return m;
+  const float2 m = unpack_pair<T>(m2);
+  return row_max(m.x, m.y);
 }
 
 // Sum of exp(scale * x - shift), in the order exp_sum adds its values.

@@ -59,7 +59,7 @@
 // once each CTA takes one tile.) Where no tile fits, the register tiers run; the other plain
 // 16-bit rows of 2049-65536 columns take the register tiers too (faster there,
 // LaunchStagedTier). The staged lane groups and warps keep 16-bit plain rows as loaded, two
-// values per register, and so do the staged bfloat16 blocks of 256 threads or more, at 40
+// values per register, and so do the staged 16-bit blocks of 256 threads or more, at 40
 // registers per thread for more CTAs per SM (kRawRows, MaxRegisters in softmax_kernels.cuh);
 // such rows need a scale > 0 (LaunchSoftmax).
 // Access modes (softmax_kernels.cuh): plain rows (no bias/mask/causal) of cols % V != 0 are read
@@ -889,16 +889,17 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if (n <= 128 * kE) JS_STAGED(128, kE, 1);
     if (n <= 256 * kE) JS_STAGED(256, kE, 1);
     if (n <= 512 * kE) JS_STAGED(512, kE, 1);
-    // 16-bit odd rows of 512 E + 1 to 1024 E columns: one CTA of as many warps as the row needs
-    // (up to 1024 threads), one tile per CTA as the blocks above, where two such CTAs fit an SM;
-    // otherwise the clusters below (3-4 x 256 threads). At bfloat16's 40 registers (kRawRows) the
-    // occupancy calculator fits two CTAs of up to 24 warps (W = 24576; 48 warps of 40 registers
-    // per SM); float16 (64 registers) fits one. Measured (H100, session 33, us per call at
-    // 256 MiB, cluster / block): bfloat16 16385 233 / 196 (17 warps), 16391 234 / 198, 20001
-    // 219 / 189 (20 warps); one CTA per SM lost: 24577 211 / 262 (25 warps), 28673 205 / 250,
-    // 32767 201 / 227, float16 16385 238 / 285. JAX_SOFTMAX_WIDE_BLOCKS=0 keeps the clusters.
-    // (Plain 16-bit rows of these lengths took the reread blocks above.) Instantiated only where
-    // the block is held to 40 registers (kRawRows: bfloat16); float16's never fits two.
+    // 16-bit odd rows of 512 E + 1 to 1024 E columns: one CTA of as many warps as the row needs (up
+    // to 1024 threads), one tile per CTA as the blocks above, where two such CTAs fit an SM;
+    // otherwise the clusters below (3-4 x 256 threads). At 40 registers (kRawRows) the occupancy
+    // calculator fits two CTAs of up to 24 warps (W = 24576; 48 warps of 40 registers per SM);
+    // float16 at 64 registers (before session 35) fitted one. Measured (H100, session 33, us per
+    // call at 256 MiB, cluster / block): bfloat16 16385 233 / 196 (17 warps), 16391 234 / 198, 20001
+    // 219 / 189 (20 warps); one CTA per SM lost: 24577 211 / 262 (25 warps), 28673 205 / 250, 32767
+    // 201 / 227, float16 16385 238 / 285. JAX_SOFTMAX_WIDE_BLOCKS=0 keeps the clusters. (Plain
+    // 16-bit rows of these lengths took the reread blocks above.) Instantiated only where the block
+    // is held to 40 registers (kRawRows); float16's is since session 35's raw_max (H100, cluster /
+    // block: 16385 232 / 192, 20001 219 / 185, 24575 203 / 184).
     if constexpr (kAccess == Access::kWindowed &&
                   kRawRows<RowLoader<T, kVec, /*kBwd=*/false, kAccess>, 1024, 1>) {
       if (n <= 1024 * kE && WideBlocks()) {

@@ -230,7 +230,7 @@ def test_seven_chunk_rows(backend, device, rng, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_wide_block_rows(backend, device, rng, dtype):
     # 16-bit odd rows of W = 512 * 32 + 8 .. 1024 * 32 columns: one staged CTA of as many warps as
-    # the row needs where two such CTAs fit an SM (bfloat16 to 24 warps, W = 24576), else staged
+    # the row needs where two such CTAs fit an SM (to 24 warps, W = 24576), else staged
     # clusters of 256 threads (all of them under JAX_SOFTMAX_WIDE_BLOCKS=0, which
     # scripts/gpu_check.sh also runs; ffi/softmax_launch.cuh, LaunchStagedTier): both ends of the
     # range and one past each, warp counts between, and both sides of 24 warps.
