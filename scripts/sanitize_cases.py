@@ -69,6 +69,9 @@ CASES = [  # (rows, cols, dtype)
     # Staged bfloat16 forward rows kept as loaded (kRawRows): a 256-thread block (6 of its 8
     # warps); 1001 (32 lanes) and 16383 (512 threads) above.
     (5, 6143, jnp.bfloat16),
+    # float16 odd rows of 16385-24576 kept as loaded in one CTA of up to 1024 threads (the
+    # wide-block rule), since the max pass takes the max of the packed pairs (max_pair).
+    (5, 20001, jnp.float16),
     # Cluster tiers launched with the CTAs a row needs (FitCluster in ffi/softmax_launch.cuh):
     # 5 of a staged 8 x 256 tier (forward; backward 5 of 8 x 512), more rows than clusters; and
     # float32 forward 5 of a staged 8 x 512 tier (backward 9 of 16 x 512), windowed.
