@@ -49,8 +49,9 @@
 // for the row tiers, a persistent ring of stages for the clusters; with their own
 // short-row table (LaunchStagedTier): rows of cols <= 8 V on G = 1..8 lanes of one vector, then
 // 8, 16, 32 lanes of up to E values, then blocks and clusters as above, but 16-bit rows of
-// 8 * 512 * E + 1 to 16 * 512 * E on 8 x 1024 threads, and those of 6 * 256 * E + 1 to
-// 7 * 256 * E and 6 * 512 * E + 1 to 7 * 512 * E on 2 and 4 x 1024 (WideClusterMode), and odd
+// 8 * 512 * E + 1 to 16 * 512 * E on 8 x 1024 threads, and on GPUs with less DRAM bandwidth per
+// SM cycle than the H200 (the H100) those of 6 * 256 * E + 1 to 7 * 256 * E and 6 * 512 * E + 1
+// to 7 * 512 * E on 2 and 4 x 1024 (WideClusterMode, AmpleDramPerSm), and odd
 // 16-bit rows of 512 * E + 1 to 1024 * E on one block of up to 1024 threads where two fit an SM
 // (WideBlocks), and plain 16-bit rows of those lengths on one block of up to 512 threads of 2E
 // values that reads the row from the stage in each of its passes and holds none of it in
@@ -405,8 +406,9 @@ inline int TilesPerCta() {
 }
 
 // Staged clusters of 1024-thread CTAs (LaunchStagedTier). JAX_SOFTMAX_WIDE_CLUSTERS (read once):
-// 1 (default) for 16-bit plain and windowed rows of 8 * 512 * E + 1 to 16 * 512 * E columns and
-// those that the 256- or 512-thread tables would split over 7 CTAs (49153-57344, 98305-114688),
+// 1 (default) for 16-bit plain and windowed rows of 8 * 512 * E + 1 to 16 * 512 * E columns and,
+// on the H100 (not AmpleDramPerSm), those that the 256- or 512-thread tables would split over 7
+// CTAs (49153-57344, 98305-114688),
 // 0 never, 2 the session-7 experiment (such rows of every length from 2 * 512 * E + 1 on, at half
 // the cluster size; float32's too).
 inline int WideClusterMode() {
@@ -924,9 +926,12 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     // call, 7 CTAs / 1024 threads): 49153 212 / 201, 50257 210 / 202, 100003 206 / 200. Rows
     // whose table takes 8 CTAs gained nothing (57345 202 / 202, 65535 198 / 199, 114689 201 /
     // 203, 131072 207 / 205), and rows that would fill the 1024-thread CTAs half or less lost
-    // (32769 223 / 255, 24577 211 / 336, 16385 233 / 469).
+    // (32769 223 / 255, 24577 211 / 336, 16385 233 / 469). On the H200 the same rows lost
+    // (session 36, us per call, 7 CTAs / 1024 threads): bfloat16 49153 159 / 174, 50257 158 / 171,
+    // 100003 182 / 192, float16 50257 158 / 170; so the rule holds only on GPUs with less DRAM
+    // bandwidth per SM cycle than the H200 (not AmpleDramPerSm: the H100).
     if constexpr (sizeof(T) == 2) {
-      if (WideClusterMode() == 1) {
+      if (WideClusterMode() == 1 && !AmpleDramPerSm(c.dev)) {
         if (NarrowClusters() && CtasForRow(n, 256 * kE) == 7)
           return LaunchStagedCluster<T, 1024, kE, kVec, 2, kAccess>(c);
         if (CtasForRow(n, 512 * kE) == 7)

@@ -214,7 +214,8 @@ def test_cluster_ctas(backend, device, rng, dtype):
 def test_seven_chunk_rows(backend, device, rng, dtype):
     # 16-bit staged forward rows that the 256- and 512-thread cluster tables would split over 7
     # CTAs, W = 6 * 256 * 32 + 1 .. 7 * 256 * 32 and 6 * 512 * 32 + 1 .. 7 * 512 * 32, take 2 and
-    # 4 CTAs of 1024 threads instead (ffi/softmax_launch.cuh, LaunchStagedTier): each range's
+    # 4 CTAs of 1024 threads instead on the H100, and keep the 7 CTAs on the H200
+    # (ffi/softmax_launch.cuh, LaunchStagedTier, AmpleDramPerSm): either way, each range's
     # first and last widths, odd (windowed; the top one wraps) and plain, one past each end, and
     # more rows than such clusters fit on the GPU at once, so that each cluster loops over rows.
     # Plain 16-bit rows below 2^16 take the register tiers. (16-bit only: the other types' rows
