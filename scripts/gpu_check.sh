@@ -174,6 +174,10 @@ if want test; then
   # replaced by default (JAX_SOFTMAX_WIDE_BLOCKS=0).
   test_job wide_blocks_off JAX_SOFTMAX_WIDE_BLOCKS=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (wide_block_rows or cluster_ctas)")"
+  # The 16-bit odd rows whose staged tiers take OddRowTilesPerCta tiles per CTA (two on the H200,
+  # one on the H100) at one tile per CTA, the other GPU's default.
+  test_job odd_rows_one_tile JAX_SOFTMAX_TILES_PER_CTA=1 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_rings or wide_block_rows)")"
   # The 16-bit plain rows of 16385-32768 on the register tiers that the reread blocks replaced by
   # default (JAX_SOFTMAX_REREAD_BLOCKS=0).
   test_job reread_blocks_off JAX_SOFTMAX_REREAD_BLOCKS=0 \
@@ -195,7 +199,7 @@ if want knobs; then
   # tests ($big), too large for three at once.
   for knobs in JAX_SOFTMAX_STAGED=0 JAX_SOFTMAX_TILES_PER_CTA=3,JAX_SOFTMAX_WAVES=1 JAX_SOFTMAX_STAGED_GENERAL=2; do
     test_job "${knobs//[=,]/_}" ${knobs//,/ } XLA_PYTHON_CLIENT_MEM_FRACTION=0.25 -- \
-      -k "$(with_test_k "gpu and test_kernel_tiers and (many_long_rows or staged_ring or causal) and not ($big)")"
+      -k "$(with_test_k "gpu and test_kernel_tiers and (many_long_rows or staged_ring or odd_row_rings or causal) and not ($big)")"
   done
   wait_tests
 fi

@@ -72,6 +72,9 @@ CASES = [  # (rows, cols, dtype)
     # float16 odd rows of 16385-24576 kept as loaded in one CTA of up to 1024 threads (the
     # wide-block rule), since the max pass takes the max of the packed pairs (max_pair).
     (5, 20001, jnp.float16),
+    # 16-bit odd rows of 1025-2048 on 64-thread staged blocks, two tiles per CTA on the H200
+    # (OddRowTilesPerCta): an odd row count leaves the last CTA one tile.
+    (7, 1025, jnp.bfloat16),
     # Cluster tiers launched with the CTAs a row needs (FitCluster in ffi/softmax_launch.cuh):
     # 5 of a staged 8 x 256 tier (forward; backward 5 of 8 x 512), more rows than clusters; and
     # float32 forward 5 of a staged 8 x 512 tier (backward 9 of 16 x 512), windowed.
