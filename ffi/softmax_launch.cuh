@@ -405,28 +405,32 @@ inline int TilesPerCta() {
   return t;
 }
 
-// Tiles per CTA for 16-bit odd rows (windowed) on two staged row tiers (LaunchStagedTier): rows of
-// 16 E + 1 to 128 E columns (513-4096 at E = 32; 32-128 threads per row, one row per CTA from
-// 1025 on) and the wide blocks (512 E + 1 to 1024 E; two CTAs of up to 24 warps per SM). Two on
-// GPUs with the H200's DRAM bandwidth per SM cycle (AmpleDramPerSm), one (the default T) elsewhere.
+// Tiles per CTA for 16-bit odd rows (windowed) of W window offsets on two staged row tiers
+// (LaunchStagedTier): rows of 16 E + 1 to 128 E (513-4096 at E = 32; 32-128 threads per row, one
+// row per CTA from 1025 on) and the wide blocks (512 E + 1 to 1024 E; two CTAs of up to 24 warps
+// per SM). Two where measured faster: every such row on GPUs with the H200's DRAM bandwidth per SM
+// cycle (AmpleDramPerSm), rows of up to 96 E (3072) elsewhere; one (the default T) otherwise.
 // With one tile per CTA, an SM has only its resident CTAs' rows in flight, and a CTA none while it
-// reduces its row: ncu (H200, session 36-37) read bfloat16 20001 at DRAM 61% (two CTAs of 20 warps
-// per SM), 2049 at 46% (eight CTAs of 128 threads at 64 registers, each row filling half its
-// CTA) and 1025 at 38%, where 2047 (16 full CTAs of 64 threads) read 68%. A second tile per CTA
-// loads into a second stage while the first is reduced, and halves the CTAs' start-up work per
-// row. Measured (H200, session 37, us per call at 256 MiB, T = 1 / 2): bfloat16 513 229 / 211,
+// reduces its row: ncu (H200, sessions 36-37) read bfloat16 20001 at DRAM 61% (two CTAs of 20
+// warps per SM), 2049 at 46% (eight CTAs of 128 threads at 64 registers, each row filling half
+// its CTA) and 1025 at 38%, where 2047 (16 full CTAs of 64 threads) read 68%. A second tile per
+// CTA loads into a second stage while the first is reduced, and halves the CTAs' start-up work per
+// row. Measured (session 37, us per call at 256 MiB, T = 1 / 2), H200: bfloat16 513 229 / 211,
 // 769 163 / 148, 1001 141 / 137, 1025 265 / 243, 1301 199 / 182, 1537 185 / 171, 2047 145 / 137,
 // 2049 218 / 195, 2999 167 / 144, 3073 167 / 144, 4095 136 / 136, wide blocks 16385 172 / 148,
 // 20001 159 / 138, 24575 153 / 139; float16 1025 261 / 241, 3001 166 / 144, 20001 158 / 138.
-// Not taken: a persistent ring (T = 0: 1001 167, 2047 167, 16385 157), T = 3-4 (within 3% of T = 2,
-// 4095 141), T = 2 on the 8-16-lane odd rows (255: 149 / 156), on the odd blocks of 256-512 threads
-// (6143 134 / 138, 8191 133 / 138, 16383 136 / 138) and on plain rows (bfloat16 128 131 / 133,
-// 1000 130 / 133; float32 1000 131 / 133, 16384 131 / 134). Bfloat16 1025 and 2049 stay slower
-// than XLA (0.94x, 0.89x; TUNING.md session 37). JAX_SOFTMAX_TILES_PER_CTA, where set, takes its
-// place.
-inline int OddRowTilesPerCta(const DeviceInfo& dev) {
+// H100: bfloat16 513 234 / 215, 1025 267 / 243, 1537 194 / 186, 2049 238 / 203, 3001 187 / 185,
+// 4095 182 / 187, wide blocks 16385 193 / 187, 20001 185 / 187, 24575 184 / 188; float16 3001
+// 187 / 185, 20001 185 / 187. Not taken: a persistent ring (T = 0, H200: 1001 167, 2047 167,
+// 16385 157), T = 3-4 (H200: within 3% of T = 2, 4095 141), T = 2 on the 8-16-lane odd rows
+// (H200 255: 149 / 156), on the odd blocks of 256-512 threads (6143 134 / 138, 8191 133 / 138,
+// 16383 136 / 138) and on plain rows (bfloat16 128 131 / 133, 1000 130 / 133; float32 1000
+// 131 / 133, 16384 131 / 134). Bfloat16 1025 and 2049 stay slower than XLA on the H200 (0.94x,
+// 0.89x; TUNING.md session 37). JAX_SOFTMAX_TILES_PER_CTA, where set, takes its place.
+inline int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
   static const bool knob_set = EnvKnob("JAX_SOFTMAX_TILES_PER_CTA", -1) >= 0;
-  return knob_set ? TilesPerCta() : AmpleDramPerSm(dev) ? 2 : 1;
+  if (knob_set) return TilesPerCta();
+  return AmpleDramPerSm(dev) || width <= 96 * 32 ? 2 : 1;
 }
 
 // Staged clusters of 1024-thread CTAs (LaunchStagedTier). JAX_SOFTMAX_WIDE_CLUSTERS (read once):
@@ -908,7 +912,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if (n <= 16 * kEB) JS_STAGED(16, kEB, 1);
     // 16-bit odd rows of 16 E + 1 to 128 E columns: OddRowTilesPerCta tiles per CTA.
     constexpr bool kOdd16 = kAccess == Access::kWindowed && sizeof(T) == 2;
-    const int ring = kOdd16 ? OddRowTilesPerCta(c.dev) : TilesPerCta();
+    const int ring = kOdd16 ? OddRowTilesPerCta(c.dev, n) : TilesPerCta();
 #define JS_STAGED_RING(G, E) return LaunchStagedRows<T, G, E, kVec, kAccess, 1>(c, 1, ring)
     if (n <= 32 * kEB) JS_STAGED_RING(32, kEB);
     // Wider rows (float32 general rows here are mask-only ones: StageGeneralRows) hold kE values:
@@ -935,7 +939,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
                   kRawRows<RowLoader<T, kVec, /*kBwd=*/false, kAccess>, 1024, 1>) {
       if (n <= 1024 * kE && WideBlocks()) {
         if (Launched launched = LaunchStagedRows<T, 1024, kE, kVec, kAccess, 1>(
-                c, /*min_ctas_per_sm=*/2, OddRowTilesPerCta(c.dev)))
+                c, /*min_ctas_per_sm=*/2, OddRowTilesPerCta(c.dev, n)))
           return launched;
       }
     }

@@ -175,7 +175,7 @@ if want test; then
   test_job wide_blocks_off JAX_SOFTMAX_WIDE_BLOCKS=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (wide_block_rows or cluster_ctas)")"
   # The 16-bit odd rows whose staged tiers take OddRowTilesPerCta tiles per CTA (two on the H200,
-  # one on the H100) at one tile per CTA, the other GPU's default.
+  # and on the H100 up to 3072 columns) at one tile per CTA, the H100's default beyond.
   test_job odd_rows_one_tile JAX_SOFTMAX_TILES_PER_CTA=1 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_rings or wide_block_rows)")"
   # The 16-bit plain rows of 16385-32768 on the register tiers that the reread blocks replaced by
