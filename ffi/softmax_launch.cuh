@@ -46,7 +46,8 @@
 // LaunchStagedTier says so, and rows with a mask, bias or causal limit (cols % V == 0) where
 // StageGeneralRows says so, with only x staged): the same shapes fed
 // through shared memory that cp.async.bulk fills (softmax_rows_staged_kernel): one tile per CTA
-// for the row tiers, a persistent ring of stages for the clusters; with their own
+// for the row tiers (two for some 16-bit odd rows: OddRowTilesPerCta), a persistent ring of
+// stages for the clusters; with their own
 // short-row table (LaunchStagedTier): rows of cols <= 8 V on G = 1..8 lanes of one vector, then
 // 8, 16, 32 lanes of up to E values, then blocks and clusters as above, but 16-bit rows of
 // 8 * 512 * E + 1 to 16 * 512 * E on 8 x 1024 threads, and on GPUs with less DRAM bandwidth per
@@ -388,15 +389,15 @@ inline int GridUnits(int64_t needed, int64_t resident, int64_t waves, int cluste
 }
 
 // The ring of a staged kernel (softmax_rows_staged_kernel). Row tiers take TilesPerCta() = T tiles
-// per CTA, through a ring of min(T, kMaxStages) stages; T = 1 (the default): one tile per CTA and
-// no ring, so the block scheduler balances the CTAs and the SM's other CTAs overlap one's
-// reduction (measured 1.0-1.15x faster than a persistent ring, TUNING.md session 4). T = 0, and
-// the cluster tiers always: one persistent wave with a ring of 1..kMaxStages stages per CTA. As
-// many CTAs per SM as registers allow, then as many stages as fit: with one stage the registers
-// hold the tile being reduced while the next one loads (float32 clusters: two CTAs per SM with one
-// stage each measured 4-8% faster than one CTA with three). stages == 0 where not even one CTA's
-// tile fits (the register kernel runs instead). JAX_SOFTMAX_TILES_PER_CTA sets T (read once), for
-// tuning experiments.
+// per CTA, through a ring of min(T, kMaxStages) stages (16-bit odd rows: OddRowTilesPerCta,
+// below); T = 1 (the default): one tile per CTA and no ring, so the block scheduler balances the
+// CTAs and the SM's other CTAs overlap one's reduction (measured 1.0-1.15x faster than a
+// persistent ring, TUNING.md session 4). T = 0, and the cluster tiers always: one persistent wave
+// with a ring of 1..kMaxStages stages per CTA. As many CTAs per SM as registers allow, then as
+// many stages as fit: with one stage the registers hold the tile being reduced while the next one
+// loads (float32 clusters: two CTAs per SM with one stage each measured 4-8% faster than one CTA
+// with three). stages == 0 where not even one CTA's tile fits (the register kernel runs instead).
+// JAX_SOFTMAX_TILES_PER_CTA sets T (read once), for tuning experiments.
 inline int TilesPerCta() {
   static const int t = [] {
     const long v = EnvKnob("JAX_SOFTMAX_TILES_PER_CTA", 1);
@@ -925,8 +926,8 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if (n <= 256 * kE) JS_STAGED(256, kE, 1);
     if (n <= 512 * kE) JS_STAGED(512, kE, 1);
     // 16-bit odd rows of 512 E + 1 to 1024 E columns: one CTA of as many warps as the row needs (up
-    // to 1024 threads), one tile per CTA as the blocks above, where two such CTAs fit an SM;
-    // otherwise the clusters below (3-4 x 256 threads). At 40 registers (kRawRows) the occupancy
+    // to 1024 threads), OddRowTilesPerCta tiles per CTA (two on the H200), where two such CTAs fit
+    // an SM; otherwise the clusters below (3-4 x 256 threads). At 40 registers (kRawRows) the occupancy
     // calculator fits two CTAs of up to 24 warps (W = 24576; 48 warps of 40 registers per SM);
     // float16 at 64 registers (before session 35) fitted one. Measured (H100, session 33, us per
     // call at 256 MiB, cluster / block): bfloat16 16385 233 / 196 (17 warps), 16391 234 / 198, 20001
