@@ -428,10 +428,11 @@ inline int TilesPerCta() {
 // 16383 136 / 138) and on plain rows (bfloat16 128 131 / 133, 1000 130 / 133; float32 1000
 // 131 / 133, 16384 131 / 134). Bfloat16 1025 and 2049 stay slower than XLA on the H200 (0.94x,
 // 0.89x; TUNING.md session 37). JAX_SOFTMAX_TILES_PER_CTA, where set, takes its place.
+constexpr int64_t kTwoTileOddWidth = 96 * 32;  // 96 E at E = 32: two tiles on every GPU
 inline int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
   static const bool knob_set = EnvKnob("JAX_SOFTMAX_TILES_PER_CTA", -1) >= 0;
   if (knob_set) return TilesPerCta();
-  return AmpleDramPerSm(dev) || width <= 96 * 32 ? 2 : 1;
+  return AmpleDramPerSm(dev) || width <= kTwoTileOddWidth ? 2 : 1;
 }
 
 // Staged clusters of 1024-thread CTAs (LaunchStagedTier). JAX_SOFTMAX_WIDE_CLUSTERS (read once):
@@ -927,8 +928,9 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if (n <= 512 * kE) JS_STAGED(512, kE, 1);
     // 16-bit odd rows of 512 E + 1 to 1024 E columns: one CTA of as many warps as the row needs (up
     // to 1024 threads), OddRowTilesPerCta tiles per CTA (two on the H200), where two such CTAs fit
-    // an SM; otherwise the clusters below (3-4 x 256 threads). At 40 registers (kRawRows) the occupancy
-    // calculator fits two CTAs of up to 24 warps (W = 24576; 48 warps of 40 registers per SM);
+    // an SM; otherwise the clusters below (3-4 x 256 threads). At 40 registers (kRawRows) the
+    // occupancy calculator fits two CTAs of up to 24 warps (W = 24576; 48 warps of 40 registers
+    // per SM);
     // float16 at 64 registers (before session 35) fitted one. Measured (H100, session 33, us per
     // call at 256 MiB, cluster / block): bfloat16 16385 233 / 196 (17 warps), 16391 234 / 198, 20001
     // 219 / 189 (20 warps); one CTA per SM lost: 24577 211 / 262 (25 warps), 28673 205 / 250, 32767
