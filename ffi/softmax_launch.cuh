@@ -398,19 +398,21 @@ inline int GridUnits(int64_t needed, int64_t resident, int64_t waves, int cluste
 // loads (float32 clusters: two CTAs per SM with one stage each measured 4-8% faster than one CTA
 // with three). stages == 0 where not even one CTA's tile fits (the register kernel runs instead).
 // JAX_SOFTMAX_TILES_PER_CTA sets T (read once), for tuning experiments.
-inline int TilesPerCta() {
-  static const int t = [] {
-    const long v = EnvKnob("JAX_SOFTMAX_TILES_PER_CTA", 1);
-    return static_cast<int>(v < 0 ? 0 : v > 64 ? 64 : v);
+// `fallback` is a row tier's own T where the knob is unset (OddRowTilesPerCta).
+inline int TilesPerCta(int fallback = 1) {
+  static const int knob = [] {
+    const long v = EnvKnob("JAX_SOFTMAX_TILES_PER_CTA", LONG_MIN);  // LONG_MIN: unset
+    return v == LONG_MIN ? -1 : static_cast<int>(v < 0 ? 0 : v > 64 ? 64 : v);
   }();
-  return t;
+  return knob >= 0 ? knob : fallback;
 }
 
-// Tiles per CTA for 16-bit odd rows (windowed) of W window offsets on two staged row tiers
-// (LaunchStagedTier): rows of 16 E + 1 to 128 E (513-4096 at E = 32; 32-128 threads per row, one
-// row per CTA from 1025 on) and the wide blocks (512 E + 1 to 1024 E; two CTAs of up to 24 warps
-// per SM). Two where measured faster: every such row on GPUs with the H200's DRAM bandwidth per SM
-// cycle (AmpleDramPerSm), rows of up to 96 E (3072) elsewhere; one (the default T) otherwise.
+// Tiles per CTA for 16-bit odd rows (windowed) of W window offsets on the staged row tiers
+// (LaunchStagedTier), E values per thread. Two on two of their tiers: rows of 16 E + 1 to 128 E
+// (513-4096 at E = 32; 32-128 threads per row, one row per CTA from 1025 on) and the wide blocks
+// (512 E + 1 to 1024 E; two CTAs of up to 24 warps per SM), where measured faster: every such row
+// on GPUs with the H200's DRAM bandwidth per SM cycle (AmpleDramPerSm), rows of up to 96 E (3072)
+// elsewhere. The default T (TilesPerCta) for the other odd rows and elsewhere.
 // With one tile per CTA, an SM has only its resident CTAs' rows in flight, and a CTA none while it
 // reduces its row: ncu (H200, sessions 36-37) read bfloat16 20001 at DRAM 61% (two CTAs of 20
 // warps per SM), 2049 at 46% (eight CTAs of 128 threads at 64 registers, each row filling half
@@ -428,11 +430,12 @@ inline int TilesPerCta() {
 // 16383 136 / 138) and on plain rows (bfloat16 128 131 / 133, 1000 130 / 133; float32 1000
 // 131 / 133, 16384 131 / 134). Bfloat16 1025 and 2049 stay slower than XLA on the H200 (0.94x,
 // 0.89x; TUNING.md session 37). JAX_SOFTMAX_TILES_PER_CTA, where set, takes its place.
-constexpr int64_t kTwoTileOddWidth = 96 * 32;  // 96 E at E = 32: two tiles on every GPU
-inline int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
-  static const bool knob_set = EnvKnob("JAX_SOFTMAX_TILES_PER_CTA", -1) >= 0;
-  if (knob_set) return TilesPerCta();
-  return AmpleDramPerSm(dev) || width <= kTwoTileOddWidth ? 2 : 1;
+template <int kE>
+int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
+  const bool ring_tiers = (width > 16 * kE && width <= 128 * kE) ||
+                          (width > 512 * kE && width <= 1024 * kE);
+  const bool two = ring_tiers && (AmpleDramPerSm(dev) || width <= 96 * kE);
+  return TilesPerCta(two ? 2 : 1);
 }
 
 // Staged clusters of 1024-thread CTAs (LaunchStagedTier). JAX_SOFTMAX_WIDE_CLUSTERS (read once):
@@ -901,7 +904,10 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   } else if constexpr (kAccess == Access::kWindowed) {
     if (n <= 8 * kVec || (n > 128 * kE && n <= 160 * kE)) return std::nullopt;
   }
-#define JS_STAGED(G, E, R) return LaunchStagedRows<T, G, E, kVec, kAccess, R>(c)
+  // Tiles per CTA of every staged row tier below (the reread blocks above take TilesPerCta()).
+  constexpr bool kOdd16 = kAccess == Access::kWindowed && sizeof(T) == 2;
+  const int tiles = kOdd16 ? OddRowTilesPerCta<kE>(c.dev, n) : TilesPerCta();
+#define JS_STAGED(G, E, R) return LaunchStagedRows<T, G, E, kVec, kAccess, R>(c, 1, tiles)
   if constexpr (!kWindowedF32) {
     if constexpr (kAccess != Access::kWindowed) {
       if (n <= 1 * kVec) JS_STAGED(1, kVec, kEB / kVec);
@@ -912,18 +918,13 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if (n <= 8 * 2 * kVec) JS_STAGED(8, 2 * kVec, kEB / (2 * kVec));
     if (n <= 8 * kEB) JS_STAGED(8, kEB, 1);
     if (n <= 16 * kEB) JS_STAGED(16, kEB, 1);
-    // 16-bit odd rows of 16 E + 1 to 128 E columns: OddRowTilesPerCta tiles per CTA.
-    constexpr bool kOdd16 = kAccess == Access::kWindowed && sizeof(T) == 2;
-    const int ring = kOdd16 ? OddRowTilesPerCta(c.dev, n) : TilesPerCta();
-#define JS_STAGED_RING(G, E) return LaunchStagedRows<T, G, E, kVec, kAccess, 1>(c, 1, ring)
-    if (n <= 32 * kEB) JS_STAGED_RING(32, kEB);
+    if (n <= 32 * kEB) JS_STAGED(32, kEB, 1);
     // Wider rows (float32 general rows here are mask-only ones: StageGeneralRows) hold kE values:
     // a tile's bytes per thread, and so per SM, are what a staged tier has in flight (float32
     // padding mask, S = 8192: 512 x 16 took 155 us where 256 x 32 took 137).
-    if (n <= 32 * kE) JS_STAGED_RING(32, kE);
-    if (n <= 64 * kE) JS_STAGED_RING(64, kE);
-    if (n <= 128 * kE) JS_STAGED_RING(128, kE);
-#undef JS_STAGED_RING
+    if (n <= 32 * kE) JS_STAGED(32, kE, 1);
+    if (n <= 64 * kE) JS_STAGED(64, kE, 1);
+    if (n <= 128 * kE) JS_STAGED(128, kE, 1);
     if (n <= 256 * kE) JS_STAGED(256, kE, 1);
     if (n <= 512 * kE) JS_STAGED(512, kE, 1);
     // 16-bit odd rows of 512 E + 1 to 1024 E columns: one CTA of as many warps as the row needs (up
@@ -941,8 +942,8 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if constexpr (kAccess == Access::kWindowed &&
                   kRawRows<RowLoader<T, kVec, /*kBwd=*/false, kAccess>, 1024, 1>) {
       if (n <= 1024 * kE && WideBlocks()) {
-        if (Launched launched = LaunchStagedRows<T, 1024, kE, kVec, kAccess, 1>(
-                c, /*min_ctas_per_sm=*/2, OddRowTilesPerCta(c.dev, n)))
+        if (Launched launched =
+                LaunchStagedRows<T, 1024, kE, kVec, kAccess, 1>(c, /*min_ctas_per_sm=*/2, tiles))
           return launched;
       }
     }
