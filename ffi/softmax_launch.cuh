@@ -651,16 +651,25 @@ constexpr int64_t WindowWidth(int64_t cols) {
 // gained or held at every width measured (float32 6000 and 12000 within 1%). The staged tiers'
 // 16-bit rows of a run-time width are odd ones of 5121 columns and more (LaunchStagedTier),
 // measured with it (8193: 175 / 249; 6143: 146 at 6 warps, the whole tier not measured).
+// even_warps = false (16-bit odd rows on the staged tiers): as many warps as the row needs, odd
+// counts too, since fewer idle threads per CTA let more CTAs, and so more rows, onto an SM (ncu,
+// session 37: bfloat16 2049 on four warps, half of them idle, 8 CTAs per SM and DRAM 46%).
+// Measured (session 37, us per call at 256 MiB, even / as needed): H200 bfloat16 2049 (3 warps)
+// 195 / 159, 2100 186 / 153, 2305 174 / 150, 2561 161 / 142, 2999 145 / 136, 3001 146 / 137, 6500
+// (7 warps) 154 / 140; float16 2049 194 / 158, 6500 153 / 140. H100: bfloat16 2049 203 / 185,
+// 2100 197 / 184, 2999 185 / 187, 6500 182 / 182; float16 2049 203 / 185. Float32 plain staged
+// rows keep the rule (H200: 2500 132 / 134, 3000 131 / 132, 7000 132 / 132).
 // JAX_SOFTMAX_WARP_STEP (read once; 1 to 32) rounds the warps up to a multiple of its value
-// instead of both rules, for tuning experiments.
-inline int RowThreads(int64_t width, int group, int elems, bool keep_filled) {
+// instead of these rules, for tuning experiments.
+inline int RowThreads(int64_t width, int group, int elems, bool keep_filled,
+                      bool even_warps = true) {
   static const long step = EnvKnob("JAX_SOFTMAX_WARP_STEP", 0);
   int64_t warps = (width + 32 * int64_t(elems) - 1) / (32 * int64_t(elems));
   if (step >= 1 && step <= 32)
     warps = (warps + step - 1) / step * step;
   else if (keep_filled && width * 8 > int64_t(group) * elems * 5)
     return group;
-  else if (warps < 8)
+  else if (even_warps && warps < 8)
     warps += warps & 1;
   return warps < 1 ? 32 : warps * 32 < group ? static_cast<int>(warps * 32) : group;
 }
@@ -672,7 +681,10 @@ int TierThreads(int64_t cols) {
   if constexpr (kRuntimeWarps<Loader, kGroup, kElems, 1>) {
     constexpr bool kKeepFilled =
         kRegisterTier && !Loader::kBackward && sizeof(typename Loader::Elem) == 2;
-    return RowThreads(WindowWidth<Loader::kVecWidth, kAccess>(cols), kGroup, kElems, kKeepFilled);
+    constexpr bool kEvenWarps =
+        kRegisterTier || sizeof(typename Loader::Elem) != 2 || kAccess != Access::kWindowed;
+    return RowThreads(WindowWidth<Loader::kVecWidth, kAccess>(cols), kGroup, kElems, kKeepFilled,
+                      kEvenWarps);
   } else {
     return BlockThreads(kGroup);
   }

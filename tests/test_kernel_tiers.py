@@ -174,8 +174,9 @@ def test_tier_boundaries(backend, device, rng, dtype, k):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
 def test_block_warps(backend, device, rng, dtype):
     # Block tiers run with as many warps as a row needs (ffi/softmax_kernels.cuh, kRuntimeWarps):
-    # about 32 * ceil(W / (32 E)) threads (RowThreads rounds to an even count below 8 warps, and
-    # keeps the whole tier for 16-bit forward register rows that fill more than 5/8 of it), so
+    # about 32 * ceil(W / (32 E)) threads (RowThreads rounds to an even count below 8 warps but
+    # for 16-bit odd rows on the staged tiers, which take 3, 5 or 7 warps as needed, and keeps the
+    # whole tier for 16-bit forward register rows that fill more than 5/8 of it), so
     # every warp count a tier can take must reduce and store right, not only the full and
     # half-full ones that the boundaries above give. For E = 32
     # (forward) and 16 (backward), w warps of E values per lane: the widest plain row of w warps
