@@ -49,7 +49,8 @@
 // for the row tiers (two for some 16-bit odd rows: OddRowTilesPerCta), a persistent ring of
 // stages for the clusters; with their own
 // short-row table (LaunchStagedTier): rows of cols <= 8 V on G = 1..8 lanes of one vector, then
-// 8, 16, 32 lanes of up to E values, then blocks and clusters as above, but 16-bit rows of
+// 8, 16, 32 lanes of up to E values (16-bit odd rows also on 8-32 lanes of 3/2 E or 3/4 E
+// between them: OddRowTiers), then blocks and clusters as above, but 16-bit rows of
 // 8 * 512 * E + 1 to 16 * 512 * E on 8 x 1024 threads, and on GPUs with less DRAM bandwidth per
 // SM cycle than the H200 (the H100) those of 6 * 256 * E + 1 to 7 * 256 * E and 6 * 512 * E + 1
 // to 7 * 512 * E on 2 and 4 x 1024 (WideClusterMode, AmpleDramPerSm), and odd
@@ -409,7 +410,8 @@ inline int TilesPerCta(int fallback = 1) {
 
 // Tiles per CTA for 16-bit odd rows (windowed) of W window offsets on the staged row tiers
 // (LaunchStagedTier), E values per thread. Two on two of their tiers: rows of 16 E + 1 to 128 E
-// (513-4096 at E = 32; 32-128 threads per row, one row per CTA from 1025 on) and the wide blocks
+// (513-4096 at E = 32; 16-128 threads per row, one row per CTA from 1537 on, and since session
+// 38 the tiers of 3/2 E and 3/4 E values below 48 E: OddRowTiers) and the wide blocks
 // (512 E + 1 to 1024 E; two CTAs of up to 24 warps per SM), where measured faster: every such row
 // on GPUs with the H200's DRAM bandwidth per SM cycle (AmpleDramPerSm), rows of up to 96 E (3072)
 // elsewhere. The default T (TilesPerCta) for the other odd rows and elsewhere.
@@ -462,6 +464,14 @@ inline bool WideBlocks() {
 // the register tiers, for A/B runs.
 inline bool RereadBlocks() {
   static const bool enabled = EnvKnob("JAX_SOFTMAX_REREAD_BLOCKS", 1) == 1;
+  return enabled;
+}
+
+// JAX_SOFTMAX_ODD_TIERS (read once): 1 (default) gives 16-bit odd rows (windowed) the staged row
+// tiers of 3/2 E and 3/4 E values per thread, and stages those of 128 E + 1 to 160 E columns
+// (LaunchStagedTier, session 38); 0 keeps session 37's tiers for them, for A/B runs.
+inline bool OddRowTiers() {
+  static const bool enabled = EnvKnob("JAX_SOFTMAX_ODD_TIERS", 1) == 1;
   return enabled;
 }
 
@@ -914,7 +924,11 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   if constexpr (kWindowedF32) {
     if (n <= 4 * 512 * kE) return std::nullopt;
   } else if constexpr (kAccess == Access::kWindowed) {
-    if (n <= 8 * kVec || (n > 128 * kE && n <= 160 * kE)) return std::nullopt;
+    // Since session 38 (OddRowTiers) the staged 256-thread block takes W = 4097-5120 too: with
+    // as many warps as the row needs (5, RowThreads) it beat the register tiers (H200, us per
+    // call at 256 MiB, register / staged: bfloat16 4097 174 / 155, 4609 164 / 139, 5119 187 / 134;
+    // float16 4097 173 / 155).
+    if (n <= 8 * kVec || (n > 128 * kE && n <= 160 * kE && !OddRowTiers())) return std::nullopt;
   }
   // Tiles per CTA of every staged row tier below (the reread blocks above take TilesPerCta()).
   constexpr bool kOdd16 = kAccess == Access::kWindowed && sizeof(T) == 2;
@@ -928,13 +942,36 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
       if (n <= 8 * kVec) JS_STAGED(8, kVec, kEB / kVec);
     }
     if (n <= 8 * 2 * kVec) JS_STAGED(8, 2 * kVec, kEB / (2 * kVec));
+    // 16-bit odd rows (OddRowTiers, session 38) fill their lanes better on tiers of 3/2 E or
+    // 3/4 E values per thread between the power-of-two ones: W = 8 E + 1 to 12 E on 8 lanes of
+    // 3/2 E, 16 E + 1 to 20 E on 16 lanes of 3/2 E, 20 E + 1 to 24 E on 32 lanes of 3/4 E, and
+    // 32 E + 1 to 48 E on 32 lanes of 3/2 E (four rows per 128-thread CTA, where the 64-thread CTA
+    // of one row left half its threads without values at 1025). Measured (H200, us per call at
+    // 256 MiB, session 37's tier / 8-16 lanes of 3/2 E / 16-32 lanes of 3/4 E): bfloat16 257
+    // 233 / 163 / 213, 300 202 / 149 / 189, 383 168 / 158 / 165, 513 211 / 156 / 178, 545 201 /
+    // 153 / 173, 601 183 / 150 / 159, 641 173 / 150 / 152, 700 152 / 151 / 136, 729 155 / 155 /
+    // 140, 767 150 / 154 / 137; float16 513 210 / 156 / 178, 700 151 / 151 / 136. 32 lanes of
+    // 3/2 E (session 37's 64 threads / them): bfloat16 1025 243 / 158 (0.94x -> 1.44x XLA), 1100
+    // 212 / 152, 1279 193 / 151, 1535 159 / 153; float16 1025 241 / 158. The 3/2 E tiers spill
+    // 16-28 bytes (ptxas, 64 registers); the gain is in the rows per SM.
+    const bool odd_tiers = kOdd16 && OddRowTiers();
     if (n <= 8 * kEB) JS_STAGED(8, kEB, 1);
+    if constexpr (kOdd16) {
+      if (odd_tiers && n <= 12 * kE) JS_STAGED(8, 3 * kE / 2, 1);
+    }
     if (n <= 16 * kEB) JS_STAGED(16, kEB, 1);
+    if constexpr (kOdd16) {
+      if (odd_tiers && n <= 20 * kE) JS_STAGED(16, 3 * kE / 2, 1);
+      if (odd_tiers && n <= 24 * kE) JS_STAGED(32, 3 * kE / 4, 1);
+    }
     if (n <= 32 * kEB) JS_STAGED(32, kEB, 1);
     // Wider rows (float32 general rows here are mask-only ones: StageGeneralRows) hold kE values:
     // a tile's bytes per thread, and so per SM, are what a staged tier has in flight (float32
     // padding mask, S = 8192: 512 x 16 took 155 us where 256 x 32 took 137).
     if (n <= 32 * kE) JS_STAGED(32, kE, 1);
+    if constexpr (kOdd16) {
+      if (odd_tiers && n <= 48 * kE) JS_STAGED(32, 3 * kE / 2, 1);
+    }
     if (n <= 64 * kE) JS_STAGED(64, kE, 1);
     if (n <= 128 * kE) JS_STAGED(128, kE, 1);
     if (n <= 256 * kE) JS_STAGED(256, kE, 1);

@@ -178,6 +178,10 @@ if want test; then
   # and on the H100 up to 3072 columns) at one tile per CTA, the H100's default beyond.
   test_job odd_rows_one_tile JAX_SOFTMAX_TILES_PER_CTA=1 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_rings or wide_block_rows)")"
+  # The 16-bit odd rows that session 38's tiers of 3/2 E and 3/4 E values per thread and the
+  # staged 5-warp block took over, on session 37's tiers (JAX_SOFTMAX_ODD_TIERS=0).
+  test_job odd_tiers_off JAX_SOFTMAX_ODD_TIERS=0 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_tiers or odd_row_rings)")"
   # The 16-bit plain rows of 16385-32768 on the register tiers that the reread blocks replaced by
   # default (JAX_SOFTMAX_REREAD_BLOCKS=0).
   test_job reread_blocks_off JAX_SOFTMAX_REREAD_BLOCKS=0 \
@@ -197,7 +201,7 @@ if want knobs; then
   # row staged (by default only short ones and some rows whose only operand is a mask:
   # StageGeneralRows), whose one-row tiles copy only up to the causal limit. Not the long-key
   # tests ($big), too large for three at once.
-  knob_tests="many_long_rows or staged_ring or odd_row_rings or causal"
+  knob_tests="many_long_rows or staged_ring or odd_row_rings or odd_row_tiers or causal"
   for knobs in JAX_SOFTMAX_STAGED=0 JAX_SOFTMAX_TILES_PER_CTA=3,JAX_SOFTMAX_WAVES=1 JAX_SOFTMAX_STAGED_GENERAL=2; do
     test_job "${knobs//[=,]/_}" ${knobs//,/ } XLA_PYTHON_CLIENT_MEM_FRACTION=0.25 -- \
       -k "$(with_test_k "gpu and test_kernel_tiers and ($knob_tests) and not ($big)")"

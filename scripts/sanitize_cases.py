@@ -63,7 +63,8 @@ CASES = [  # (rows, cols, dtype)
     (5, 262143, jnp.float32),
     # Block tiers of a run-time number of warps (ffi/softmax_kernels.cuh, kRuntimeWarps): 6 of a
     # 256-thread tier's 8 (forward; backward 9 of 16), and 9 of 16 (forward; backward 17 of 32,
-    # float32's 1024-thread block), each row's last columns alone in the last warp.
+    # float32's 1024-thread block), each row's last columns alone in the last warp; 4097 forward
+    # on the staged 256-thread block with 5 warps (an odd count: OddRowTiers, RowThreads).
     (7, 4097, jnp.bfloat16),
     (5, 8193, jnp.float32),
     # Staged bfloat16 forward rows kept as loaded (kRawRows): a 256-thread block (6 of its 8
@@ -72,9 +73,12 @@ CASES = [  # (rows, cols, dtype)
     # float16 odd rows of 16385-24576 kept as loaded in one CTA of up to 1024 threads (the
     # wide-block rule), since the max pass takes the max of the packed pairs (max_pair).
     (5, 20001, jnp.float16),
-    # 16-bit odd rows of 1025-2048 on 64-thread staged blocks, two tiles per CTA on the H200
-    # (OddRowTilesPerCta): an odd row count leaves the last CTA one tile.
+    # 16-bit odd rows of 1025-1536 on 32 lanes of 48 values, four rows per CTA and two tiles per
+    # CTA (OddRowTiers, OddRowTilesPerCta): an odd row count leaves the last CTA a partial tile;
+    # and 257-384 on 8 lanes of 48 (one tile of 16 rows), 641-768 on 32 lanes of 24 values.
     (7, 1025, jnp.bfloat16),
+    (37, 300, jnp.bfloat16),
+    (9, 700, jnp.float16),
     # Cluster tiers launched with the CTAs a row needs (FitCluster in ffi/softmax_launch.cuh):
     # 5 of a staged 8 x 256 tier (forward; backward 5 of 8 x 512), more rows than clusters; and
     # float32 forward 5 of a staged 8 x 512 tier (backward 9 of 16 x 512), windowed.

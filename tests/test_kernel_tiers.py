@@ -244,12 +244,27 @@ def test_wide_block_rows(backend, device, rng, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_odd_row_rings(backend, device, rng, dtype):
     # 16-bit odd rows on the staged tiers that take OddRowTilesPerCta tiles per CTA (two on the
-    # H200, and on the H100 up to W = 3072; ffi/softmax_launch.cuh, LaunchStagedTier): 32 lanes
-    # (W = 520-1024), blocks of 64 and 128 threads (1032-4096) and the wide blocks (16392-24576).
+    # H200, and on the H100 up to W = 3072; ffi/softmax_launch.cuh, LaunchStagedTier): 16-32 lanes
+    # (W = 520-1536, OddRowTiers), blocks of 64 and 128 threads (1544-4096) and the wide blocks
+    # (16392-24576).
     # Both ends of each tier, both sides of the H100's 3072, in an odd number of rows
     # (rows_past_one_wave), so that a CTA's second tile is the partial last one or missing;
     # gpu_check.sh runs it again under JAX_SOFTMAX_TILES_PER_CTA=1 and =3 (rings of three stages).
     sizes = [513, 1023, 1025, 1031, 2047, 2049, 3001, 3071, 3073, 4089, 4095, 16385, 20001, 24575]
+    check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
+def test_odd_row_tiers(backend, device, rng, dtype):
+    # 16-bit odd rows on the staged tiers of 3/2 E and 3/4 E values per thread (OddRowTiers in
+    # ffi/softmax_launch.cuh; E = 32): W = 257-384 on 8 lanes of 48, 513-640 on 16 lanes of 48,
+    # 641-768 on 32 lanes of 24, 1025-1536 on 32 lanes of 48, and 4097-5120 on the staged block
+    # of 5 warps. Both ends of each range (W is cols rounded up to 8) and one past each, in an odd
+    # number of rows (rows_past_one_wave), so that the last CTA's tile is partial; gpu_check.sh
+    # runs it again under JAX_SOFTMAX_ODD_TIERS=0 (session 37's tiers).
+    sizes = [255, 257, 263, 383, 385, 511, 513, 633, 639, 641, 647, 767, 769, 1023, 1025, 1031,
+             1279, 1535, 1537, 4095, 4097, 4603, 5119, 5121]
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
 
 
