@@ -474,6 +474,22 @@ inline bool OddRowTiers() {
   static const bool enabled = EnvKnob("JAX_SOFTMAX_ODD_TIERS", 1) == 1;
   return enabled;
 }
+// The widest rows, W in units of E, that its tiers take: 8, 16 and 32 lanes of 3/2 E values
+// (wide8, wide16, wide32) and 32 lanes of 3/4 E (narrow32; 0: none). The whole gaps between the
+// power-of-two tiers (12 E, 20 E then 24 E, 48 E) on GPUs with the H200's DRAM bandwidth per SM
+// cycle (AmpleDramPerSm), the narrower rows of each gap elsewhere, where the wider ones lost to
+// session 37's tiers. Measured (H100, session 38, us per call at 256 MiB,
+// 3/2 E tier / session 37's): bfloat16 257 195 / 237, 297 197 / 214, 319 195 / 209, 345 218 / 196,
+// 383 207 / 190; 513 197 / 215, 553 198 / 204, 575 198 / 199, 601 199 / 194; 1025 199 / 243,
+// 1089 201 / 237, 1151 201 / 215, 1215 202 / 205, 1279 202 / 196, 1535 206 / 185. (The 32 lanes
+// of 3/4 E for 20 E + 1 to 24 E: 700 184 / 183, 767 186 / 185; taken on the H200 only, whose
+// 16 lanes of 3/2 E reach 20 E.)
+struct OddTierTops {
+  int wide8, wide16, narrow32, wide32;
+};
+inline OddTierTops OddRowTierTops(const DeviceInfo& dev) {
+  return AmpleDramPerSm(dev) ? OddTierTops{12, 20, 24, 48} : OddTierTops{10, 18, 0, 38};
+}
 
 // Rows of up to 8 * 256 * E columns (65536 forward) without a mask, bias or causal limit split
 // over clusters of 4 or 8 CTAs of 256 threads instead of 2 or 4 of 512: four CTAs per SM instead
@@ -943,26 +959,28 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     }
     if (n <= 8 * 2 * kVec) JS_STAGED(8, 2 * kVec, kEB / (2 * kVec));
     // 16-bit odd rows (OddRowTiers, session 38) fill their lanes better on tiers of 3/2 E or
-    // 3/4 E values per thread between the power-of-two ones: W = 8 E + 1 to 12 E on 8 lanes of
-    // 3/2 E, 16 E + 1 to 20 E on 16 lanes of 3/2 E, 20 E + 1 to 24 E on 32 lanes of 3/4 E, and
-    // 32 E + 1 to 48 E on 32 lanes of 3/2 E (four rows per 128-thread CTA, where the 64-thread CTA
-    // of one row left half its threads without values at 1025). Measured (H200, us per call at
-    // 256 MiB, session 37's tier / 8-16 lanes of 3/2 E / 16-32 lanes of 3/4 E): bfloat16 257
-    // 233 / 163 / 213, 300 202 / 149 / 189, 383 168 / 158 / 165, 513 211 / 156 / 178, 545 201 /
-    // 153 / 173, 601 183 / 150 / 159, 641 173 / 150 / 152, 700 152 / 151 / 136, 729 155 / 155 /
-    // 140, 767 150 / 154 / 137; float16 513 210 / 156 / 178, 700 151 / 151 / 136. 32 lanes of
-    // 3/2 E (session 37's 64 threads / them): bfloat16 1025 243 / 158 (0.94x -> 1.44x XLA), 1100
-    // 212 / 152, 1279 193 / 151, 1535 159 / 153; float16 1025 241 / 158. The 3/2 E tiers spill
-    // 16-28 bytes (ptxas, 64 registers); the gain is in the rows per SM.
+    // 3/4 E values per thread between the power-of-two ones. On the H200: W = 8 E + 1 to 12 E on
+    // 8 lanes of 3/2 E, 16 E + 1 to 20 E on 16 lanes of 3/2 E, 20 E + 1 to 24 E on 32 lanes of
+    // 3/4 E, and 32 E + 1 to 48 E on 32 lanes of 3/2 E (four rows per 128-thread CTA, where the
+    // 64-thread CTA of one row left half its threads without values at 1025); the H100's ranges
+    // are narrower, and the rest of each gap keeps session 37's tier (OddRowTierTops). Measured
+    // (H200, us per call at 256 MiB, session 37's tier / 8-16 lanes of 3/2 E / 16-32 lanes of
+    // 3/4 E): bfloat16 257 233 / 163 / 213, 300 202 / 149 / 189, 383 168 / 158 / 165, 513 211 /
+    // 156 / 178, 545 201 / 153 / 173, 601 183 / 150 / 159, 641 173 / 150 / 152, 700 152 / 151 /
+    // 136, 729 155 / 155 / 140, 767 150 / 154 / 137; float16 513 210 / 156 / 178, 700 151 / 151 /
+    // 136. 32 lanes of 3/2 E (session 37's 64 threads / them): bfloat16 1025 243 / 158 (0.94x ->
+    // 1.44x XLA), 1100 212 / 152, 1279 193 / 151, 1535 159 / 153; float16 1025 241 / 158. The
+    // 3/2 E tiers spill 16-28 bytes (ptxas, 64 registers); the gain is in the rows per SM.
     const bool odd_tiers = kOdd16 && OddRowTiers();
+    const OddTierTops tops = odd_tiers ? OddRowTierTops(c.dev) : OddTierTops{};
     if (n <= 8 * kEB) JS_STAGED(8, kEB, 1);
     if constexpr (kOdd16) {
-      if (odd_tiers && n <= 12 * kE) JS_STAGED(8, 3 * kE / 2, 1);
+      if (n <= tops.wide8 * kE) JS_STAGED(8, 3 * kE / 2, 1);
     }
     if (n <= 16 * kEB) JS_STAGED(16, kEB, 1);
     if constexpr (kOdd16) {
-      if (odd_tiers && n <= 20 * kE) JS_STAGED(16, 3 * kE / 2, 1);
-      if (odd_tiers && n <= 24 * kE) JS_STAGED(32, 3 * kE / 4, 1);
+      if (n <= tops.wide16 * kE) JS_STAGED(16, 3 * kE / 2, 1);
+      if (n <= tops.narrow32 * kE) JS_STAGED(32, 3 * kE / 4, 1);
     }
     if (n <= 32 * kEB) JS_STAGED(32, kEB, 1);
     // Wider rows (float32 general rows here are mask-only ones: StageGeneralRows) hold kE values:
@@ -970,7 +988,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     // padding mask, S = 8192: 512 x 16 took 155 us where 256 x 32 took 137).
     if (n <= 32 * kE) JS_STAGED(32, kE, 1);
     if constexpr (kOdd16) {
-      if (odd_tiers && n <= 48 * kE) JS_STAGED(32, 3 * kE / 2, 1);
+      if (n <= tops.wide32 * kE) JS_STAGED(32, 3 * kE / 2, 1);
     }
     if (n <= 64 * kE) JS_STAGED(64, kE, 1);
     if (n <= 128 * kE) JS_STAGED(128, kE, 1);

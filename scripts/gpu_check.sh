@@ -137,16 +137,18 @@ with_test_k() { if [ -n "${TEST_K:-}" ]; then echo "($TEST_K) and ($1)"; else ec
 if want test; then
   # The suite in parallel processes (a GPU test spends most of its time in XLA's compiler, on the
   # CPU; one process ran past a device call's 10 minutes). -k selects by test and module name;
-  # the shards cover every test once: the kernel-tier module in six (the staged-ring,
+  # the shards cover every test once: the kernel-tier module in seven (the staged-ring,
   # dependent-call and causal-size tests were one shard until session 28, which ran past 320 s
-  # beside the others), the rest in two.
-  tiers_split="tier_boundaries or two_pass or many_long_rows or staged_ring or dependent_calls or causal_attention_sizes"
+  # beside the others; the odd-row tests one with the rest until session 38, past 470 s on the
+  # H100), the rest in two.
+  tiers_split="tier_boundaries or two_pass or many_long_rows or staged_ring or dependent_calls or causal_attention_sizes or odd_row or wide_block_rows"
   shards=(
     "tiers_boundaries:test_kernel_tiers and tier_boundaries"
     "tiers_long:test_kernel_tiers and (two_pass or many_long_rows)"
     "tiers_ring:test_kernel_tiers and staged_ring"
     "tiers_dependent:test_kernel_tiers and dependent_calls"
     "tiers_causal:test_kernel_tiers and causal_attention_sizes"
+    "tiers_odd:test_kernel_tiers and (odd_row or wide_block_rows)"
     "tiers_rest:test_kernel_tiers and not ($tiers_split) and not ($big)"
     "softmax:not test_kernel_tiers and (test_softmax or test_transforms or test_errors)"
     "rest:not (test_kernel_tiers or test_softmax or test_transforms or test_errors)"
