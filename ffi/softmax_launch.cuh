@@ -469,11 +469,13 @@ inline bool RereadBlocks() {
 
 // JAX_SOFTMAX_ODD_TIERS (read once): 1 (default) gives 16-bit odd rows (windowed) the staged row
 // tiers of 3/2 E and 3/4 E values per thread, and stages those of 128 E + 1 to 160 E columns
-// (LaunchStagedTier, session 38); 0 keeps session 37's tiers for them, for A/B runs.
-inline bool OddRowTiers() {
-  static const bool enabled = EnvKnob("JAX_SOFTMAX_ODD_TIERS", 1) == 1;
-  return enabled;
+// (LaunchStagedTier, session 38); 0 keeps session 37's tiers for them, for A/B runs; 2 as 1 with
+// the H200's ranges on every GPU (OddRowTierTops), so that an H100 runs them in tests.
+inline int OddRowTierMode() {
+  static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_ODD_TIERS", 1));
+  return mode;
 }
+inline bool OddRowTiers() { return OddRowTierMode() == 1 || OddRowTierMode() == 2; }
 // The widest rows, W in units of E, that its tiers take: 8, 16 and 32 lanes of 3/2 E values
 // (wide8, wide16, wide32) and 32 lanes of 3/4 E (narrow32; 0: none). The whole gaps between the
 // power-of-two tiers (12 E, 20 E then 24 E, 48 E) on GPUs with the H200's DRAM bandwidth per SM
@@ -488,7 +490,8 @@ struct OddTierTops {
   int wide8, wide16, narrow32, wide32;
 };
 inline OddTierTops OddRowTierTops(const DeviceInfo& dev) {
-  return AmpleDramPerSm(dev) ? OddTierTops{12, 20, 24, 48} : OddTierTops{10, 18, 0, 38};
+  return AmpleDramPerSm(dev) || OddRowTierMode() == 2 ? OddTierTops{12, 20, 24, 48}
+                                                      : OddTierTops{10, 18, 0, 38};
 }
 
 // Rows of up to 8 * 256 * E columns (65536 forward) without a mask, bias or causal limit split

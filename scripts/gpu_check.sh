@@ -184,6 +184,10 @@ if want test; then
   # staged 5-warp block took over, on session 37's tiers (JAX_SOFTMAX_ODD_TIERS=0).
   test_job odd_tiers_off JAX_SOFTMAX_ODD_TIERS=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_tiers or odd_row_rings)")"
+  # The same rows on the H200's ranges of those tiers (JAX_SOFTMAX_ODD_TIERS=2), which an H100
+  # takes only under that knob.
+  test_job odd_tiers_h200 JAX_SOFTMAX_ODD_TIERS=2 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and odd_row_tiers")"
   # The 16-bit plain rows of 16385-32768 on the register tiers that the reread blocks replaced by
   # default (JAX_SOFTMAX_REREAD_BLOCKS=0).
   test_job reread_blocks_off JAX_SOFTMAX_REREAD_BLOCKS=0 \
