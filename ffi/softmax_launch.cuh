@@ -410,11 +410,11 @@ inline int TilesPerCta(int fallback = 1) {
 
 // Tiles per CTA for 16-bit odd rows (windowed) of W window offsets on the staged row tiers
 // (LaunchStagedTier), E values per thread. Two on two of their tiers: rows of 16 E + 1 to 128 E
-// (513-4096 at E = 32; 16-128 threads per row, one row per CTA from 1537 on, and since session
-// 38 the tiers of 3/2 E and 3/4 E values below 48 E: OddRowTiers) and the wide blocks
-// (512 E + 1 to 1024 E; two CTAs of up to 24 warps per SM), where measured faster: every such row
-// on GPUs with the H200's DRAM bandwidth per SM cycle (AmpleDramPerSm), rows of up to 96 E (3072)
-// elsewhere. The default T (TilesPerCta) for the other odd rows and elsewhere.
+// (513-4096 at E = 32; 16-128 threads per row, one row per CTA from 1537 on (the H100: 1217),
+// since session 38 with the tiers of 3/2 E and 3/4 E values below 48 E: OddRowTiers) and the
+// wide blocks (512 E + 1 to 1024 E; two CTAs of up to 24 warps per SM), where measured faster:
+// every such row on GPUs with the H200's DRAM bandwidth per SM cycle (AmpleDramPerSm), rows of up
+// to 96 E (3072) elsewhere. The default T (TilesPerCta) for the other odd rows and elsewhere.
 // With one tile per CTA, an SM has only its resident CTAs' rows in flight, and a CTA none while it
 // reduces its row: ncu (H200, sessions 36-37) read bfloat16 20001 at DRAM 61% (two CTAs of 20
 // warps per SM), 2049 at 46% (eight CTAs of 128 threads at 64 registers, each row filling half
@@ -678,7 +678,7 @@ constexpr int64_t WindowWidth(int64_t cols) {
 // plain rows of 3000 (3 warps of 4) 149 / 136-139, 6000 (6 of 8) 158 / 147, 12000 (12 of 16) 187 /
 // 156, while the rows that fill half of theirs gained (4097: 175 / 201). Float32 and backward rows
 // gained or held at every width measured (float32 6000 and 12000 within 1%). The staged tiers'
-// 16-bit rows of a run-time width are odd ones of 5121 columns and more (LaunchStagedTier),
+// 16-bit rows of a run-time width are odd ones on blocks of 64 threads or more (LaunchStagedTier),
 // measured with it (8193: 175 / 249; 6143: 146 at 6 warps, the whole tier not measured).
 // even_warps = false (16-bit odd rows on the staged tiers): as many warps as the row needs, odd
 // counts too, since fewer idle threads per CTA let more CTAs, and so more rows, onto an SM (ncu,

@@ -245,8 +245,8 @@ def test_wide_block_rows(backend, device, rng, dtype):
 def test_odd_row_rings(backend, device, rng, dtype):
     # 16-bit odd rows on the staged tiers that take OddRowTilesPerCta tiles per CTA (two on the
     # H200, and on the H100 up to W = 3072; ffi/softmax_launch.cuh, LaunchStagedTier): 16-32 lanes
-    # (W = 520-1536, OddRowTiers), blocks of 64 and 128 threads (1544-4096) and the wide blocks
-    # (16392-24576).
+    # (W = 520-1536; OddRowTiers, the H100's to 1216), blocks of 64 and 128 threads (to 4096) and
+    # the wide blocks (16392-24576).
     # Both ends of each tier, both sides of the H100's 3072, in an odd number of rows
     # (rows_past_one_wave), so that a CTA's second tile is the partial last one or missing;
     # gpu_check.sh runs it again under JAX_SOFTMAX_TILES_PER_CTA=1 and =3 (rings of three stages).
