@@ -615,6 +615,11 @@ bool AllowDynamicSmem(int device, const DeviceInfo& dev) {
 // (kGeneral with kVec > 1) where StageGeneralRows says so.
 template <typename T, int kVec>
 constexpr bool kStageable = kVec > 1 && sizeof(T) <= 4;
+// 16-bit rows of odd length read through windows: the rows that the staged tiers' odd-row rules
+// serve (odd warp counts in TierThreads, OddRowTilesPerCta, OddRowTiers). The staged tiers' other
+// windowed rows are float32 (kStageable).
+template <typename T, Access kAccess>
+constexpr bool kOdd16Rows = kAccess == Access::kWindowed && sizeof(T) == 2;
 
 // Float32 forward rows with a mask, bias or causal limit on 16-byte vectors: 16 values per thread
 // in the row tiers (LaunchTier's kEB), so that BatchOperands fetches all their operands ahead.
@@ -710,8 +715,7 @@ int TierThreads(int64_t cols) {
   if constexpr (kRuntimeWarps<Loader, kGroup, kElems, 1>) {
     constexpr bool kKeepFilled =
         kRegisterTier && !Loader::kBackward && sizeof(typename Loader::Elem) == 2;
-    constexpr bool kEvenWarps =
-        kRegisterTier || sizeof(typename Loader::Elem) != 2 || kAccess != Access::kWindowed;
+    constexpr bool kEvenWarps = kRegisterTier || !kOdd16Rows<typename Loader::Elem, kAccess>;
     return RowThreads(WindowWidth<Loader::kVecWidth, kAccess>(cols), kGroup, kElems, kKeepFilled,
                       kEvenWarps);
   } else {
@@ -940,9 +944,10 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // block's tier, 5 warps' worth) take the register tiers; session 19 kept all of 4097-8192 there
   // (4097 was its only probe), which left 6143-8191 at 0.87-0.89x XLA.
   constexpr bool kWindowedF32 = kAccess == Access::kWindowed && sizeof(T) == 4;
+  constexpr bool kOdd16 = kOdd16Rows<T, kAccess>;
   if constexpr (kWindowedF32) {
     if (n <= 4 * 512 * kE) return std::nullopt;
-  } else if constexpr (kAccess == Access::kWindowed) {
+  } else if constexpr (kOdd16) {
     // Since session 38 (OddRowTiers) the staged 256-thread block takes W = 4097-5120 too: with
     // as many warps as the row needs (5, RowThreads) it beat the register tiers (H200, us per
     // call at 256 MiB, register / staged: bfloat16 4097 174 / 155, 4609 164 / 139, 5119 187 / 134;
@@ -950,7 +955,6 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if (n <= 8 * kVec || (n > 128 * kE && n <= 160 * kE && !OddRowTiers())) return std::nullopt;
   }
   // Tiles per CTA of every staged row tier below (the reread blocks above take TilesPerCta()).
-  constexpr bool kOdd16 = kAccess == Access::kWindowed && sizeof(T) == 2;
   const int tiles = kOdd16 ? OddRowTilesPerCta<kE>(c.dev, n) : TilesPerCta();
 #define JS_STAGED(G, E, R) return LaunchStagedRows<T, G, E, kVec, kAccess, R>(c, 1, tiles)
   if constexpr (!kWindowedF32) {
@@ -974,8 +978,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     // 136. 32 lanes of 3/2 E (session 37's 64 threads / them): bfloat16 1025 243 / 158 (0.94x ->
     // 1.44x XLA), 1100 212 / 152, 1279 193 / 151, 1535 159 / 153; float16 1025 241 / 158. The
     // 3/2 E tiers spill 16-28 bytes (ptxas, 64 registers); the gain is in the rows per SM.
-    const bool odd_tiers = kOdd16 && OddRowTiers();
-    const OddTierTops tops = odd_tiers ? OddRowTierTops(c.dev) : OddTierTops{};
+    const OddTierTops tops = kOdd16 && OddRowTiers() ? OddRowTierTops(c.dev) : OddTierTops{};
     if (n <= 8 * kEB) JS_STAGED(8, kEB, 1);
     if constexpr (kOdd16) {
       if (n <= tops.wide8 * kE) JS_STAGED(8, 3 * kE / 2, 1);
