@@ -468,30 +468,36 @@ inline bool RereadBlocks() {
 }
 
 // JAX_SOFTMAX_ODD_TIERS (read once): 1 (default) gives 16-bit odd rows (windowed) the staged row
-// tiers of 3/2 E and 3/4 E values per thread, and stages those of 128 E + 1 to 160 E columns
-// (LaunchStagedTier, session 38); 0 keeps session 37's tiers for them, for A/B runs; 2 as 1 with
-// the H200's ranges on every GPU (OddRowTierTops), so that an H100 runs them in tests.
+// tiers of 5/4 E, 3/2 E and 3/4 E values per thread (OddRowTierTops), and stages those of
+// 128 E + 1 to 160 E columns (LaunchStagedTier, sessions 38-39); 0 keeps session 37's tiers for
+// them, for A/B runs; 2 as 1 with the H200's ranges on every GPU, so that an H100 runs them in
+// tests.
 inline int OddRowTierMode() {
   static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_ODD_TIERS", 1));
   return mode;
 }
 inline bool OddRowTiers() { return OddRowTierMode() == 1 || OddRowTierMode() == 2; }
-// The widest rows, W in units of E, that its tiers take: 8, 16 and 32 lanes of 3/2 E values
-// (wide8, wide16, wide32) and 32 lanes of 3/4 E (narrow32; 0: none). The whole gaps between the
-// power-of-two tiers (12 E, 20 E then 24 E, 48 E) on GPUs with the H200's DRAM bandwidth per SM
-// cycle (AmpleDramPerSm), the narrower rows of each gap elsewhere, where the wider ones lost to
-// session 37's tiers. Measured (H100, session 38, us per call at 256 MiB,
-// 3/2 E tier / session 37's): bfloat16 257 195 / 237, 297 197 / 214, 319 195 / 209, 345 218 / 196,
-// 383 207 / 190; 513 197 / 215, 553 198 / 204, 575 198 / 199, 601 199 / 194; 1025 199 / 243,
-// 1089 201 / 237, 1151 201 / 215, 1215 202 / 205, 1279 202 / 196, 1535 206 / 185. (The 32 lanes
-// of 3/4 E for 20 E + 1 to 24 E: 700 184 / 183, 767 186 / 185; taken on the H200 only, whose
-// 16 lanes of 3/2 E reach 20 E.)
+// The widest rows, W in units of E, that each odd-row tier takes (0: none), tried narrowest
+// first: 8 lanes of 5/4 E then 3/2 E values, 16 lanes of 5/4 E, 32 lanes of 3/4 E, 32 lanes of
+// 5/4 E then 3/2 E. The 5/4 E tiers (session 39) hold the row in 62 registers without a spill,
+// where the 3/2 E ones spill 16-28 bytes at 64: they replaced the 3/2 E tiers wherever they reach.
+// The whole gaps between the power-of-two tiers on GPUs with the H200's DRAM bandwidth per SM
+// cycle (AmpleDramPerSm); on the H100 the 16-lane tier stops at 18 E (577-640 keep 32 lanes of
+// E: 639 187 us where 16 lanes of 5/4 E took 192), and the 3/2 E and 3/4 E tiers lost to session
+// 37's (345 218 / 196, 383 207 / 190, 700 184 / 183; H100, session 38, us per call at 256 MiB).
+// Measured (us per call at 256 MiB, session 38's tier / 5/4 E): H200 bfloat16 257 163 / 146, 319
+// 155 / 149, 513 156 / 140, 639 150 / 142, 1025 159 / 137, 1151 155 / 138, 1279 153 / 138
+// (0.96x -> 1.06x XLA), float16 601 150 / 144, 1151 155 / 139; H100 bfloat16 257 195 / 186, 300
+// 191 / 193, 513 197 / 189, 577 199 / 194, 1025 200 / 187, 1151 201 / 188 (0.93x -> 1.00x), 1217
+// 214 / 188, 1279 197 / 188. 64 lanes of 3/4 E for 40 E + 1 to 48 E lost at 1281 (H200, 153 /
+// 166; 1535 155 / 150).
 struct OddTierTops {
-  int wide8, wide16, narrow32, wide32;
+  int lanes8_40, lanes8_48, lanes16_40, lanes32_24, lanes32_40, lanes32_48;
 };
 inline OddTierTops OddRowTierTops(const DeviceInfo& dev) {
-  return AmpleDramPerSm(dev) || OddRowTierMode() == 2 ? OddTierTops{12, 20, 24, 48}
-                                                      : OddTierTops{10, 18, 0, 38};
+  if (!OddRowTiers()) return OddTierTops{};
+  return AmpleDramPerSm(dev) || OddRowTierMode() == 2 ? OddTierTops{10, 12, 20, 24, 40, 48}
+                                                      : OddTierTops{10, 0, 18, 0, 40, 0};
 }
 
 // Rows of up to 8 * 256 * E columns (65536 forward) without a mask, bias or causal limit split
@@ -965,28 +971,31 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
       if (n <= 8 * kVec) JS_STAGED(8, kVec, kEB / kVec);
     }
     if (n <= 8 * 2 * kVec) JS_STAGED(8, 2 * kVec, kEB / (2 * kVec));
-    // 16-bit odd rows (OddRowTiers, session 38) fill their lanes better on tiers of 3/2 E or
-    // 3/4 E values per thread between the power-of-two ones. On the H200: W = 8 E + 1 to 12 E on
-    // 8 lanes of 3/2 E, 16 E + 1 to 20 E on 16 lanes of 3/2 E, 20 E + 1 to 24 E on 32 lanes of
-    // 3/4 E, and 32 E + 1 to 48 E on 32 lanes of 3/2 E (four rows per 128-thread CTA, where the
-    // 64-thread CTA of one row left half its threads without values at 1025); the H100's ranges
-    // are narrower, and the rest of each gap keeps session 37's tier (OddRowTierTops). Measured
-    // (H200, us per call at 256 MiB, session 37's tier / 8-16 lanes of 3/2 E / 16-32 lanes of
-    // 3/4 E): bfloat16 257 233 / 163 / 213, 300 202 / 149 / 189, 383 168 / 158 / 165, 513 211 /
-    // 156 / 178, 545 201 / 153 / 173, 601 183 / 150 / 159, 641 173 / 150 / 152, 700 152 / 151 /
-    // 136, 729 155 / 155 / 140, 767 150 / 154 / 137; float16 513 210 / 156 / 178, 700 151 / 151 /
-    // 136. 32 lanes of 3/2 E (session 37's 64 threads / them): bfloat16 1025 243 / 158 (0.94x ->
-    // 1.44x XLA), 1100 212 / 152, 1279 193 / 151, 1535 159 / 153; float16 1025 241 / 158. The
-    // 3/2 E tiers spill 16-28 bytes (ptxas, 64 registers); the gain is in the rows per SM.
-    const OddTierTops tops = kOdd16 && OddRowTiers() ? OddRowTierTops(c.dev) : OddTierTops{};
+    // 16-bit odd rows (OddRowTiers, sessions 38-39) fill their lanes better on tiers of 5/4 E,
+    // 3/2 E or 3/4 E values per thread between the power-of-two ones (OddRowTierTops). On the
+    // H200: W = 8 E + 1 to 10 E on 8 lanes of 5/4 E, to 12 E on 8 lanes of 3/2 E, 16 E + 1 to 20 E
+    // on 16 lanes of 5/4 E, 20 E + 1 to 24 E on 32 lanes of 3/4 E, 32 E + 1 to 40 E on 32 lanes of
+    // 5/4 E and to 48 E on 32 lanes of 3/2 E (four rows per 128-thread CTA, where the 64-thread
+    // CTA of one row left half its threads without values at 1025); the H100 takes the 5/4 E
+    // tiers only, the 16-lane one to 18 E, and the rest of each gap keeps session 37's tier.
+    // Measured (H200, session 38, us per call at 256 MiB, session 37's tier / 8-16 lanes of 3/2 E
+    // / 16-32 lanes of 3/4 E): bfloat16 257 233 / 163 / 213, 300 202 / 149 / 189, 383 168 / 158 /
+    // 165, 513 211 / 156 / 178, 545 201 / 153 / 173, 601 183 / 150 / 159, 641 173 / 150 / 152, 700
+    // 152 / 151 / 136, 729 155 / 155 / 140, 767 150 / 154 / 137; float16 513 210 / 156 / 178, 700
+    // 151 / 151 / 136. 32 lanes of 3/2 E (session 37's 64 threads / them): bfloat16 1025 243 /
+    // 158 (0.94x -> 1.44x XLA), 1100 212 / 152, 1279 193 / 151, 1535 159 / 153; float16 1025 241 /
+    // 158. The 3/2 E tiers spill 16-28 bytes (ptxas, 64 registers); the gain is in the rows per
+    // SM. The 5/4 E tiers (session 39) beat them where they reach: OddRowTierTops has the figures.
+    const OddTierTops tops = kOdd16 ? OddRowTierTops(c.dev) : OddTierTops{};
     if (n <= 8 * kEB) JS_STAGED(8, kEB, 1);
     if constexpr (kOdd16) {
-      if (n <= tops.wide8 * kE) JS_STAGED(8, 3 * kE / 2, 1);
+      if (n <= tops.lanes8_40 * kE) JS_STAGED(8, 5 * kE / 4, 1);
+      if (n <= tops.lanes8_48 * kE) JS_STAGED(8, 3 * kE / 2, 1);
     }
     if (n <= 16 * kEB) JS_STAGED(16, kEB, 1);
     if constexpr (kOdd16) {
-      if (n <= tops.wide16 * kE) JS_STAGED(16, 3 * kE / 2, 1);
-      if (n <= tops.narrow32 * kE) JS_STAGED(32, 3 * kE / 4, 1);
+      if (n <= tops.lanes16_40 * kE) JS_STAGED(16, 5 * kE / 4, 1);
+      if (n <= tops.lanes32_24 * kE) JS_STAGED(32, 3 * kE / 4, 1);
     }
     if (n <= 32 * kEB) JS_STAGED(32, kEB, 1);
     // Wider rows (float32 general rows here are mask-only ones: StageGeneralRows) hold kE values:
@@ -994,7 +1003,8 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     // padding mask, S = 8192: 512 x 16 took 155 us where 256 x 32 took 137).
     if (n <= 32 * kE) JS_STAGED(32, kE, 1);
     if constexpr (kOdd16) {
-      if (n <= tops.wide32 * kE) JS_STAGED(32, 3 * kE / 2, 1);
+      if (n <= tops.lanes32_40 * kE) JS_STAGED(32, 5 * kE / 4, 1);
+      if (n <= tops.lanes32_48 * kE) JS_STAGED(32, 3 * kE / 2, 1);
     }
     if (n <= 64 * kE) JS_STAGED(64, kE, 1);
     if (n <= 128 * kE) JS_STAGED(128, kE, 1);

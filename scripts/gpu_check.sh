@@ -180,8 +180,8 @@ if want test; then
   # and on the H100 up to 3072 columns) at one tile per CTA, the H100's default beyond.
   test_job odd_rows_one_tile JAX_SOFTMAX_TILES_PER_CTA=1 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_rings or wide_block_rows)")"
-  # The 16-bit odd rows that session 38's tiers of 3/2 E and 3/4 E values per thread and the
-  # staged 5-warp block took over, on session 37's tiers (JAX_SOFTMAX_ODD_TIERS=0).
+  # The 16-bit odd rows that the tiers of 5/4 E, 3/2 E and 3/4 E values per thread (sessions
+  # 38-39) and the staged 5-warp block took over, on session 37's tiers (JAX_SOFTMAX_ODD_TIERS=0).
   test_job odd_tiers_off JAX_SOFTMAX_ODD_TIERS=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_tiers or odd_row_rings)")"
   # The same rows on the H200's ranges of those tiers (JAX_SOFTMAX_ODD_TIERS=2), which an H100

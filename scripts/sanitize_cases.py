@@ -73,11 +73,16 @@ CASES = [  # (rows, cols, dtype)
     # float16 odd rows of 16385-24576 kept as loaded in one CTA of up to 1024 threads (the
     # wide-block rule), since the max pass takes the max of the packed pairs (max_pair).
     (5, 20001, jnp.float16),
-    # 16-bit odd rows of 1025-1536 on 32 lanes of 48 values, four rows per CTA and two tiles per
-    # CTA (OddRowTiers, OddRowTilesPerCta): an odd row count leaves the last CTA a partial tile;
-    # and 257-384 on 8 lanes of 48 (one tile of 16 rows), 641-768 on 32 lanes of 24 values.
+    # 16-bit odd rows on the tiers between the power-of-two ones (OddRowTierTops), four rows per
+    # CTA and two tiles per CTA on 32 lanes (OddRowTilesPerCta): an odd row count leaves the last
+    # CTA a partial tile. 1025-1280 on 32 lanes of 40 values, 1281-1536 of 48 (the H200's), and
+    # 257-320 on 8 lanes of 40 (one tile of 16 rows), 321-384 of 48 (the H200's), 513-640 on 16
+    # lanes of 40, 641-768 on 32 lanes of 24 values (the H200's).
     (7, 1025, jnp.bfloat16),
+    (5, 1400, jnp.bfloat16),
     (37, 300, jnp.bfloat16),
+    (13, 350, jnp.bfloat16),
+    (11, 545, jnp.float16),
     (9, 700, jnp.float16),
     # Cluster tiers launched with the CTAs a row needs (FitCluster in ffi/softmax_launch.cuh):
     # 5 of a staged 8 x 256 tier (forward; backward 5 of 8 x 512), more rows than clusters; and

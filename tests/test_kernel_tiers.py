@@ -257,13 +257,14 @@ def test_odd_row_rings(backend, device, rng, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_odd_row_tiers(backend, device, rng, dtype):
-    # 16-bit odd rows on the staged tiers of 3/2 E and 3/4 E values per thread (OddRowTiers in
-    # ffi/softmax_launch.cuh; E = 32): W = 257-384 on 8 lanes of 48, 513-640 on 16 lanes of 48,
-    # 641-768 on 32 lanes of 24, 1025-1536 on 32 lanes of 48, and 4097-5120 on the staged block
-    # of 5 warps; on the H100 (OddRowTierTops) 257-320, 513-576 and 1025-1216, with no 32 lanes of
-    # 24. Both ends of each range (W is cols rounded up to 8) and one past each, in an odd
-    # number of rows (rows_past_one_wave), so that the last CTA's tile is partial; gpu_check.sh
-    # runs it again under JAX_SOFTMAX_ODD_TIERS=0 (session 37's tiers) and =2 (the H200's ranges).
+    # 16-bit odd rows on the staged tiers of 5/4 E, 3/2 E and 3/4 E values per thread
+    # (OddRowTierTops in ffi/softmax_launch.cuh; E = 32): W = 257-320 on 8 lanes of 40, 321-384
+    # on 8 lanes of 48, 513-640 on 16 lanes of 40, 641-768 on 32 lanes of 24, 1025-1280 on 32
+    # lanes of 40, 1281-1536 on 32 lanes of 48, and 4097-5120 on the staged block of 5 warps; on
+    # the H100 only the tiers of 40 values, 513-576 on 16 lanes. Both ends of each range (W is
+    # cols rounded up to 8) and one past each, in an odd number of rows (rows_past_one_wave), so
+    # that the last CTA's tile is partial; gpu_check.sh runs it again under
+    # JAX_SOFTMAX_ODD_TIERS=0 (session 37's tiers) and =2 (the H200's ranges).
     sizes = [255, 257, 263, 319, 321, 383, 385, 511, 513, 575, 577, 633, 639, 641, 647, 767, 769,
              1023, 1025, 1031, 1215, 1217, 1279, 1535, 1537, 4095, 4097, 4603, 5119, 5121]
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
