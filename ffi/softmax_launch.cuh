@@ -480,7 +480,8 @@ inline bool OddRowTiers() { return OddRowTierMode() == 1 || OddRowTierMode() == 
 // The widest rows, W in units of E, that each odd-row tier takes (0: none), tried narrowest
 // first: 8 lanes of 5/4 E then 3/2 E values, 16 lanes of 5/4 E, 32 lanes of 3/4 E, 32 lanes of
 // 5/4 E then 3/2 E. The 5/4 E tiers (session 39) hold the row in 62 registers without a spill,
-// where the 3/2 E ones spill 16-28 bytes at 64: they replaced the 3/2 E tiers wherever they reach.
+// where the 3/2 E ones spilled 16-28 bytes at 64 (since then held to 72: StagedMinBlocksPerSm):
+// they replaced the 3/2 E tiers wherever they reach.
 // The whole gaps between the power-of-two tiers on GPUs with the H200's DRAM bandwidth per SM
 // cycle (AmpleDramPerSm); on the H100 the 16-lane tier stops at 18 E (577-640 keep 32 lanes of
 // E: 639 187 us where 16 lanes of 5/4 E took 192), and the 3/2 E and 3/4 E tiers lost to session
@@ -984,8 +985,8 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     // 152 / 151 / 136, 729 155 / 155 / 140, 767 150 / 154 / 137; float16 513 210 / 156 / 178, 700
     // 151 / 151 / 136. 32 lanes of 3/2 E (session 37's 64 threads / them): bfloat16 1025 243 /
     // 158 (0.94x -> 1.44x XLA), 1100 212 / 152, 1279 193 / 151, 1535 159 / 153; float16 1025 241 /
-    // 158. The 3/2 E tiers spill 16-28 bytes (ptxas, 64 registers); the gain is in the rows per
-    // SM. The 5/4 E tiers (session 39) beat them where they reach: OddRowTierTops has the figures.
+    // 158. The 3/2 E tiers spilled 16-28 bytes at 64 registers; since session 39 they take up to
+    // 72 (StagedMinBlocksPerSm), and the 5/4 E tiers beat them where they reach (OddRowTierTops).
     const OddTierTops tops = kOdd16 ? OddRowTierTops(c.dev) : OddTierTops{};
     if (n <= 8 * kEB) JS_STAGED(8, kEB, 1);
     if constexpr (kOdd16) {
