@@ -266,7 +266,7 @@ def test_odd_row_tiers(backend, device, rng, dtype):
     # that the last CTA's tile is partial; gpu_check.sh runs it again under
     # JAX_SOFTMAX_ODD_TIERS=0 (session 37's tiers) and =2 (the H200's ranges).
     sizes = [255, 257, 263, 319, 321, 383, 385, 511, 513, 575, 577, 633, 639, 641, 647, 767, 769,
-             1023, 1025, 1031, 1215, 1217, 1279, 1535, 1537, 4095, 4097, 4603, 5119, 5121]
+             1023, 1025, 1031, 1215, 1217, 1279, 1281, 1535, 1537, 4095, 4097, 4603, 5119, 5121]
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
 
 
