@@ -27,15 +27,14 @@ constexpr int BlockThreads(int group) { return group > 32 ? group : 128; }
 // registers, so one CTA per SM, whose loads then stall at every row's barrier.
 constexpr int MinBlocksPerSm(int block) { return block >= 1024 ? 1 : 1024 / block; }
 
-// MinBlocksPerSm for the staged row tiers: the 16-bit lane tiers of 48 values per thread (3/2 E:
-// 8 and 32 lanes, odd rows of 321-384 and 1281-1536 columns on the H200, OddRowTierTops) take 7
-// CTAs of 128 threads, i.e. up to 72 registers: at 64 they spilled 16-28 bytes (ptxas sm_90a; 70
-// registers, no spill, at 7). Measured (H200, session 39, us per call at 256 MiB, 8 / 7 CTAs):
-// bfloat16 350 165 / 153, 383 159 / 147, 1281 152 / 137, 1535 154 / 139 (0.95x -> 1.06x XLA);
-// float16 1535 154 / 139.
-template <typename T>
+// MinBlocksPerSm for the staged row tiers: lane tiers (up to 32 threads per row, 128-thread CTAs)
+// whose threads hold more than 40 values (the 16-bit odd rows' 3/2 E tiers, OddRowTierTops) take
+// 7 CTAs per SM, i.e. up to 72 registers: at 8 CTAs' 64 they spilled 16-28 bytes, where 40 values
+// fit in 62 (ptxas sm_90a; 48 values: 70 registers, no spill, at 7). Measured (H200, session 39,
+// us per call at 256 MiB, 8 / 7 CTAs): bfloat16 350 165 / 153, 383 159 / 147, 1281 152 / 137,
+// 1535 154 / 139 (0.95x -> 1.06x XLA); float16 1535 154 / 139.
 constexpr int StagedMinBlocksPerSm(int group, int elems) {
-  return sizeof(T) == 2 && elems == 48 && group <= 32 ? 7 : MinBlocksPerSm(BlockThreads(group));
+  return group <= 32 && elems > 40 ? 7 : MinBlocksPerSm(BlockThreads(group));
 }
 
 // Registers per thread at most, on top of MinBlocksPerSm's bound (255: none). The staged bfloat16
@@ -2210,7 +2209,7 @@ __device__ __forceinline__ StagedRange staged_wrap(const RowParams& p, int64_t r
 // take more values (kElems) than registers would hold.
 template <typename T, int kGroup, int kElems, int kVec, int kCluster, Access kAccess, int kRows = 1,
           bool kReread = false>
-__global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm<T>(kGroup, kElems))
+__global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGroup, kElems))
     __maxnreg__(MaxRegisters((kRawRows<RowLoader<T, kVec, false, kAccess>, kGroup, kCluster> &&
                               kGroup > 32) || kReread))
     softmax_rows_staged_kernel(const RowParams p, const StagedTiles tiles) {

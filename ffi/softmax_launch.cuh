@@ -49,8 +49,8 @@
 // for the row tiers (two for some 16-bit odd rows: OddRowTilesPerCta), a persistent ring of
 // stages for the clusters; with their own
 // short-row table (LaunchStagedTier): rows of cols <= 8 V on G = 1..8 lanes of one vector, then
-// 8, 16, 32 lanes of up to E values (16-bit odd rows also on 8-32 lanes of 3/2 E or 3/4 E
-// between them: OddRowTiers), then blocks and clusters as above, but 16-bit rows of
+// 8, 16, 32 lanes of up to E values (16-bit odd rows also on 8-32 lanes of 5/4 E, 3/2 E or 3/4 E
+// between them: OddRowTierTops), then blocks and clusters as above, but 16-bit rows of
 // 8 * 512 * E + 1 to 16 * 512 * E on 8 x 1024 threads, and on GPUs with less DRAM bandwidth per
 // SM cycle than the H200 (the H100) those of 6 * 256 * E + 1 to 7 * 256 * E and 6 * 512 * E + 1
 // to 7 * 512 * E on 2 and 4 x 1024 (WideClusterMode, AmpleDramPerSm), and odd
@@ -411,7 +411,7 @@ inline int TilesPerCta(int fallback = 1) {
 // Tiles per CTA for 16-bit odd rows (windowed) of W window offsets on the staged row tiers
 // (LaunchStagedTier), E values per thread. Two on two of their tiers: rows of 16 E + 1 to 128 E
 // (513-4096 at E = 32; 16-128 threads per row, one row per CTA from 1537 on (the H100: 1217),
-// since session 38 with the tiers of 3/2 E and 3/4 E values below 48 E: OddRowTiers) and the
+// since session 38 with the tiers between the power-of-two ones below 48 E: OddRowTierTops) and the
 // wide blocks (512 E + 1 to 1024 E; two CTAs of up to 24 warps per SM), where measured faster:
 // every such row on GPUs with the H200's DRAM bandwidth per SM cycle (AmpleDramPerSm), rows of up
 // to 96 E (3072) elsewhere. The default T (TilesPerCta) for the other odd rows and elsewhere.
@@ -972,21 +972,16 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
       if (n <= 8 * kVec) JS_STAGED(8, kVec, kEB / kVec);
     }
     if (n <= 8 * 2 * kVec) JS_STAGED(8, 2 * kVec, kEB / (2 * kVec));
-    // 16-bit odd rows (OddRowTiers, sessions 38-39) fill their lanes better on tiers of 5/4 E,
-    // 3/2 E or 3/4 E values per thread between the power-of-two ones (OddRowTierTops). On the
-    // H200: W = 8 E + 1 to 10 E on 8 lanes of 5/4 E, to 12 E on 8 lanes of 3/2 E, 16 E + 1 to 20 E
-    // on 16 lanes of 5/4 E, 20 E + 1 to 24 E on 32 lanes of 3/4 E, 32 E + 1 to 40 E on 32 lanes of
-    // 5/4 E and to 48 E on 32 lanes of 3/2 E (four rows per 128-thread CTA, where the 64-thread
-    // CTA of one row left half its threads without values at 1025); the H100 takes the 5/4 E
-    // tiers only, the 16-lane one to 18 E, and the rest of each gap keeps session 37's tier.
-    // Measured (H200, session 38, us per call at 256 MiB, session 37's tier / 8-16 lanes of 3/2 E
-    // / 16-32 lanes of 3/4 E): bfloat16 257 233 / 163 / 213, 300 202 / 149 / 189, 383 168 / 158 /
-    // 165, 513 211 / 156 / 178, 545 201 / 153 / 173, 601 183 / 150 / 159, 641 173 / 150 / 152, 700
-    // 152 / 151 / 136, 729 155 / 155 / 140, 767 150 / 154 / 137; float16 513 210 / 156 / 178, 700
-    // 151 / 151 / 136. 32 lanes of 3/2 E (session 37's 64 threads / them): bfloat16 1025 243 /
-    // 158 (0.94x -> 1.44x XLA), 1100 212 / 152, 1279 193 / 151, 1535 159 / 153; float16 1025 241 /
-    // 158. The 3/2 E tiers spilled 16-28 bytes at 64 registers; since session 39 they take up to
-    // 72 (StagedMinBlocksPerSm), and the 5/4 E tiers beat them where they reach (OddRowTierTops).
+    // 16-bit odd rows (sessions 38-39) fill their lanes better on tiers of 5/4 E, 3/2 E or 3/4 E
+    // values per thread between the power-of-two ones; OddRowTierTops has their ranges per GPU
+    // and session 39's figures. Four rows per 128-thread CTA on 32 lanes, where the 64-thread CTA
+    // of one row left half its threads without values at 1025. Measured (H200, session 38, us per
+    // call at 256 MiB, session 37's tier / 8-16 lanes of 3/2 E / 16-32 lanes of 3/4 E): bfloat16
+    // 257 233 / 163 / 213, 300 202 / 149 / 189, 383 168 / 158 / 165, 513 211 / 156 / 178, 545
+    // 201 / 153 / 173, 601 183 / 150 / 159, 641 173 / 150 / 152, 700 152 / 151 / 136, 729 155 /
+    // 155 / 140, 767 150 / 154 / 137; float16 513 210 / 156 / 178, 700 151 / 151 / 136. 32 lanes
+    // of 3/2 E (session 37's 64 threads / them): bfloat16 1025 243 / 158 (0.94x -> 1.44x XLA),
+    // 1100 212 / 152, 1279 193 / 151, 1535 159 / 153; float16 1025 241 / 158.
     const OddTierTops tops = kOdd16 ? OddRowTierTops(c.dev) : OddTierTops{};
     if (n <= 8 * kEB) JS_STAGED(8, kEB, 1);
     if constexpr (kOdd16) {
