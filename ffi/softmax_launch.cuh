@@ -469,9 +469,9 @@ inline bool RereadBlocks() {
 
 // JAX_SOFTMAX_ODD_TIERS (read once): 1 (default) gives 16-bit odd rows (windowed) the staged row
 // tiers of 5/4 E, 3/2 E and 3/4 E values per thread (OddRowTierTops), and stages those of
-// 128 E + 1 to 160 E columns (LaunchStagedTier, sessions 38-39); 0 keeps session 37's tiers for
-// them, for A/B runs; 2 as 1 with the H200's ranges on every GPU, so that an H100 runs them in
-// tests.
+// 128 E + 1 to 160 E columns (LaunchStagedTier, sessions 38-39), and gives plain 16-bit rows in
+// the same gaps those tiers (session 40); 0 keeps session 37's tiers for both, for A/B runs; 2 as
+// 1 with the H200's ranges on every GPU, so that an H100 runs them in tests.
 inline int OddRowTierMode() {
   static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_ODD_TIERS", 1));
   return mode;
@@ -492,6 +492,13 @@ inline bool OddRowTiers() { return OddRowTierMode() == 1 || OddRowTierMode() == 
 // 191 / 193, 513 197 / 189, 577 199 / 194, 1025 200 / 187, 1151 201 / 188 (0.93x -> 1.00x), 1217
 // 214 / 188, 1279 197 / 188. 64 lanes of 3/4 E for 40 E + 1 to 48 E lost at 1281 (H200, 153 /
 // 166; 1535 155 / 150).
+// Plain 16-bit rows (multiples of 8 columns) take the same tiers over the same ranges since
+// session 40, where they had filled the power-of-two tier above them as little as half. Measured
+// (us per call at 256 MiB, power-of-two tier / gap tier), H200: bfloat16 264 176 / 139, 320 157 /
+// 131, 384 141 / 132, 520 180 / 137, 640 158 / 132, 768 142 / 130, 1032 197 / 135 (1.20x ->
+// 1.76x XLA), 1280 167 / 132, 1400 159 / 136, 1536 146 / 132; float16 768 140 / 130, 1400 155 /
+// 135. H100: bfloat16 264 200 / 189, 320 185 / 181, 520 202 / 187, 576 193 / 183, 1032 214 / 185,
+// 1280 187 / 182; float16 1032 206 / 185.
 struct OddTierTops {
   int lanes8_40, lanes8_48, lanes16_40, lanes32_24, lanes32_40, lanes32_48;
 };
@@ -961,9 +968,18 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     // float16 4097 173 / 155).
     if (n <= 8 * kVec || (n > 128 * kE && n <= 160 * kE && !OddRowTiers())) return std::nullopt;
   }
-  // Tiles per CTA of every staged row tier below (the reread blocks above take TilesPerCta()).
+  // 16-bit rows that take the tiers between the power-of-two ones (OddRowTierTops): the odd rows
+  // and, since session 40, the plain ones (multiples of 8 columns) in those gaps.
+  constexpr bool kGap16 = kOdd16 || (sizeof(T) == 2 && kAccess == Access::kPlain);
+  // Tiles per CTA of every staged row tier below (the reread blocks above take TilesPerCta()):
+  // the odd rows' count (OddRowTilesPerCta) on every tier for them, and for plain rows on the gap
+  // tiers only. On their power-of-two tiers plain rows keep one: two lost there on the H100
+  // (session 40, us per call at 256 MiB, bfloat16 1 / 2 tiles: 768 178 / 181, 1000 181 / 184,
+  // 1024 180 / 181, 1400 183 / 184, 2048 180 / 181; 640 185 / 181 was the one gain).
   const int tiles = kOdd16 ? OddRowTilesPerCta<kE>(c.dev, n) : TilesPerCta();
+  const int gap_tiles = kGap16 ? OddRowTilesPerCta<kE>(c.dev, n) : tiles;
 #define JS_STAGED(G, E, R) return LaunchStagedRows<T, G, E, kVec, kAccess, R>(c, 1, tiles)
+#define JS_GAP(G, E) return LaunchStagedRows<T, G, E, kVec, kAccess, 1>(c, 1, gap_tiles)
   if constexpr (!kWindowedF32) {
     if constexpr (kAccess != Access::kWindowed) {
       if (n <= 1 * kVec) JS_STAGED(1, kVec, kEB / kVec);
@@ -972,9 +988,9 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
       if (n <= 8 * kVec) JS_STAGED(8, kVec, kEB / kVec);
     }
     if (n <= 8 * 2 * kVec) JS_STAGED(8, 2 * kVec, kEB / (2 * kVec));
-    // 16-bit odd rows (sessions 38-39) fill their lanes better on tiers of 5/4 E, 3/2 E or 3/4 E
-    // values per thread between the power-of-two ones; OddRowTierTops has their ranges per GPU
-    // and session 39's figures. Four rows per 128-thread CTA on 32 lanes, where the 64-thread CTA
+    // 16-bit odd rows (sessions 38-39) and plain ones (session 40) fill their lanes better on
+    // tiers of 5/4 E, 3/2 E or 3/4 E values per thread between the power-of-two ones;
+    // OddRowTierTops has their ranges per GPU and sessions 39-40's figures. Four rows per 128-thread CTA on 32 lanes, where the 64-thread CTA
     // of one row left half its threads without values at 1025. Measured (H200, session 38, us per
     // call at 256 MiB, session 37's tier / 8-16 lanes of 3/2 E / 16-32 lanes of 3/4 E): bfloat16
     // 257 233 / 163 / 213, 300 202 / 149 / 189, 383 168 / 158 / 165, 513 211 / 156 / 178, 545
@@ -982,25 +998,25 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     // 155 / 140, 767 150 / 154 / 137; float16 513 210 / 156 / 178, 700 151 / 151 / 136. 32 lanes
     // of 3/2 E (session 37's 64 threads / them): bfloat16 1025 243 / 158 (0.94x -> 1.44x XLA),
     // 1100 212 / 152, 1279 193 / 151, 1535 159 / 153; float16 1025 241 / 158.
-    const OddTierTops tops = kOdd16 ? OddRowTierTops(c.dev) : OddTierTops{};
+    const OddTierTops tops = kGap16 ? OddRowTierTops(c.dev) : OddTierTops{};
     if (n <= 8 * kEB) JS_STAGED(8, kEB, 1);
-    if constexpr (kOdd16) {
-      if (n <= tops.lanes8_40 * kE) JS_STAGED(8, 5 * kE / 4, 1);
-      if (n <= tops.lanes8_48 * kE) JS_STAGED(8, 3 * kE / 2, 1);
+    if constexpr (kGap16) {
+      if (n <= tops.lanes8_40 * kE) JS_GAP(8, 5 * kE / 4);
+      if (n <= tops.lanes8_48 * kE) JS_GAP(8, 3 * kE / 2);
     }
     if (n <= 16 * kEB) JS_STAGED(16, kEB, 1);
-    if constexpr (kOdd16) {
-      if (n <= tops.lanes16_40 * kE) JS_STAGED(16, 5 * kE / 4, 1);
-      if (n <= tops.lanes32_24 * kE) JS_STAGED(32, 3 * kE / 4, 1);
+    if constexpr (kGap16) {
+      if (n <= tops.lanes16_40 * kE) JS_GAP(16, 5 * kE / 4);
+      if (n <= tops.lanes32_24 * kE) JS_GAP(32, 3 * kE / 4);
     }
     if (n <= 32 * kEB) JS_STAGED(32, kEB, 1);
     // Wider rows (float32 general rows here are mask-only ones: StageGeneralRows) hold kE values:
     // a tile's bytes per thread, and so per SM, are what a staged tier has in flight (float32
     // padding mask, S = 8192: 512 x 16 took 155 us where 256 x 32 took 137).
     if (n <= 32 * kE) JS_STAGED(32, kE, 1);
-    if constexpr (kOdd16) {
-      if (n <= tops.lanes32_40 * kE) JS_STAGED(32, 5 * kE / 4, 1);
-      if (n <= tops.lanes32_48 * kE) JS_STAGED(32, 3 * kE / 2, 1);
+    if constexpr (kGap16) {
+      if (n <= tops.lanes32_40 * kE) JS_GAP(32, 5 * kE / 4);
+      if (n <= tops.lanes32_48 * kE) JS_GAP(32, 3 * kE / 2);
     }
     if (n <= 64 * kE) JS_STAGED(64, kE, 1);
     if (n <= 128 * kE) JS_STAGED(128, kE, 1);
@@ -1028,6 +1044,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     }
   }
 #undef JS_STAGED
+#undef JS_GAP
   if constexpr (kAccess != Access::kGeneral && !kWindowedF32) {
     if (WideClusters()) {
       // Experiment (JAX_SOFTMAX_WIDE_CLUSTERS=2): 1024-thread CTAs, half the cluster size. One

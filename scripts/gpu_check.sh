@@ -141,14 +141,14 @@ if want test; then
   # dependent-call and causal-size tests were one shard until session 28, which ran past 320 s
   # beside the others; the odd-row tests one with the rest until session 38, past 470 s on the
   # H100), the rest in two.
-  tiers_split="tier_boundaries or two_pass or many_long_rows or staged_ring or dependent_calls or causal_attention_sizes or odd_row or wide_block_rows"
+  tiers_split="tier_boundaries or two_pass or many_long_rows or staged_ring or dependent_calls or causal_attention_sizes or odd_row or wide_block_rows or plain_row_gaps"
   shards=(
     "tiers_boundaries:test_kernel_tiers and tier_boundaries"
     "tiers_long:test_kernel_tiers and (two_pass or many_long_rows)"
     "tiers_ring:test_kernel_tiers and staged_ring"
     "tiers_dependent:test_kernel_tiers and dependent_calls"
     "tiers_causal:test_kernel_tiers and causal_attention_sizes"
-    "tiers_odd:test_kernel_tiers and (odd_row or wide_block_rows)"
+    "tiers_odd:test_kernel_tiers and (odd_row or wide_block_rows or plain_row_gaps)"
     "tiers_rest:test_kernel_tiers and not ($tiers_split) and not ($big)"
     "softmax:not test_kernel_tiers and (test_softmax or test_transforms or test_errors)"
     "rest:not (test_kernel_tiers or test_softmax or test_transforms or test_errors)"
@@ -181,13 +181,14 @@ if want test; then
   test_job odd_rows_one_tile JAX_SOFTMAX_TILES_PER_CTA=1 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_rings or wide_block_rows)")"
   # The 16-bit odd rows that the tiers of 5/4 E, 3/2 E and 3/4 E values per thread (sessions
-  # 38-39) and the staged 5-warp block took over, on session 37's tiers (JAX_SOFTMAX_ODD_TIERS=0).
+  # 38-39) and the staged 5-warp block took over, and the plain rows in the same gaps (session
+  # 40), on session 37's tiers (JAX_SOFTMAX_ODD_TIERS=0).
   test_job odd_tiers_off JAX_SOFTMAX_ODD_TIERS=0 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_tiers or odd_row_rings)")"
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_tiers or odd_row_rings or plain_row_gaps)")"
   # The same rows on the H200's ranges of those tiers (JAX_SOFTMAX_ODD_TIERS=2), which an H100
   # takes only under that knob.
   test_job odd_tiers_h200 JAX_SOFTMAX_ODD_TIERS=2 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and odd_row_tiers")"
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_tiers or plain_row_gaps)")"
   # The 16-bit plain rows of 16385-32768 on the register tiers that the reread blocks replaced by
   # default (JAX_SOFTMAX_REREAD_BLOCKS=0).
   test_job reread_blocks_off JAX_SOFTMAX_REREAD_BLOCKS=0 \
@@ -207,7 +208,7 @@ if want knobs; then
   # row staged (by default only short ones and some rows whose only operand is a mask:
   # StageGeneralRows), whose one-row tiles copy only up to the causal limit. Not the long-key
   # tests ($big), too large for three at once.
-  knob_tests="many_long_rows or staged_ring or odd_row_rings or odd_row_tiers or causal"
+  knob_tests="many_long_rows or staged_ring or odd_row_rings or odd_row_tiers or plain_row_gaps or causal"
   for knobs in JAX_SOFTMAX_STAGED=0 JAX_SOFTMAX_TILES_PER_CTA=3,JAX_SOFTMAX_WAVES=1 JAX_SOFTMAX_STAGED_GENERAL=2; do
     test_job "${knobs//[=,]/_}" ${knobs//,/ } XLA_PYTHON_CLIENT_MEM_FRACTION=0.25 -- \
       -k "$(with_test_k "gpu and test_kernel_tiers and ($knob_tests) and not ($big)")"

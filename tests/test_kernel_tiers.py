@@ -272,6 +272,20 @@ def test_odd_row_tiers(backend, device, rng, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
+def test_plain_row_gaps(backend, device, rng, dtype):
+    # 16-bit plain rows (multiples of 8 columns) between the power-of-two staged tiers, which
+    # take the odd rows' tiers since session 40 (OddRowTierTops), on the odd rows' tiles per CTA
+    # there and one tile on the power-of-two tiers. The top of each power-of-two tier and of each
+    # gap range on both GPUs (the H100's: 320, 576, 1280), and one vector past each, in an odd
+    # number of rows (rows_past_one_wave); gpu_check.sh runs it again under
+    # JAX_SOFTMAX_ODD_TIERS=0 (the power-of-two tiers only) and =2 (the H200's ranges).
+    sizes = [256, 264, 320, 328, 384, 392, 512, 520, 576, 584, 640, 648, 768, 776, 1024, 1032,
+             1280, 1288, 1536, 1544]
+    check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_reread_block_rows(backend, device, rng, dtype):
     # 16-bit plain rows of N = 512 * 32 + 8 .. 1024 * 32 columns: one staged CTA of as many warps
     # as the row needs (up to 512 threads of 64 values) that reads the row from shared memory in
