@@ -84,6 +84,13 @@ CASES = [  # (rows, cols, dtype)
     (13, 350, jnp.bfloat16),
     (11, 545, jnp.float16),
     (9, 700, jnp.float16),
+    # Plain 16-bit rows on the same tiers (session 40): 8 lanes of 40 (264), 16 lanes of 40
+    # (520), 32 lanes of 24 (768, the H200's), 40 (1032) and 48 (1400, the H200's).
+    (37, 264, jnp.bfloat16),
+    (11, 520, jnp.float16),
+    (9, 768, jnp.float16),
+    (7, 1032, jnp.bfloat16),
+    (5, 1400, jnp.bfloat16),
     # Cluster tiers launched with the CTAs a row needs (FitCluster in ffi/softmax_launch.cuh):
     # 5 of a staged 8 x 256 tier (forward; backward 5 of 8 x 512), more rows than clusters; and
     # float32 forward 5 of a staged 8 x 512 tier (backward 9 of 16 x 512), windowed.
