@@ -499,6 +499,10 @@ inline bool OddRowTiers() { return OddRowTierMode() == 1 || OddRowTierMode() == 
 // 1.76x XLA), 1280 167 / 132, 1400 159 / 136, 1536 146 / 132; float16 768 140 / 130, 1400 155 /
 // 135. H100: bfloat16 264 200 / 189, 320 185 / 181, 520 202 / 187, 576 193 / 183, 1032 214 / 185,
 // 1280 187 / 182; float16 1032 206 / 185.
+// The H100 on the H200's ranges (JAX_SOFTMAX_ODD_TIERS=2, the 3/2 E tiers at 72 registers since
+// session 39) lost again in session 40 (us per call at 256 MiB, H100 ranges / H200's): bfloat16
+// odd 345 196 / 203, 383 190 / 193, 1535 185 / 188; plain 384 179 / 181, 768 179 / 181, 1400
+// 183 / 185; 700 and 1281 even.
 struct OddTierTops {
   int lanes8_40, lanes8_48, lanes16_40, lanes32_24, lanes32_40, lanes32_48;
 };
