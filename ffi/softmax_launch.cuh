@@ -409,7 +409,8 @@ inline int TilesPerCta(int fallback = 1) {
 }
 
 // Tiles per CTA for 16-bit odd rows (windowed) of W window offsets on the staged row tiers
-// (LaunchStagedTier), E values per thread. Two on two of their tiers: rows of 16 E + 1 to 128 E
+// (LaunchStagedTier), E values per thread; also for plain 16-bit rows of W columns on the tiers
+// between the power-of-two ones (OddRowTierTops; on the power-of-two tiers they take the default). Two on two of their tiers: rows of 16 E + 1 to 128 E
 // (513-4096 at E = 32; 16-128 threads per row, one row per CTA from 1537 on (the H100: 1217),
 // since session 38 with the tiers between the power-of-two ones below 48 E: OddRowTierTops) and the
 // wide blocks (512 E + 1 to 1024 E; two CTAs of up to 24 warps per SM), where measured faster:
@@ -980,8 +981,8 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // tiers only. On their power-of-two tiers plain rows keep one: two lost there on the H100
   // (session 40, us per call at 256 MiB, bfloat16 1 / 2 tiles: 768 178 / 181, 1000 181 / 184,
   // 1024 180 / 181, 1400 183 / 184, 2048 180 / 181; 640 185 / 181 was the one gain).
-  const int tiles = kOdd16 ? OddRowTilesPerCta<kE>(c.dev, n) : TilesPerCta();
-  const int gap_tiles = kGap16 ? OddRowTilesPerCta<kE>(c.dev, n) : tiles;
+  const int gap_tiles = kGap16 ? OddRowTilesPerCta<kE>(c.dev, n) : TilesPerCta();
+  const int tiles = kOdd16 ? gap_tiles : TilesPerCta();
 #define JS_STAGED(G, E, R) return LaunchStagedRows<T, G, E, kVec, kAccess, R>(c, 1, tiles)
 #define JS_GAP(G, E) return LaunchStagedRows<T, G, E, kVec, kAccess, 1>(c, 1, gap_tiles)
   if constexpr (!kWindowedF32) {
@@ -994,9 +995,10 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if (n <= 8 * 2 * kVec) JS_STAGED(8, 2 * kVec, kEB / (2 * kVec));
     // 16-bit odd rows (sessions 38-39) and plain ones (session 40) fill their lanes better on
     // tiers of 5/4 E, 3/2 E or 3/4 E values per thread between the power-of-two ones;
-    // OddRowTierTops has their ranges per GPU and sessions 39-40's figures. Four rows per 128-thread CTA on 32 lanes, where the 64-thread CTA
-    // of one row left half its threads without values at 1025. Measured (H200, session 38, us per
-    // call at 256 MiB, session 37's tier / 8-16 lanes of 3/2 E / 16-32 lanes of 3/4 E): bfloat16
+    // OddRowTierTops has their ranges per GPU and sessions 39-40's figures. Four rows per
+    // 128-thread CTA on 32 lanes, where the 64-thread CTA of one row left half its threads
+    // without values at 1025. Measured (H200, session 38, us per call at 256 MiB, session 37's
+    // tier / 8-16 lanes of 3/2 E / 16-32 lanes of 3/4 E): bfloat16
     // 257 233 / 163 / 213, 300 202 / 149 / 189, 383 168 / 158 / 165, 513 211 / 156 / 178, 545
     // 201 / 153 / 173, 601 183 / 150 / 159, 641 173 / 150 / 152, 700 152 / 151 / 136, 729 155 /
     // 155 / 140, 767 150 / 154 / 137; float16 513 210 / 156 / 178, 700 151 / 151 / 136. 32 lanes
