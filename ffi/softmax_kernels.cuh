@@ -28,7 +28,7 @@ constexpr int BlockThreads(int group) { return group > 32 ? group : 128; }
 constexpr int MinBlocksPerSm(int block) { return block >= 1024 ? 1 : 1024 / block; }
 
 // MinBlocksPerSm for the staged row tiers: lane tiers (up to 32 threads per row, 128-thread CTAs)
-// whose threads hold more than 40 values (the 16-bit odd rows' 3/2 E tiers, OddRowTierTops) take
+// whose threads hold more than 40 values (the 16-bit odd rows' 3/2 E tiers, GapTierRanges) take
 // 7 CTAs per SM, i.e. up to 72 registers: at 8 CTAs' 64 they spilled 16-28 bytes, where 40 values
 // fit in 62 (ptxas sm_90a; 48 values: 70 registers, no spill, at 7). Measured (H200, session 39,
 // us per call at 256 MiB, 8 / 7 CTAs): bfloat16 350 165 / 153, 383 159 / 147, 1281 152 / 137,

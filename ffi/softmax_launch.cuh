@@ -50,7 +50,7 @@
 // stages for the clusters; with their own
 // short-row table (LaunchStagedTier): rows of cols <= 8 V on G = 1..8 lanes of one vector, then
 // 8, 16, 32 lanes of up to E values (16-bit odd rows also on 8-32 lanes of 5/4 E, 3/2 E or 3/4 E
-// between them: OddRowTierTops), then blocks and clusters as above, but 16-bit rows of
+// between them: GapTierRanges), then blocks and clusters as above, but 16-bit rows of
 // 8 * 512 * E + 1 to 16 * 512 * E on 8 x 1024 threads, and on GPUs with less DRAM bandwidth per
 // SM cycle than the H200 (the H100) those of 6 * 256 * E + 1 to 7 * 256 * E and 6 * 512 * E + 1
 // to 7 * 512 * E on 2 and 4 x 1024 (WideClusterMode, AmpleDramPerSm), and odd
@@ -410,12 +410,13 @@ inline int TilesPerCta(int fallback = 1) {
 
 // Tiles per CTA for 16-bit odd rows (windowed) of W window offsets on the staged row tiers
 // (LaunchStagedTier), E values per thread; also for plain 16-bit rows of W columns on the tiers
-// between the power-of-two ones (OddRowTierTops; on the power-of-two tiers they take the default). Two on two of their tiers: rows of 16 E + 1 to 128 E
-// (513-4096 at E = 32; 16-128 threads per row, one row per CTA from 1537 on (the H100: 1217),
-// since session 38 with the tiers between the power-of-two ones below 48 E: OddRowTierTops) and the
-// wide blocks (512 E + 1 to 1024 E; two CTAs of up to 24 warps per SM), where measured faster:
-// every such row on GPUs with the H200's DRAM bandwidth per SM cycle (AmpleDramPerSm), rows of up
-// to 96 E (3072) elsewhere. The default T (TilesPerCta) for the other odd rows and elsewhere.
+// between the power-of-two ones (GapTierRanges; on the power-of-two tiers they take the default).
+// Two on two of their tiers: rows of 16 E + 1 to 128 E (513-4096 at E = 32; 16-128 threads per
+// row, one row per CTA from 1537 on (the H100: 1281), since session 38 with the tiers between the
+// power-of-two ones below 48 E: GapTierRanges) and the wide blocks (512 E + 1 to 1024 E; two CTAs
+// of up to 24 warps per SM), where measured faster: every such row on GPUs with the H200's DRAM
+// bandwidth per SM cycle (AmpleDramPerSm), rows of up to 96 E (3072) elsewhere. The default T
+// (TilesPerCta) for the other odd rows and elsewhere.
 // With one tile per CTA, an SM has only its resident CTAs' rows in flight, and a CTA none while it
 // reduces its row: ncu (H200, sessions 36-37) read bfloat16 20001 at DRAM 61% (two CTAs of 20
 // warps per SM), 2049 at 46% (eight CTAs of 128 threads at 64 registers, each row filling half
@@ -469,7 +470,7 @@ inline bool RereadBlocks() {
 }
 
 // JAX_SOFTMAX_ODD_TIERS (read once): 1 (default) gives 16-bit odd rows (windowed) the staged row
-// tiers of 5/4 E, 3/2 E and 3/4 E values per thread (OddRowTierTops), and stages those of
+// tiers of 5/4 E, 3/2 E and 3/4 E values per thread (GapTierRanges), and stages those of
 // 128 E + 1 to 160 E columns (LaunchStagedTier, sessions 38-39), and gives plain 16-bit rows in
 // the same gaps those tiers (session 40); 0 keeps session 37's tiers for both, for A/B runs; 2 as
 // 1 with the H200's ranges on every GPU, so that an H100 runs them in tests.
@@ -478,7 +479,8 @@ inline int OddRowTierMode() {
   return mode;
 }
 inline bool OddRowTiers() { return OddRowTierMode() == 1 || OddRowTierMode() == 2; }
-// The widest rows, W in units of E, that each odd-row tier takes (0: none), tried narrowest
+// The tiers between the power-of-two ones for 16-bit rows (odd and, since session 40, plain):
+// the widest rows, W in units of E, that each takes (0: none), tried narrowest
 // first: 8 lanes of 5/4 E then 3/2 E values, 16 lanes of 5/4 E, 32 lanes of 3/4 E, 32 lanes of
 // 5/4 E then 3/2 E. The 5/4 E tiers (session 39) hold the row in 62 registers without a spill,
 // where the 3/2 E ones spilled 16-28 bytes at 64 (since then held to 72: StagedMinBlocksPerSm):
@@ -504,13 +506,13 @@ inline bool OddRowTiers() { return OddRowTierMode() == 1 || OddRowTierMode() == 
 // session 39) lost again in session 40 (us per call at 256 MiB, H100 ranges / H200's): bfloat16
 // odd 345 196 / 203, 383 190 / 193, 1535 185 / 188; plain 384 179 / 181, 768 179 / 181, 1400
 // 183 / 185; 700 and 1281 even.
-struct OddTierTops {
+struct GapTierTops {
   int lanes8_40, lanes8_48, lanes16_40, lanes32_24, lanes32_40, lanes32_48;
 };
-inline OddTierTops OddRowTierTops(const DeviceInfo& dev) {
-  if (!OddRowTiers()) return OddTierTops{};
-  return AmpleDramPerSm(dev) || OddRowTierMode() == 2 ? OddTierTops{10, 12, 20, 24, 40, 48}
-                                                      : OddTierTops{10, 0, 18, 0, 40, 0};
+inline GapTierTops GapTierRanges(const DeviceInfo& dev) {
+  if (!OddRowTiers()) return GapTierTops{};
+  return AmpleDramPerSm(dev) || OddRowTierMode() == 2 ? GapTierTops{10, 12, 20, 24, 40, 48}
+                                                      : GapTierTops{10, 0, 18, 0, 40, 0};
 }
 
 // Rows of up to 8 * 256 * E columns (65536 forward) without a mask, bias or causal limit split
@@ -973,7 +975,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     // float16 4097 173 / 155).
     if (n <= 8 * kVec || (n > 128 * kE && n <= 160 * kE && !OddRowTiers())) return std::nullopt;
   }
-  // 16-bit rows that take the tiers between the power-of-two ones (OddRowTierTops): the odd rows
+  // 16-bit rows that take the tiers between the power-of-two ones (GapTierRanges): the odd rows
   // and, since session 40, the plain ones (multiples of 8 columns) in those gaps.
   constexpr bool kGap16 = kOdd16 || (sizeof(T) == 2 && kAccess == Access::kPlain);
   // Tiles per CTA of every staged row tier below (the reread blocks above take TilesPerCta()):
@@ -995,7 +997,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if (n <= 8 * 2 * kVec) JS_STAGED(8, 2 * kVec, kEB / (2 * kVec));
     // 16-bit odd rows (sessions 38-39) and plain ones (session 40) fill their lanes better on
     // tiers of 5/4 E, 3/2 E or 3/4 E values per thread between the power-of-two ones;
-    // OddRowTierTops has their ranges per GPU and sessions 39-40's figures. Four rows per
+    // GapTierRanges has their ranges per GPU and sessions 39-40's figures. Four rows per
     // 128-thread CTA on 32 lanes, where the 64-thread CTA of one row left half its threads
     // without values at 1025. Measured (H200, session 38, us per call at 256 MiB, session 37's
     // tier / 8-16 lanes of 3/2 E / 16-32 lanes of 3/4 E): bfloat16
@@ -1004,7 +1006,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     // 155 / 140, 767 150 / 154 / 137; float16 513 210 / 156 / 178, 700 151 / 151 / 136. 32 lanes
     // of 3/2 E (session 37's 64 threads / them): bfloat16 1025 243 / 158 (0.94x -> 1.44x XLA),
     // 1100 212 / 152, 1279 193 / 151, 1535 159 / 153; float16 1025 241 / 158.
-    const OddTierTops tops = kGap16 ? OddRowTierTops(c.dev) : OddTierTops{};
+    const GapTierTops tops = kGap16 ? GapTierRanges(c.dev) : GapTierTops{};
     if (n <= 8 * kEB) JS_STAGED(8, kEB, 1);
     if constexpr (kGap16) {
       if (n <= tops.lanes8_40 * kE) JS_GAP(8, 5 * kE / 4);

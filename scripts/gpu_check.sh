@@ -141,14 +141,23 @@ if want test; then
   # dependent-call and causal-size tests were one shard until session 28, which ran past 320 s
   # beside the others; the odd-row tests one with the rest until session 38, past 470 s on the
   # H100), the rest in two.
-  tiers_split="tier_boundaries or two_pass or many_long_rows or staged_ring or dependent_calls or causal_attention_sizes or odd_row or wide_block_rows or plain_row_gaps"
-  shards=(
-    "tiers_boundaries:test_kernel_tiers and tier_boundaries"
-    "tiers_long:test_kernel_tiers and (two_pass or many_long_rows)"
-    "tiers_ring:test_kernel_tiers and staged_ring"
-    "tiers_dependent:test_kernel_tiers and dependent_calls"
-    "tiers_causal:test_kernel_tiers and causal_attention_sizes"
-    "tiers_odd:test_kernel_tiers and (odd_row or wide_block_rows or plain_row_gaps)"
+  # The kernel-tier module's own shards (name:selection); tiers_rest takes the module's other
+  # tests, so the selections are written once here and joined for it.
+  tier_shards=(
+    "tiers_boundaries:tier_boundaries"
+    "tiers_long:two_pass or many_long_rows"
+    "tiers_ring:staged_ring"
+    "tiers_dependent:dependent_calls"
+    "tiers_causal:causal_attention_sizes"
+    "tiers_odd:odd_row or wide_block_rows or plain_row_gaps"
+  )
+  tiers_split=
+  shards=()
+  for shard in "${tier_shards[@]}"; do
+    tiers_split+="${tiers_split:+ or }${shard#*:}"
+    shards+=("${shard%%:*}:test_kernel_tiers and (${shard#*:})")
+  done
+  shards+=(
     "tiers_rest:test_kernel_tiers and not ($tiers_split) and not ($big)"
     "softmax:not test_kernel_tiers and (test_softmax or test_transforms or test_errors)"
     "rest:not (test_kernel_tiers or test_softmax or test_transforms or test_errors)"

@@ -73,7 +73,7 @@ CASES = [  # (rows, cols, dtype)
     # float16 odd rows of 16385-24576 kept as loaded in one CTA of up to 1024 threads (the
     # wide-block rule), since the max pass takes the max of the packed pairs (max_pair).
     (5, 20001, jnp.float16),
-    # 16-bit odd rows on the tiers between the power-of-two ones (OddRowTierTops), four rows per
+    # 16-bit odd rows on the tiers between the power-of-two ones (GapTierRanges), four rows per
     # CTA and two tiles per CTA on 32 lanes (OddRowTilesPerCta): an odd row count leaves the last
     # CTA a partial tile. 1025-1280 on 32 lanes of 40 values, 1281-1536 of 48 (the H200's), and
     # 257-320 on 8 lanes of 40 (one tile of 16 rows), 321-384 of 48 (the H200's), 513-640 on 16

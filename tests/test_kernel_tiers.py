@@ -245,7 +245,7 @@ def test_wide_block_rows(backend, device, rng, dtype):
 def test_odd_row_rings(backend, device, rng, dtype):
     # 16-bit odd rows on the staged tiers that take OddRowTilesPerCta tiles per CTA (two on the
     # H200, and on the H100 up to W = 3072; ffi/softmax_launch.cuh, LaunchStagedTier): 16-32 lanes
-    # (W = 520-1536; OddRowTiers, the H100's to 1216), blocks of 64 and 128 threads (to 4096) and
+    # (W = 520-1536; GapTierRanges, the H100's to 1280), blocks of 64 and 128 threads (to 4096) and
     # the wide blocks (16392-24576).
     # Both ends of each tier, both sides of the H100's 3072, in an odd number of rows
     # (rows_past_one_wave), so that a CTA's second tile is the partial last one or missing;
@@ -258,7 +258,7 @@ def test_odd_row_rings(backend, device, rng, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_odd_row_tiers(backend, device, rng, dtype):
     # 16-bit odd rows on the staged tiers of 5/4 E, 3/2 E and 3/4 E values per thread
-    # (OddRowTierTops in ffi/softmax_launch.cuh; E = 32): W = 257-320 on 8 lanes of 40, 321-384
+    # (GapTierRanges in ffi/softmax_launch.cuh; E = 32): W = 257-320 on 8 lanes of 40, 321-384
     # on 8 lanes of 48, 513-640 on 16 lanes of 40, 641-768 on 32 lanes of 24, 1025-1280 on 32
     # lanes of 40, 1281-1536 on 32 lanes of 48, and 4097-5120 on the staged block of 5 warps; on
     # the H100 only the tiers of 40 values, 513-576 on 16 lanes. Both ends of each range (W is
@@ -274,7 +274,7 @@ def test_odd_row_tiers(backend, device, rng, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_plain_row_gaps(backend, device, rng, dtype):
     # 16-bit plain rows (multiples of 8 columns) between the power-of-two staged tiers, which
-    # take the odd rows' tiers since session 40 (OddRowTierTops), on the odd rows' tiles per CTA
+    # take the odd rows' tiers since session 40 (GapTierRanges), on the odd rows' tiles per CTA
     # there and one tile on the power-of-two tiers. The top of each power-of-two tier and of each
     # gap range on both GPUs (the H100's: 320, 576, 1280), and one vector past each, in an odd
     # number of rows (rows_past_one_wave); gpu_check.sh runs it again under
