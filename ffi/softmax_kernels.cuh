@@ -28,13 +28,16 @@ constexpr int BlockThreads(int group) { return group > 32 ? group : 128; }
 constexpr int MinBlocksPerSm(int block) { return block >= 1024 ? 1 : 1024 / block; }
 
 // MinBlocksPerSm for the staged row tiers: lane tiers (up to 32 threads per row, 128-thread CTAs)
-// whose threads hold more than 40 values (the 16-bit odd rows' 3/2 E tiers, GapTierRanges) take
+// whose threads hold more than 40 values (the 16-bit rows' 3/2 E tiers, GapTierRanges) take
 // 7 CTAs per SM, i.e. up to 72 registers: at 8 CTAs' 64 they spilled 16-28 bytes, where 40 values
 // fit in 62 (ptxas sm_90a; 48 values: 70 registers, no spill, at 7). Measured (H200, session 39,
 // us per call at 256 MiB, 8 / 7 CTAs): bfloat16 350 165 / 153, 383 159 / 147, 1281 152 / 137,
-// 1535 154 / 139 (0.95x -> 1.06x XLA); float16 1535 154 / 139.
+// 1535 154 / 139 (0.95x -> 1.06x XLA); float16 1535 154 / 139. Those of more than 48 values (the
+// 7/4 E tiers, session 41) take 6, i.e. up to 80 registers, which they use without a spill.
 constexpr int StagedMinBlocksPerSm(int group, int elems) {
-  return group <= 32 && elems > 40 ? 7 : MinBlocksPerSm(BlockThreads(group));
+  return group <= 32 && elems > 48   ? 6
+         : group <= 32 && elems > 40 ? 7
+                                     : MinBlocksPerSm(BlockThreads(group));
 }
 
 // Registers per thread at most, on top of MinBlocksPerSm's bound (255: none). The staged bfloat16

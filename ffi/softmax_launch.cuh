@@ -49,8 +49,9 @@
 // for the row tiers (two for some 16-bit odd rows: OddRowTilesPerCta), a persistent ring of
 // stages for the clusters; with their own
 // short-row table (LaunchStagedTier): rows of cols <= 8 V on G = 1..8 lanes of one vector, then
-// 8, 16, 32 lanes of up to E values (16-bit odd rows also on 8-32 lanes of 5/4 E, 3/2 E or 3/4 E
-// between them: GapTierRanges), then blocks and clusters as above, but 16-bit rows of
+// 8, 16, 32 lanes of up to E values (16-bit rows also on 8-32 lanes of 5/4 E, 3/2 E, 7/4 E or
+// 3/4 E between them, and on 64 threads of 5/4 E past 64 E: GapTierRanges), then blocks and
+// clusters as above, but 16-bit rows of
 // 8 * 512 * E + 1 to 16 * 512 * E on 8 x 1024 threads, and on GPUs with less DRAM bandwidth per
 // SM cycle than the H200 (the H100) those of 6 * 256 * E + 1 to 7 * 256 * E and 6 * 512 * E + 1
 // to 7 * 512 * E on 2 and 4 x 1024 (WideClusterMode, AmpleDramPerSm), and odd
@@ -61,7 +62,7 @@
 // (Float32 rows of up to 32 V measured 1.0-1.15x faster there than on the register lane groups
 // once each CTA takes one tile.) Where no tile fits, the register tiers run; the other plain
 // 16-bit rows of 2049-65536 columns take the register tiers too (faster there,
-// LaunchStagedTier). The staged lane groups and warps keep 16-bit plain rows as loaded, two
+// LaunchStagedTier), but for those just past 2048 (GapTierRanges' threads64_40). The staged lane groups and warps keep 16-bit plain rows as loaded, two
 // values per register, and so do the staged 16-bit blocks of 256 threads or more, at 40
 // registers per thread for more CTAs per SM (kRawRows, MaxRegisters in softmax_kernels.cuh);
 // such rows need a scale > 0 (LaunchSoftmax).
@@ -82,6 +83,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cmath>
@@ -470,9 +472,9 @@ inline bool RereadBlocks() {
 }
 
 // JAX_SOFTMAX_ODD_TIERS (read once): 1 (default) gives 16-bit odd rows (windowed) the staged row
-// tiers of 5/4 E, 3/2 E and 3/4 E values per thread (GapTierRanges), and stages those of
+// tiers of 5/4 E, 3/2 E, 7/4 E and 3/4 E values per thread (GapTierRanges), and stages those of
 // 128 E + 1 to 160 E columns (LaunchStagedTier, sessions 38-39), and gives plain 16-bit rows in
-// the same gaps those tiers (session 40); 0 keeps session 37's tiers for both, for A/B runs; 2 as
+// the same gaps those tiers (session 40) and past 64 E 64 threads of 5/4 E (session 41); 0 keeps session 37's tiers for both, for A/B runs; 2 as
 // 1 with the H200's ranges on every GPU, so that an H100 runs them in tests.
 inline int OddRowTierMode() {
   static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_ODD_TIERS", 1));
@@ -506,13 +508,34 @@ inline bool OddRowTiers() { return OddRowTierMode() == 1 || OddRowTierMode() == 
 // session 39) lost again in session 40 (us per call at 256 MiB, H100 ranges / H200's): bfloat16
 // odd 345 196 / 203, 383 190 / 193, 1535 185 / 188; plain 384 179 / 181, 768 179 / 181, 1400
 // 183 / 185; 700 and 1281 even.
+// Past the 3/2 E tiers' tops (session 41), where the next tier up was 75% or less filled (H200,
+// session 39: 385 76%, 1537 73% of the copy): lanes of 7/4 E values, 8 to 14 E (385-448) and 32 to
+// 56 E (1537-1792), at 6 CTAs per SM (80 registers, no spill: StagedMinBlocksPerSm). Measured (us
+// per call at 256 MiB, the tier before / 7/4 E), H200: bfloat16 385 165 / 142, 392 142 / 137, 447
+// 156 / 145, 448 134 / 131, 1537 171 / 138 (1.17x -> 1.46x XLA), 1544 163 / 135, 1784 144 / 135,
+// 1791 156 / 139, 1792 132 / 132; float16 385 165 / 142, 448 133 / 132, 1537 168 / 138, 1784
+// 138 / 135, 1792 130 / 132. The H100 lost on them (bfloat16 392 181 / 187, 447 184 / 191, 1537
+// 186 / 188, 1784 181 / 185, 1791 187 / 189, 1792 179 / 182; only 385 gained, 188 / 185).
+// Past the 64-thread tier's top: 64 threads of 5/4 E to 80 E (2049-2560; ptxas: 64 registers, 20
+// bytes spilled for bfloat16 plain rows), for plain rows from 64 E + 1 to threads64_40 E, which
+// the register tiers' 128 x E block took before (LaunchStagedTier), and for odd rows only past
+// odd64_40_from E: below that they lost to the staged 128 x E block. Measured (us per call at 256
+// MiB, before / 64 x 5/4 E), H200: plain bfloat16 2056 174 / 138 (1.29x -> 1.63x XLA), 2112 170 /
+// 133, 2304 161 / 132, 2560 155 / 132, float16 2056 174 / 135, 2304 161 / 131; odd bfloat16 2049
+// 159 / 165, 2113 157 / 180, 2177 153 / 174, 2241 151 / 170, 2305 150 / 144, 2369 154 / 141, 2433
+// 151 / 139, 2497 149 / 137, 2559 142 / 137, float16 2049 158 / 166, 2177 152 / 172. H100: plain
+// bfloat16 2056 197 / 188, 2304 187 / 183, 2560 180 / 183, float16 2056 196 / 186, 2560 179 /
+// 181; odd rows lost (bfloat16 2049 185 / 187, 2177 184 / 188, 2305 185 / 189, 2433 186 / 189, 2559
+// 186 / 190). So the H100 takes it for plain rows to 72 E, odd rows not at all.
 struct GapTierTops {
-  int lanes8_40, lanes8_48, lanes16_40, lanes32_24, lanes32_40, lanes32_48;
+  int lanes8_40, lanes8_48, lanes8_56, lanes16_40, lanes32_24, lanes32_40, lanes32_48, lanes32_56;
+  int threads64_40, odd64_40_from;
 };
 inline GapTierTops GapTierRanges(const DeviceInfo& dev) {
   if (!OddRowTiers()) return GapTierTops{};
-  return AmpleDramPerSm(dev) || OddRowTierMode() == 2 ? GapTierTops{10, 12, 20, 24, 40, 48}
-                                                      : GapTierTops{10, 0, 18, 0, 40, 0};
+  return AmpleDramPerSm(dev) || OddRowTierMode() == 2
+             ? GapTierTops{10, 12, 14, 20, 24, 40, 48, 56, 80, 72}
+             : GapTierTops{10, 0, 0, 18, 0, 40, 0, 0, 72, 72};
 }
 
 // Rows of up to 8 * 256 * E columns (65536 forward) without a mask, bias or causal limit split
@@ -934,7 +957,8 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // float16 staged -> register: 3000 150 / 146 -> 137 / 135, 8192 133 / 132 -> 131 / 131, 16384
   // 147 / 143 -> 132 / 132, 32768 153 -> 151, 65536 151 -> 147; 4096 130 -> 131.5). Shorter rows
   // (32-2048: staged 0-5% faster), rows of 131072 and more (staged 6-12% faster) and every
-  // float32 row (staged 12-16% faster at 1000 and 3000, within 2% elsewhere) stay here.
+  // float32 row (staged 12-16% faster at 1000 and 3000, within 2% elsewhere) stay here, and
+  // since session 41 plain 16-bit rows just past 64 E on 64 threads of 5/4 E (GapTierRanges).
   // The exception since session 34, plain 16-bit rows of 512 E + 1 to 1024 E columns (the reread
   // blocks): one CTA of up to 512 threads of 2 E values that holds nothing of the row in registers
   // and reads it from the stage in each of the three passes (max, sum, output); 40 registers, 3 CTAs
@@ -950,7 +974,9 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   if constexpr (sizeof(T) == 2 && kAccess == Access::kPlain) {
     if (RereadBlocks() && n > 512 * kE && n <= 1024 * kE)
       return LaunchStagedRows<T, 512, 2 * kE, kVec, kAccess, 1, /*kReread=*/true>(c);
-    if (n > 64 * kE && n <= 4 * 512 * kE) return std::nullopt;
+    // Since session 41 those of 64 E + 1 to GapTierRanges' threads64_40 E stay staged (below).
+    const int64_t register_from = std::max<int64_t>(64, GapTierRanges(c.dev).threads64_40);
+    if (n > register_from * kE && n <= 4 * 512 * kE) return std::nullopt;
   }
   // Windowed rows (odd lengths; n = W, cols rounded up to whole vectors) measured (H200, session
   // 19, us per call at 256 MiB, staged / register tiers): float32 255 161 / 140, 1001 137 / 135,
@@ -996,8 +1022,8 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     }
     if (n <= 8 * 2 * kVec) JS_STAGED(8, 2 * kVec, kEB / (2 * kVec));
     // 16-bit odd rows (sessions 38-39) and plain ones (session 40) fill their lanes better on
-    // tiers of 5/4 E, 3/2 E or 3/4 E values per thread between the power-of-two ones;
-    // GapTierRanges has their ranges per GPU and sessions 39-40's figures. Four rows per
+    // tiers of 5/4 E, 3/2 E, 7/4 E or 3/4 E values per thread between the power-of-two ones;
+    // GapTierRanges has their ranges per GPU and sessions 39-41's figures. Four rows per
     // 128-thread CTA on 32 lanes, where the 64-thread CTA of one row left half its threads
     // without values at 1025. Measured (H200, session 38, us per call at 256 MiB, session 37's
     // tier / 8-16 lanes of 3/2 E / 16-32 lanes of 3/4 E): bfloat16
@@ -1011,6 +1037,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if constexpr (kGap16) {
       if (n <= tops.lanes8_40 * kE) JS_GAP(8, 5 * kE / 4);
       if (n <= tops.lanes8_48 * kE) JS_GAP(8, 3 * kE / 2);
+      if (n <= tops.lanes8_56 * kE) JS_GAP(8, 7 * kE / 4);
     }
     if (n <= 16 * kEB) JS_STAGED(16, kEB, 1);
     if constexpr (kGap16) {
@@ -1025,8 +1052,13 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if constexpr (kGap16) {
       if (n <= tops.lanes32_40 * kE) JS_GAP(32, 5 * kE / 4);
       if (n <= tops.lanes32_48 * kE) JS_GAP(32, 3 * kE / 2);
+      if (n <= tops.lanes32_56 * kE) JS_GAP(32, 7 * kE / 4);
     }
     if (n <= 64 * kE) JS_STAGED(64, kE, 1);
+    if constexpr (kGap16) {
+      if (n <= tops.threads64_40 * kE && (!kOdd16 || n > tops.odd64_40_from * kE))
+        JS_GAP(64, 5 * kE / 4);
+    }
     if (n <= 128 * kE) JS_STAGED(128, kE, 1);
     if (n <= 256 * kE) JS_STAGED(256, kE, 1);
     if (n <= 512 * kE) JS_STAGED(512, kE, 1);

@@ -137,10 +137,11 @@ with_test_k() { if [ -n "${TEST_K:-}" ]; then echo "($TEST_K) and ($1)"; else ec
 if want test; then
   # The suite in parallel processes (a GPU test spends most of its time in XLA's compiler, on the
   # CPU; one process ran past a device call's 10 minutes). -k selects by test and module name;
-  # the shards cover every test once: the kernel-tier module in seven (the staged-ring,
+  # the shards cover every test once: the kernel-tier module in eight (the staged-ring,
   # dependent-call and causal-size tests were one shard until session 28, which ran past 320 s
   # beside the others; the odd-row tests one with the rest until session 38, past 470 s on the
-  # H100), the rest in two.
+  # H100; the past-top rows of session 41 their own, tiers_odd already taking 437 s there), the
+  # rest in two.
   # The kernel-tier module's own shards (name:selection); tiers_rest takes the module's other
   # tests, so the selections are written once here and joined for it.
   tier_shards=(
@@ -150,6 +151,7 @@ if want test; then
     "tiers_dependent:dependent_calls"
     "tiers_causal:causal_attention_sizes"
     "tiers_odd:odd_row or wide_block_rows or plain_row_gaps"
+    "tiers_past:past_top_rows"
   )
   tiers_split=
   shards=()
@@ -190,14 +192,15 @@ if want test; then
   test_job odd_rows_one_tile JAX_SOFTMAX_TILES_PER_CTA=1 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_rings or wide_block_rows)")"
   # The 16-bit odd rows that the tiers of 5/4 E, 3/2 E and 3/4 E values per thread (sessions
-  # 38-39) and the staged 5-warp block took over, and the plain rows in the same gaps (session
-  # 40), on session 37's tiers (JAX_SOFTMAX_ODD_TIERS=0).
+  # 38-39) and the staged 5-warp block took over, the plain rows in the same gaps (session 40),
+  # and the rows past the tiers' tops on 7/4 E and 64 threads of 5/4 E (session 41), on session
+  # 37's tiers (JAX_SOFTMAX_ODD_TIERS=0).
   test_job odd_tiers_off JAX_SOFTMAX_ODD_TIERS=0 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_tiers or odd_row_rings or plain_row_gaps)")"
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_tiers or odd_row_rings or plain_row_gaps or past_top_rows)")"
   # The same rows on the H200's ranges of those tiers (JAX_SOFTMAX_ODD_TIERS=2), which an H100
   # takes only under that knob.
   test_job odd_tiers_h200 JAX_SOFTMAX_ODD_TIERS=2 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_tiers or plain_row_gaps)")"
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_tiers or plain_row_gaps or past_top_rows)")"
   # The 16-bit plain rows of 16385-32768 on the register tiers that the reread blocks replaced by
   # default (JAX_SOFTMAX_REREAD_BLOCKS=0).
   test_job reread_blocks_off JAX_SOFTMAX_REREAD_BLOCKS=0 \

@@ -286,6 +286,20 @@ def test_plain_row_gaps(backend, device, rng, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
+def test_past_top_rows(backend, device, rng, dtype):
+    # 16-bit rows just past the 3/2 E tiers' and the 64-thread tier's tops (session 41,
+    # GapTierRanges): on the H200 W = 385-448 on 8 lanes of 7/4 E, 1537-1792 on 32 lanes of 7/4 E;
+    # plain rows of 2056-2560 (H100: to 2304) and odd ones of W = 2312-2560 (H200 only) on 64
+    # threads of 5/4 E. Both ends of each range, odd and plain (W is cols rounded up to 8), and
+    # one past each, in an odd number of rows (rows_past_one_wave); gpu_check.sh runs it again
+    # under JAX_SOFTMAX_ODD_TIERS=0 (none of these tiers) and =2 (the H200's ranges).
+    sizes = [385, 392, 447, 448, 449, 456, 1537, 1544, 1791, 1792, 1793, 1800, 2049, 2056, 2303,
+             2304, 2305, 2312, 2559, 2560, 2561, 2568]
+    check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_reread_block_rows(backend, device, rng, dtype):
     # 16-bit plain rows of N = 512 * 32 + 8 .. 1024 * 32 columns: one staged CTA of as many warps
     # as the row needs (up to 512 threads of 64 values) that reads the row from shared memory in
