@@ -91,6 +91,12 @@ CASES = [  # (rows, cols, dtype)
     (9, 768, jnp.float16),
     (7, 1032, jnp.bfloat16),
     (5, 1400, jnp.bfloat16),
+    # Rows past the tiers' tops (session 41): 8 lanes of 7/4 E (392) and 32 lanes of 7/4 E (1537,
+    # odd), the H200's; 64 threads of 5/4 E (2056 plain; 2313 odd, the H200's).
+    (13, 392, jnp.bfloat16),
+    (7, 1537, jnp.float16),
+    (5, 2056, jnp.bfloat16),
+    (3, 2313, jnp.bfloat16),
     # Cluster tiers launched with the CTAs a row needs (FitCluster in ffi/softmax_launch.cuh):
     # 5 of a staged 8 x 256 tier (forward; backward 5 of 8 x 512), more rows than clusters; and
     # float32 forward 5 of a staged 8 x 512 tier (backward 9 of 16 x 512), windowed.
