@@ -62,10 +62,10 @@
 // (Float32 rows of up to 32 V measured 1.0-1.15x faster there than on the register lane groups
 // once each CTA takes one tile.) Where no tile fits, the register tiers run; the other plain
 // 16-bit rows of 2049-65536 columns take the register tiers too (faster there,
-// LaunchStagedTier), but for those just past 2048 (GapTierRanges' threads64_40). The staged lane groups and warps keep 16-bit plain rows as loaded, two
-// values per register, and so do the staged 16-bit blocks of 256 threads or more, at 40
-// registers per thread for more CTAs per SM (kRawRows, MaxRegisters in softmax_kernels.cuh);
-// such rows need a scale > 0 (LaunchSoftmax).
+// LaunchStagedTier), but for those just past 2048 (GapTierRanges' threads64_40). The staged
+// lane groups and warps keep 16-bit plain rows as loaded, two values per register, and so do
+// the staged 16-bit blocks of 256 threads or more, at 40 registers per thread for more CTAs per
+// SM (kRawRows, MaxRegisters in softmax_kernels.cuh); such rows need a scale > 0 (LaunchSoftmax).
 // Access modes (softmax_kernels.cuh): plain rows (no bias/mask/causal) of cols % V != 0 are read
 // through 16-byte-aligned windows (kWindowed) instead of element by element, and take the tier
 // of cols rounded up to V (WindowWidth); rows with a mask or bias and cols % V != 0, or
@@ -474,8 +474,9 @@ inline bool RereadBlocks() {
 // JAX_SOFTMAX_ODD_TIERS (read once): 1 (default) gives 16-bit odd rows (windowed) the staged row
 // tiers of 5/4 E, 3/2 E, 7/4 E and 3/4 E values per thread (GapTierRanges), and stages those of
 // 128 E + 1 to 160 E columns (LaunchStagedTier, sessions 38-39), and gives plain 16-bit rows in
-// the same gaps those tiers (session 40) and past 64 E 64 threads of 5/4 E (session 41); 0 keeps session 37's tiers for both, for A/B runs; 2 as
-// 1 with the H200's ranges on every GPU, so that an H100 runs them in tests.
+// the same gaps those tiers (session 40) and past 64 E 64 threads of 5/4 E (session 41); 0 keeps
+// session 37's tiers for both, for A/B runs; 2 as 1 with the H200's ranges on every GPU, so that
+// an H100 runs them in tests.
 inline int OddRowTierMode() {
   static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_ODD_TIERS", 1));
   return mode;
@@ -952,6 +953,11 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if (!StageGeneralRows(c.p, sizeof(T), 16 * kE, register_ahead)) return std::nullopt;
   }
   const int64_t n = WindowWidth<kVec, kAccess>(c.p.cols);
+  // 16-bit rows that take the tiers between the power-of-two ones and just past them
+  // (GapTierRanges): the odd rows and, since session 40, the plain ones (multiples of 8 columns).
+  constexpr bool kGap16 =
+      kOdd16Rows<T, kAccess> || (sizeof(T) == 2 && kAccess == Access::kPlain);
+  const GapTierTops tops = kGap16 ? GapTierRanges(c.dev) : GapTierTops{};
   // Plain 16-bit rows of 2049-65536 columns run faster on the register tiers (H200, session 18,
   // sweep of every forward row length with JAX_SOFTMAX_STAGED=1 and =0, us per call, bfloat16 /
   // float16 staged -> register: 3000 150 / 146 -> 137 / 135, 8192 133 / 132 -> 131 / 131, 16384
@@ -975,7 +981,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if (RereadBlocks() && n > 512 * kE && n <= 1024 * kE)
       return LaunchStagedRows<T, 512, 2 * kE, kVec, kAccess, 1, /*kReread=*/true>(c);
     // Since session 41 those of 64 E + 1 to GapTierRanges' threads64_40 E stay staged (below).
-    const int64_t register_from = std::max<int64_t>(64, GapTierRanges(c.dev).threads64_40);
+    const int64_t register_from = std::max<int64_t>(64, tops.threads64_40);
     if (n > register_from * kE && n <= 4 * 512 * kE) return std::nullopt;
   }
   // Windowed rows (odd lengths; n = W, cols rounded up to whole vectors) measured (H200, session
@@ -1001,9 +1007,6 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     // float16 4097 173 / 155).
     if (n <= 8 * kVec || (n > 128 * kE && n <= 160 * kE && !OddRowTiers())) return std::nullopt;
   }
-  // 16-bit rows that take the tiers between the power-of-two ones (GapTierRanges): the odd rows
-  // and, since session 40, the plain ones (multiples of 8 columns) in those gaps.
-  constexpr bool kGap16 = kOdd16 || (sizeof(T) == 2 && kAccess == Access::kPlain);
   // Tiles per CTA of every staged row tier below (the reread blocks above take TilesPerCta()):
   // the odd rows' count (OddRowTilesPerCta) on every tier for them, and for plain rows on the gap
   // tiers only. On their power-of-two tiers plain rows keep one: two lost there on the H100
@@ -1032,7 +1035,6 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     // 155 / 140, 767 150 / 154 / 137; float16 513 210 / 156 / 178, 700 151 / 151 / 136. 32 lanes
     // of 3/2 E (session 37's 64 threads / them): bfloat16 1025 243 / 158 (0.94x -> 1.44x XLA),
     // 1100 212 / 152, 1279 193 / 151, 1535 159 / 153; float16 1025 241 / 158.
-    const GapTierTops tops = kGap16 ? GapTierRanges(c.dev) : GapTierTops{};
     if (n <= 8 * kEB) JS_STAGED(8, kEB, 1);
     if constexpr (kGap16) {
       if (n <= tops.lanes8_40 * kE) JS_GAP(8, 5 * kE / 4);
