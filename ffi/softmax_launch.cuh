@@ -483,9 +483,10 @@ inline int OddRowTierMode() {
 }
 inline bool OddRowTiers() { return OddRowTierMode() == 1 || OddRowTierMode() == 2; }
 // The tiers between the power-of-two ones for 16-bit rows (odd and, since session 40, plain):
-// the widest rows, W in units of E, that each takes (0: none), tried narrowest
-// first: 8 lanes of 5/4 E then 3/2 E values, 16 lanes of 5/4 E, 32 lanes of 3/4 E, 32 lanes of
-// 5/4 E then 3/2 E. The 5/4 E tiers (session 39) hold the row in 62 registers without a spill,
+// the widest rows, W in units of E, that each takes (0: none), tried narrowest first: 8 lanes of
+// 5/4 E, 3/2 E then 7/4 E values, 16 lanes of 5/4 E, 32 lanes of 3/4 E, 32 lanes of 5/4 E, 3/2 E
+// then 7/4 E, and past the 64-thread tier 64 threads of 5/4 E (odd rows there only past
+// odd64_40_from E; none where it equals threads64_40). The 5/4 E tiers (session 39) hold the row in 62 registers without a spill,
 // where the 3/2 E ones spilled 16-28 bytes at 64 (since then held to 72: StagedMinBlocksPerSm):
 // they replaced the 3/2 E tiers wherever they reach.
 // The whole gaps between the power-of-two tiers on GPUs with the H200's DRAM bandwidth per SM
@@ -532,11 +533,18 @@ struct GapTierTops {
   int lanes8_40, lanes8_48, lanes8_56, lanes16_40, lanes32_24, lanes32_40, lanes32_48, lanes32_56;
   int threads64_40, odd64_40_from;
 };
+// GPUs with the H200's DRAM bandwidth per SM cycle (AmpleDramPerSm), and the others (the H100).
+constexpr GapTierTops kGapTopsAmpleDram{/*lanes8_40=*/10, /*lanes8_48=*/12, /*lanes8_56=*/14,
+                                        /*lanes16_40=*/20, /*lanes32_24=*/24, /*lanes32_40=*/40,
+                                        /*lanes32_48=*/48, /*lanes32_56=*/56,
+                                        /*threads64_40=*/80, /*odd64_40_from=*/72};
+constexpr GapTierTops kGapTopsOther{/*lanes8_40=*/10, /*lanes8_48=*/0, /*lanes8_56=*/0,
+                                    /*lanes16_40=*/18, /*lanes32_24=*/0, /*lanes32_40=*/40,
+                                    /*lanes32_48=*/0, /*lanes32_56=*/0,
+                                    /*threads64_40=*/72, /*odd64_40_from=*/72};
 inline GapTierTops GapTierRanges(const DeviceInfo& dev) {
   if (!OddRowTiers()) return GapTierTops{};
-  return AmpleDramPerSm(dev) || OddRowTierMode() == 2
-             ? GapTierTops{10, 12, 14, 20, 24, 40, 48, 56, 80, 72}
-             : GapTierTops{10, 0, 0, 18, 0, 40, 0, 0, 72, 72};
+  return AmpleDramPerSm(dev) || OddRowTierMode() == 2 ? kGapTopsAmpleDram : kGapTopsOther;
 }
 
 // Rows of up to 8 * 256 * E columns (65536 forward) without a mask, bias or causal limit split

@@ -220,7 +220,7 @@ if want knobs; then
   # row staged (by default only short ones and some rows whose only operand is a mask:
   # StageGeneralRows), whose one-row tiles copy only up to the causal limit. Not the long-key
   # tests ($big), too large for three at once.
-  knob_tests="many_long_rows or staged_ring or odd_row_rings or odd_row_tiers or plain_row_gaps or causal"
+  knob_tests="many_long_rows or staged_ring or odd_row_rings or odd_row_tiers or plain_row_gaps or past_top_rows or causal"
   for knobs in JAX_SOFTMAX_STAGED=0 JAX_SOFTMAX_TILES_PER_CTA=3,JAX_SOFTMAX_WAVES=1 JAX_SOFTMAX_STAGED_GENERAL=2; do
     test_job "${knobs//[=,]/_}" ${knobs//,/ } XLA_PYTHON_CLIENT_MEM_FRACTION=0.25 -- \
       -k "$(with_test_k "gpu and test_kernel_tiers and ($knob_tests) and not ($big)")"
