@@ -56,7 +56,8 @@
 // SM cycle than the H200 (the H100) those of 6 * 256 * E + 1 to 7 * 256 * E and 6 * 512 * E + 1
 // to 7 * 512 * E on 2 and 4 x 1024 (WideClusterMode, AmpleDramPerSm), and odd
 // 16-bit rows of 512 * E + 1 to 1024 * E on one block of up to 1024 threads where two fit an SM
-// (WideBlocks), and plain 16-bit rows of those lengths on one block of up to 512 threads of 2E
+// (WideBlocks), float32 plain and windowed rows of those lengths on one such block with two
+// tiles per CTA (WideBlocks, session 42), and plain 16-bit rows of those lengths on one block of up to 512 threads of 2E
 // values that reads the row from the stage in each of its passes and holds none of it in
 // registers (RereadBlocks, softmax_rows_staged_kernel's kReread).
 // (Float32 rows of up to 32 V measured 1.0-1.15x faster there than on the register lane groups
@@ -456,8 +457,9 @@ inline int WideClusterMode() {
 }
 inline bool WideClusters() { return WideClusterMode() == 2; }
 // JAX_SOFTMAX_WIDE_BLOCKS (read once): 1 (default) lets LaunchStagedTier put 16-bit odd rows of
-// 512 E + 1 to 1024 E columns on one staged CTA of up to 1024 threads where two fit an SM; 0 keeps
-// them on clusters.
+// 512 E + 1 to 1024 E columns on one staged CTA of up to 1024 threads where two fit an SM, and
+// float32 plain and windowed rows of those lengths on one such CTA (session 42); 0 keeps them on
+// clusters (float32 windowed rows: the register tiers' clusters).
 inline bool WideBlocks() {
   static const bool enabled = EnvKnob("JAX_SOFTMAX_WIDE_BLOCKS", 1) == 1;
   return enabled;
@@ -1006,6 +1008,23 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // (4097 was its only probe), which left 6143-8191 at 0.87-0.89x XLA.
   constexpr bool kWindowedF32 = kAccess == Access::kWindowed && sizeof(T) == 4;
   constexpr bool kOdd16 = kOdd16Rows<T, kAccess>;
+  // Float32 plain and windowed rows of 512 E + 1 to 1024 E columns (16385-32768): one CTA of as
+  // many warps as the row needs (RowThreads, up to 1024 threads of E values; 64 registers, no
+  // spill) with two tiles per CTA, so that the next row's copy is in flight while one is reduced
+  // (one CTA fits an SM from 17 warps on). Before session 42 they took clusters of 2 x 512
+  // threads (plain rows staged, windowed ones on the register tiers), where a row just past
+  // 512 E left its second CTA nearly empty and every row waited at the cluster's barriers.
+  // Measured (H100, session 42, us per call at 256 MiB, clusters / this block): windowed 16385
+  // 216 / 187 (2.37x -> 2.75x XLA), 20001 209 / 188, 24577 206 / 190, 28673 204 / 192, 32767
+  // 202 / 192; plain 16392 220 / 184 (1.66x -> 1.99x), 20000 205 / 185, 24576 194 / 185, 32000
+  // 194 / 186, 32768 194 / 186; three tiles per CTA instead of two lost 0-5 us. Not measured on
+  // the H200. JAX_SOFTMAX_WIDE_BLOCKS=0 keeps the clusters.
+  if constexpr (sizeof(T) == 4 && kAccess != Access::kGeneral) {
+    if (n > 512 * kE && n <= 1024 * kE && WideBlocks()) {
+      if (Launched launched = LaunchStagedRows<T, 1024, kE, kVec, kAccess, 1>(c, 1, TilesPerCta(2)))
+        return launched;
+    }
+  }
   if constexpr (kWindowedF32) {
     if (n <= 4 * 512 * kE) return std::nullopt;
   } else if constexpr (kOdd16) {

@@ -140,7 +140,8 @@ if want test; then
   # the shards cover every test once: the kernel-tier module in eight (the staged-ring,
   # dependent-call and causal-size tests were one shard until session 28, which ran past 320 s
   # beside the others; the odd-row tests one with the rest until session 38, past 470 s on the
-  # H100; the past-top rows of session 41 their own, tiers_odd already taking 437 s there), the
+  # H100; the past-top rows of session 41 their own, tiers_odd already taking 437 s there, with
+  # the wide-block rows since session 42), the
   # rest in two.
   # The kernel-tier module's own shards (name:selection); tiers_rest takes the module's other
   # tests, so the selections are written once here and joined for it.
@@ -150,8 +151,8 @@ if want test; then
     "tiers_ring:staged_ring"
     "tiers_dependent:dependent_calls"
     "tiers_causal:causal_attention_sizes"
-    "tiers_odd:odd_row or wide_block_rows or plain_row_gaps"
-    "tiers_past:past_top_rows"
+    "tiers_odd:odd_row or plain_row_gaps"
+    "tiers_past:past_top_rows or wide_block_rows"
   )
   tiers_split=
   shards=()
@@ -184,11 +185,13 @@ if want test; then
   test_job reuse_order JAX_SOFTMAX_REUSE_ORDER=2 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and broadcast_operand_order")"
   # The 16-bit odd rows of 16385-24576 on the staged clusters that one CTA of up to 1024 threads
-  # replaced by default (JAX_SOFTMAX_WIDE_BLOCKS=0).
+  # replaced by default, and the float32 rows of 16385-32768 on the clusters that such a CTA
+  # replaced in session 42 (JAX_SOFTMAX_WIDE_BLOCKS=0; wide_block_rows selects both tests).
   test_job wide_blocks_off JAX_SOFTMAX_WIDE_BLOCKS=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (wide_block_rows or cluster_ctas)")"
   # The 16-bit odd rows whose staged tiers take OddRowTilesPerCta tiles per CTA (two on the H200,
-  # and on the H100 up to 3072 columns) at one tile per CTA, the H100's default beyond.
+  # and on the H100 up to 3072 columns) at one tile per CTA, the H100's default beyond, and the
+  # float32 wide blocks (two by default).
   test_job odd_rows_one_tile JAX_SOFTMAX_TILES_PER_CTA=1 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_rings or wide_block_rows)")"
   # The 16-bit odd rows that the tiers of 5/4 E, 3/2 E and 3/4 E values per thread (sessions

@@ -97,6 +97,10 @@ CASES = [  # (rows, cols, dtype)
     (7, 1537, jnp.float16),
     (5, 2056, jnp.bfloat16),
     (3, 2313, jnp.bfloat16),
+    # Float32 rows of 16385-32768 on one staged CTA of up to 1024 threads, two tiles per CTA
+    # (session 42): odd (17 warps, windowed) and plain (32 warps), more rows than one CTA takes.
+    (5, 16385, jnp.float32),
+    (3, 32768, jnp.float32),
     # Cluster tiers launched with the CTAs a row needs (FitCluster in ffi/softmax_launch.cuh):
     # 5 of a staged 8 x 256 tier (forward; backward 5 of 8 x 512), more rows than clusters; and
     # float32 forward 5 of a staged 8 x 512 tier (backward 9 of 16 x 512), windowed.

@@ -17,7 +17,8 @@ shared memory), except 16-bit rows of 2049-65536 columns, which take the registe
 N % V != 0 are read through aligned 16-byte windows, masked ones with V = 1. A windowed row
 takes the tier of N rounded up to V (its last columns wrap into its first vector's free slots),
 so 2^k - 1 tests the wrap at the top of a tier. On sm_90+ windowed forward rows take the staged
-tiers too: float32 beyond 2^16 (2^16 + 1 and 2^16 - 1 hit both sides), 16-bit rows except those
+tiers too: float32 of 2^14 + 1 to 2^15 and beyond 2^16 (2^k + 1 and 2^k - 1 hit both sides of
+each), 16-bit rows except those
 of up to 8 vectors and of 4097-5120 columns (2^12 +- 1 hit both sides; test_block_warps has
 5119 and 5121).
 Every boundary is a power of two between 1 and 2^19, so N = 2^k - 1, 2^k, 2^k + 1 for
@@ -238,6 +239,21 @@ def test_wide_block_rows(backend, device, rng, dtype):
     # range and one past each, warp counts between, and both sides of 24 warps.
     sizes = [16383, 16385, 16391, 20001, 24575, 24577, 28673, 32767, 32769]
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
+
+
+@pytest.mark.gpu
+def test_float32_wide_block_rows(backend, device, rng):
+    # Float32 plain and odd (windowed) rows of W = 512 * 32 + 4 .. 1024 * 32 columns: one staged
+    # CTA of as many warps as the row needs (up to 1024 threads of 32 values), two tiles per CTA
+    # (one under JAX_SOFTMAX_TILES_PER_CTA=1); clusters of 2 x 512 threads, staged (plain) or
+    # on the register tiers (odd), under JAX_SOFTMAX_WIDE_BLOCKS=0 (ffi/softmax_launch.cuh,
+    # LaunchStagedTier; scripts/gpu_check.sh runs both). The 512-thread block below (16384,
+    # 16383) and the clusters above (32769, 32772), the first widths (16385 with W = 16388, 16388:
+    # 17 warps, the last one's packs mostly past the row's end), warp counts between, and the
+    # last width (32767 wraps into the row's first vector; 32768).
+    sizes = [16383, 16384, 16385, 16388, 16391, 18432, 20001, 24577, 24580, 28673, 32767, 32768,
+             32769, 32772]
+    check_sizes(device, rng, jnp.float32, sizes, rows_past_one_wave)
 
 
 @pytest.mark.gpu
