@@ -1017,8 +1017,10 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // Measured (H100, session 42, us per call at 256 MiB, clusters / this block): windowed 16385
   // 216 / 187 (2.37x -> 2.75x XLA), 20001 209 / 188, 24577 206 / 190, 28673 204 / 192, 32767
   // 202 / 192; plain 16392 220 / 184 (1.66x -> 1.99x), 20000 205 / 185, 24576 194 / 185, 32000
-  // 194 / 186, 32768 194 / 186; three tiles per CTA instead of two lost 0-5 us. Not measured on
-  // the H200. JAX_SOFTMAX_WIDE_BLOCKS=0 keeps the clusters.
+  // 194 / 186, 32768 194 / 186; three tiles per CTA instead of two lost 0-5 us. H200: windowed
+  // 16385 154 / 146, 20001 153 / 141, 24577 152 / 141, 32767 148 / 144; plain 16392 161 / 137
+  // (1.74x -> 2.04x), 24576 145 / 135, 32768 143 / 138. JAX_SOFTMAX_WIDE_BLOCKS=0 keeps the
+  // clusters.
   if constexpr (sizeof(T) == 4 && kAccess != Access::kGeneral) {
     if (n > 512 * kE && n <= 1024 * kE && WideBlocks()) {
       if (Launched launched = LaunchStagedRows<T, 1024, kE, kVec, kAccess, 1>(c, 1, TilesPerCta(2)))
