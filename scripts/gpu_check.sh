@@ -9,8 +9,8 @@
 # scripts/prebuild.sh and carried as .prebuilt saves it, see below). test: the suite in eight
 # parallel pytest processes and the tier tests in command buffers beside them, then the long-key
 # tests alone (session 29, H100, prebuilt: 349 s); knobs: the tier tests under other knobs
-# (400 s); logs $OUT/pytest_*.log; bench: the row-length sweep (forward alone, two dtypes and all
-# providers, 130 s on the H100; backward and forward+backward together ran past 300 s: give them
+# (three jobs at once; since session 42 past one call: KNOB_TESTS splits them); logs
+# $OUT/pytest_*.log; bench: the row-length sweep (forward alone, two dtypes and all providers, 130 s on the H100; backward and forward+backward together ran past 300 s: give them
 # two calls); attention: the (B, H, S, S) sweep, ATTN_ARGS passes it options (in full 420 points,
 # about 14 minutes on the H100, session 29: split it with --dtypes / --modes / --variants).
 # ab: quick A/B timing of scripts/profile_cases.py cases under each variant in AB_VARIANTS
@@ -226,7 +226,11 @@ if want knobs; then
   # row staged (by default only short ones and some rows whose only operand is a mask:
   # StageGeneralRows), whose one-row tiles copy only up to the causal limit. Not the long-key
   # tests ($big), too large for three at once.
-  knob_tests="many_long_rows or staged_ring or odd_row_rings or odd_row_tiers or plain_row_gaps or past_top_rows or causal"
+  # Session 42 (H200): the whole selection no longer fits one device call (each job had run the
+  # odd-row tests and half of many_long_rows, 24 of 96, at 520 s): KNOB_TESTS narrows it, e.g.
+  # "odd_row_rings or odd_row_tiers or plain_row_gaps or past_top_rows" in one call and
+  # "many_long_rows or staged_ring or causal" in another.
+  knob_tests=${KNOB_TESTS:-many_long_rows or staged_ring or odd_row_rings or odd_row_tiers or plain_row_gaps or past_top_rows or causal}
   for knobs in JAX_SOFTMAX_STAGED=0 JAX_SOFTMAX_TILES_PER_CTA=3,JAX_SOFTMAX_WAVES=1 JAX_SOFTMAX_STAGED_GENERAL=2; do
     test_job "${knobs//[=,]/_}" ${knobs//,/ } XLA_PYTHON_CLIENT_MEM_FRACTION=0.25 -- \
       -k "$(with_test_k "gpu and test_kernel_tiers and ($knob_tests) and not ($big)")"
