@@ -57,9 +57,9 @@
 // to 7 * 512 * E on 2 and 4 x 1024 (WideClusterMode, AmpleDramPerSm), and odd
 // 16-bit rows of 512 * E + 1 to 1024 * E on one block of up to 1024 threads where two fit an SM
 // (WideBlocks), float32 plain and windowed rows of those lengths on one such block with two
-// tiles per CTA (WideBlocks, session 42), and plain 16-bit rows of those lengths on one block of up to 512 threads of 2E
-// values that reads the row from the stage in each of its passes and holds none of it in
-// registers (RereadBlocks, softmax_rows_staged_kernel's kReread).
+// tiles per CTA (WideBlocks, session 42), and plain 16-bit rows of those lengths on one block of
+// up to 512 threads of 2E values that reads the row from the stage in each of its passes and
+// holds none of it in registers (RereadBlocks, softmax_rows_staged_kernel's kReread).
 // (Float32 rows of up to 32 V measured 1.0-1.15x faster there than on the register lane groups
 // once each CTA takes one tile.) Where no tile fits, the register tiers run; the other plain
 // 16-bit rows of 2049-65536 columns take the register tiers too (faster there,
@@ -402,7 +402,8 @@ inline int GridUnits(int64_t needed, int64_t resident, int64_t waves, int cluste
 // loads (float32 clusters: two CTAs per SM with one stage each measured 4-8% faster than one CTA
 // with three). stages == 0 where not even one CTA's tile fits (the register kernel runs instead).
 // JAX_SOFTMAX_TILES_PER_CTA sets T (read once), for tuning experiments.
-// `fallback` is a row tier's own T where the knob is unset (OddRowTilesPerCta).
+// `fallback` is a row tier's own T where the knob is unset (OddRowTilesPerCta; 2 for the float32
+// wide blocks, LaunchStagedTier).
 inline int TilesPerCta(int fallback = 1) {
   static const int knob = [] {
     const long v = EnvKnob("JAX_SOFTMAX_TILES_PER_CTA", LONG_MIN);  // LONG_MIN: unset
