@@ -489,9 +489,9 @@ inline bool OddRowTiers() { return OddRowTierMode() == 1 || OddRowTierMode() == 
 // the widest rows, W in units of E, that each takes (0: none), tried narrowest first: 8 lanes of
 // 5/4 E, 3/2 E then 7/4 E values, 16 lanes of 5/4 E, 32 lanes of 3/4 E, 32 lanes of 5/4 E, 3/2 E
 // then 7/4 E, and past the 64-thread tier 64 threads of 5/4 E (odd rows there only past
-// odd64_40_from E; none where it equals threads64_40). The 5/4 E tiers (session 39) hold the row in 62 registers without a spill,
-// where the 3/2 E ones spilled 16-28 bytes at 64 (since then held to 72: StagedMinBlocksPerSm):
-// they replaced the 3/2 E tiers wherever they reach.
+// odd64_40_from E; none where it equals threads64_40). The 5/4 E tiers (session 39) hold the row
+// in 62 registers without a spill, where the 3/2 E ones spilled 16-28 bytes at 64 (since then
+// held to 72: StagedMinBlocksPerSm): they replaced the 3/2 E tiers wherever they reach.
 // The whole gaps between the power-of-two tiers on GPUs with the H200's DRAM bandwidth per SM
 // cycle (AmpleDramPerSm); on the H100 the 16-lane tier stops at 18 E (577-640 keep 32 lanes of
 // E: 639 187 us where 16 lanes of 5/4 E took 192), and the 3/2 E and 3/4 E tiers lost to session
@@ -1009,24 +1009,39 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // (4097 was its only probe), which left 6143-8191 at 0.87-0.89x XLA.
   constexpr bool kWindowedF32 = kAccess == Access::kWindowed && sizeof(T) == 4;
   constexpr bool kOdd16 = kOdd16Rows<T, kAccess>;
-  // Float32 plain and windowed rows of 512 E + 1 to 1024 E columns (16385-32768): one CTA of as
-  // many warps as the row needs (RowThreads, up to 1024 threads of E values; 64 registers, no
-  // spill) with two tiles per CTA, so that the next row's copy is in flight while one is reduced
-  // (one CTA fits an SM from 17 warps on). Before session 42 they took clusters of 2 x 512
-  // threads (plain rows staged, windowed ones on the register tiers), where a row just past
-  // 512 E left its second CTA nearly empty and every row waited at the cluster's barriers.
-  // Measured (H100, session 42, us per call at 256 MiB, clusters / this block): windowed 16385
-  // 216 / 187 (2.37x -> 2.75x XLA), 20001 209 / 188, 24577 206 / 190, 28673 204 / 192, 32767
-  // 202 / 192; plain 16392 220 / 184 (1.66x -> 1.99x), 20000 205 / 185, 24576 194 / 185, 32000
-  // 194 / 186, 32768 194 / 186; three tiles per CTA instead of two lost 0-5 us. H200: windowed
-  // 16385 154 / 146, 20001 153 / 141, 24577 152 / 141, 32767 148 / 144; plain 16392 161 / 137
-  // (1.74x -> 2.04x), 24576 145 / 135, 32768 143 / 138. JAX_SOFTMAX_WIDE_BLOCKS=0 keeps the
-  // clusters.
-  if constexpr (sizeof(T) == 4 && kAccess != Access::kGeneral) {
-    if (n > 512 * kE && n <= 1024 * kE && WideBlocks()) {
-      if (Launched launched = LaunchStagedRows<T, 1024, kE, kVec, kAccess, 1>(c, 1, TilesPerCta(2)))
-        return launched;
-    }
+  // The wide blocks (WideBlocks): rows of 512 E + 1 to 1024 E columns on one staged CTA of as many
+  // warps as the row needs (RowThreads, up to 1024 threads of E values) instead of clusters, where
+  // a row just past 512 E left its second CTA nearly empty and every row waited at the cluster's
+  // barriers. Where the block declines (nullopt), the rules below take the row as before.
+  // - 16-bit odd rows (session 33), where two such CTAs fit an SM (else the staged clusters of
+  //   3-4 x 256 threads below), OddRowTilesPerCta tiles per CTA (two on the H200). At 40
+  //   registers (kRawRows) the occupancy calculator fits two CTAs of up to 24 warps (W = 24576;
+  //   48 warps of 40 registers per SM); float16 at 64 registers (before session 35) fitted one.
+  //   Measured (H100, session 33, us per call at 256 MiB, cluster / block): bfloat16 16385 233 /
+  //   196 (17 warps), 16391 234 / 198, 20001 219 / 189 (20 warps); one CTA per SM lost: 24577
+  //   211 / 262 (25 warps), 28673 205 / 250, 32767 201 / 227, float16 16385 238 / 285.
+  //   Instantiated only where the block is held to 40 registers (kRawRows); float16's is since
+  //   session 35's raw_max (H100, cluster / block: 16385 232 / 192, 20001 219 / 185, 24575 203 /
+  //   184). (Plain 16-bit rows of these lengths take the reread blocks above.)
+  // - Float32 plain and windowed rows (session 42; 64 registers, no spill), one CTA per SM from
+  //   17 warps on, with two tiles per CTA so that the next row's copy is in flight while one is
+  //   reduced; before, clusters of 2 x 512 threads (plain rows staged, windowed ones on the
+  //   register tiers). Measured (H100, us per call at 256 MiB, clusters / this block): windowed
+  //   16385 216 / 187 (2.37x -> 2.75x XLA), 20001 209 / 188, 24577 206 / 190, 28673 204 / 192,
+  //   32767 202 / 192; plain 16392 220 / 184 (1.66x -> 1.99x), 20000 205 / 185, 24576 194 / 185,
+  //   32000 194 / 186, 32768 194 / 186; three tiles per CTA instead of two lost 0-5 us. H200:
+  //   windowed 16385 154 / 146, 20001 153 / 141, 24577 152 / 141, 32767 148 / 144; plain 16392
+  //   161 / 137 (1.74x -> 2.04x), 24576 145 / 135, 32768 143 / 138.
+  // JAX_SOFTMAX_WIDE_BLOCKS=0 keeps the clusters for both.
+  if (n > 512 * kE && n <= 1024 * kE && WideBlocks()) {
+    using WideLoader = RowLoader<T, kVec, /*kBwd=*/false, kAccess>;
+    Launched launched;
+    if constexpr (kOdd16 && kRawRows<WideLoader, 1024, 1>)
+      launched = LaunchStagedRows<T, 1024, kE, kVec, kAccess, 1>(c, /*min_ctas_per_sm=*/2,
+                                                                OddRowTilesPerCta<kE>(c.dev, n));
+    else if constexpr (sizeof(T) == 4 && kAccess != Access::kGeneral)
+      launched = LaunchStagedRows<T, 1024, kE, kVec, kAccess, 1>(c, 1, TilesPerCta(2));
+    if (launched) return launched;
   }
   if constexpr (kWindowedF32) {
     if (n <= 4 * 512 * kE) return std::nullopt;
@@ -1094,26 +1109,6 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if (n <= 128 * kE) JS_STAGED(128, kE, 1);
     if (n <= 256 * kE) JS_STAGED(256, kE, 1);
     if (n <= 512 * kE) JS_STAGED(512, kE, 1);
-    // 16-bit odd rows of 512 E + 1 to 1024 E columns: one CTA of as many warps as the row needs (up
-    // to 1024 threads), OddRowTilesPerCta tiles per CTA (two on the H200), where two such CTAs fit
-    // an SM; otherwise the clusters below (3-4 x 256 threads). At 40 registers (kRawRows) the
-    // occupancy calculator fits two CTAs of up to 24 warps (W = 24576; 48 warps of 40 registers
-    // per SM);
-    // float16 at 64 registers (before session 35) fitted one. Measured (H100, session 33, us per
-    // call at 256 MiB, cluster / block): bfloat16 16385 233 / 196 (17 warps), 16391 234 / 198, 20001
-    // 219 / 189 (20 warps); one CTA per SM lost: 24577 211 / 262 (25 warps), 28673 205 / 250, 32767
-    // 201 / 227, float16 16385 238 / 285. JAX_SOFTMAX_WIDE_BLOCKS=0 keeps the clusters. (Plain
-    // 16-bit rows of these lengths took the reread blocks above.) Instantiated only where the block
-    // is held to 40 registers (kRawRows); float16's is since session 35's raw_max (H100, cluster /
-    // block: 16385 232 / 192, 20001 219 / 185, 24575 203 / 184).
-    if constexpr (kAccess == Access::kWindowed &&
-                  kRawRows<RowLoader<T, kVec, /*kBwd=*/false, kAccess>, 1024, 1>) {
-      if (n <= 1024 * kE && WideBlocks()) {
-        if (Launched launched =
-                LaunchStagedRows<T, 1024, kE, kVec, kAccess, 1>(c, /*min_ctas_per_sm=*/2, tiles))
-          return launched;
-      }
-    }
   }
 #undef JS_STAGED
 #undef JS_GAP

@@ -229,31 +229,30 @@ def test_seven_chunk_rows(backend, device, rng, dtype):
     check_sizes(device, rng, dtype, sorted(sizes), rows_past_one_wave)
 
 
+# Row lengths of the wide blocks (ffi/softmax_launch.cuh, LaunchStagedTier: rows of 512 * 32 + 1
+# .. 1024 * 32 columns on one staged CTA of as many warps as the row needs, up to 1024 threads of
+# 32 values; clusters under JAX_SOFTMAX_WIDE_BLOCKS=0, which scripts/gpu_check.sh also runs).
+# 16-bit: odd rows, where two such CTAs fit an SM (to 24 warps, W = 24576), else staged clusters
+# of 256 threads: both ends of the range and one past each, warp counts between, and both sides
+# of 24 warps (plain 16-bit rows of these lengths take the reread blocks: test_reread_block_rows).
+# Float32: plain and odd rows, two tiles per CTA (one under JAX_SOFTMAX_TILES_PER_CTA=1), before
+# them clusters of 2 x 512 threads, staged (plain) or on the register tiers (odd): the 512-thread
+# block below (16384, 16383) and the clusters above (32769, 32772), the first widths (16385 with
+# W = 16388, 16388: 17 warps, the last one's packs mostly past the row's end), warp counts
+# between, and the last width (32767 wraps into the row's first vector; 32768).
+WIDE_BLOCK_SIZES_16 = [16383, 16385, 16391, 20001, 24575, 24577, 28673, 32767, 32769]
+WIDE_BLOCK_SIZES = {
+    jnp.float16: WIDE_BLOCK_SIZES_16,
+    jnp.bfloat16: WIDE_BLOCK_SIZES_16,
+    jnp.float32: [16383, 16384, 16385, 16388, 16391, 18432, 20001, 24577, 24580, 28673, 32767,
+                  32768, 32769, 32772],
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("dtype", list(WIDE_BLOCK_SIZES), ids=lambda d: DTYPE_IDS[d])
 def test_wide_block_rows(backend, device, rng, dtype):
-    # 16-bit odd rows of W = 512 * 32 + 8 .. 1024 * 32 columns: one staged CTA of as many warps as
-    # the row needs where two such CTAs fit an SM (to 24 warps, W = 24576), else staged
-    # clusters of 256 threads (all of them under JAX_SOFTMAX_WIDE_BLOCKS=0, which
-    # scripts/gpu_check.sh also runs; ffi/softmax_launch.cuh, LaunchStagedTier): both ends of the
-    # range and one past each, warp counts between, and both sides of 24 warps.
-    sizes = [16383, 16385, 16391, 20001, 24575, 24577, 28673, 32767, 32769]
-    check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
-
-
-@pytest.mark.gpu
-def test_float32_wide_block_rows(backend, device, rng):
-    # Float32 plain and odd (windowed) rows of W = 512 * 32 + 4 .. 1024 * 32 columns: one staged
-    # CTA of as many warps as the row needs (up to 1024 threads of 32 values), two tiles per CTA
-    # (one under JAX_SOFTMAX_TILES_PER_CTA=1); clusters of 2 x 512 threads, staged (plain) or
-    # on the register tiers (odd), under JAX_SOFTMAX_WIDE_BLOCKS=0 (ffi/softmax_launch.cuh,
-    # LaunchStagedTier; scripts/gpu_check.sh runs both). The 512-thread block below (16384,
-    # 16383) and the clusters above (32769, 32772), the first widths (16385 with W = 16388, 16388:
-    # 17 warps, the last one's packs mostly past the row's end), warp counts between, and the
-    # last width (32767 wraps into the row's first vector; 32768).
-    sizes = [16383, 16384, 16385, 16388, 16391, 18432, 20001, 24577, 24580, 28673, 32767, 32768,
-             32769, 32772]
-    check_sizes(device, rng, jnp.float32, sizes, rows_past_one_wave)
+    check_sizes(device, rng, dtype, WIDE_BLOCK_SIZES[dtype], rows_past_one_wave)
 
 
 @pytest.mark.gpu
