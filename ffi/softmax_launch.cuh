@@ -12,7 +12,9 @@
 //                           per 4-warp block (several rows per warp for tiny rows), and four rows
 //                           per group in flight at once (two backward), meant to put more bytes
 //                           in flight; it moved float32 N <= 128 from 76-81% to 78-82% and left
-//                           bf16 N <= 256 at 58-65% (TUNING.md)
+//                           bf16 N <= 256 at 58-65% (TUNING.md). On sm_90+ plain forward rows
+//                           take two rows per group instead of the staged tiers (session 43,
+//                           kShortRegisterTiers)
 //   cols <= 32 * E          one warp per row, E' <= E elements per lane (E' the smallest power
 //                           of two that fits)
 //   cols <= 512 * E         one block of G = 64..512 threads per row, E elements per thread,
@@ -48,7 +50,8 @@
 // through shared memory that cp.async.bulk fills (softmax_rows_staged_kernel): one tile per CTA
 // for the row tiers (two for some 16-bit odd rows: OddRowTilesPerCta), a persistent ring of
 // stages for the clusters; with their own
-// short-row table (LaunchStagedTier): rows of cols <= 8 V on G = 1..8 lanes of one vector, then
+// short-row table (LaunchStagedTier): rows of cols <= 8 V on G = 1..8 lanes of one vector (plain
+// rows of up to 32 V: only under JAX_SOFTMAX_SHORT_ROWS=0, kShortRegisterTiers), then
 // 8, 16, 32 lanes of up to E values (16-bit rows also on 8-32 lanes of 5/4 E, 3/2 E, 7/4 E or
 // 3/4 E between them, and on 64 threads of 5/4 E past 64 E: GapTierRanges), then blocks and
 // clusters as above, but 16-bit rows of
@@ -92,6 +95,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "common.h"
 #include "softmax_kernels.cuh"
@@ -1168,6 +1172,24 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   return std::nullopt;
 }
 
+// Plain forward rows of up to 32 vectors (N <= 256 for 16-bit types, 128 for float32) on sm_90+:
+// the register tiers' lane groups with two rows per group (CTAs of 128 threads over 4 KiB of
+// 16-bit rows, 48 registers), not the staged tiers, whose 128-thread CTAs take 8-16 KiB tiles
+// (one each) at 47-59% occupancy, where XLA's fusion takes 4 KiB per CTA at 88% (ncu, H200,
+// session 36). Measured (session 43, us per call at 256 MiB, staged / two rows; one row per group
+// lost 20%, 158 us, and the register tiers' four rows measured as the staged tiers), H200:
+// bfloat16 32 131 / 128 (0.97x -> 1.00x XLA), 64 131 / 129, 128 132 / 130, 256 132 / 131,
+// float16 128 132 / 130, float32 32 133 / 128 (0.99x -> 1.02x), 64 133 / 128, 128 131 / 128; H100:
+// bfloat16 32-256 and float16 256 180 / 179 (0.99x -> 1.00x), float32 32-128 180-181 / 179. Held
+// to 32 registers (16 CTAs per SM) the two-row groups timed the same on the H100.
+// JAX_SOFTMAX_SHORT_ROWS=0 (read once; A/B runs) keeps the staged tiers for them.
+template <typename T, int kVec, bool kBwd, Access kAccess>
+constexpr bool kShortRegisterTiers = !kBwd && kAccess == Access::kPlain && kStageable<T, kVec>;
+inline bool ShortRegisterRows() {
+  static const bool enabled = EnvKnob("JAX_SOFTMAX_SHORT_ROWS", 1) != 0;
+  return enabled;
+}
+
 // Picks the tier (see the table at the top) for one vector width and access mode.
 template <typename T, int kVec, bool kBwd, Access kAccess>
 ffi::Error LaunchTier(const LaunchCtx& c) {
@@ -1195,6 +1217,22 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // (rows, N) mask (session 15, a chunk's mask words fetched with its loads) 262144 353 -> 312-315,
   // 524288 358 -> 315.
   constexpr bool kRereadWide = kBwd && sizeof(T) == 4 && kVec > 1;
+  const int64_t n = WindowWidth<kVec, kAccess>(c.p.cols);
+  // Lane groups: one vector per lane, kRows rows per group and iteration (rows of up to 32
+  // vectors).
+  const auto lane_groups = [&](auto rows) -> ffi::Error {
+    constexpr int kRows = decltype(rows)::value;
+    if (n <= 1 * kVec) return LaunchRows<T, 1, kVec, kVec, kBwd, kAccess, kRows>(c);
+    if (n <= 2 * kVec) return LaunchRows<T, 2, kVec, kVec, kBwd, kAccess, kRows>(c);
+    if (n <= 4 * kVec) return LaunchRows<T, 4, kVec, kVec, kBwd, kAccess, kRows>(c);
+    if (n <= 8 * kVec) return LaunchRows<T, 8, kVec, kVec, kBwd, kAccess, kRows>(c);
+    if (n <= 16 * kVec) return LaunchRows<T, 16, kVec, kVec, kBwd, kAccess, kRows>(c);
+    return LaunchRows<T, 32, kVec, kVec, kBwd, kAccess, kRows>(c);
+  };
+  if constexpr (kShortRegisterTiers<T, kVec, kBwd, kAccess>) {
+    if (n <= 32 * kVec && c.dev.cc_major >= 9 && StagedEnabled() && ShortRegisterRows())
+      return lane_groups(std::integral_constant<int, 2>{});
+  }
   // Forward only: staged backward kernels (y and dy in each stage) measured 0-20% slower than the
   // register ones (TUNING.md), whose rows already keep two operands' loads in flight.
   if constexpr (!kBwd && kStageable<T, kVec>) {
@@ -1202,16 +1240,9 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
       if (Launched launched = LaunchStagedTier<T, kVec, kAccess>(c)) return *launched;
     }
   }
-  const int64_t n = WindowWidth<kVec, kAccess>(c.p.cols);
 #define JS_ROWS(G, E, R) return LaunchRows<T, G, E, kVec, kBwd, kAccess, R>(c)
-  // Lane groups: one vector per lane, several rows per group and iteration.
   constexpr int kRowsShort = kBwd ? 2 : 4;  // backward: two values per element, 90 registers at 4
-  if (n <= 1 * kVec) JS_ROWS(1, kVec, kRowsShort);
-  if (n <= 2 * kVec) JS_ROWS(2, kVec, kRowsShort);
-  if (n <= 4 * kVec) JS_ROWS(4, kVec, kRowsShort);
-  if (n <= 8 * kVec) JS_ROWS(8, kVec, kRowsShort);
-  if (n <= 16 * kVec) JS_ROWS(16, kVec, kRowsShort);
-  if (n <= 32 * kVec) JS_ROWS(32, kVec, kRowsShort);
+  if (n <= 32 * kVec) return lane_groups(std::integral_constant<int, kRowsShort>{});
   // One warp per row (two rows per iteration while a lane holds two vectors and the two rows'
   // values fit 32 registers; 16-bit backward rows hold twice that and spilled at 64).
   constexpr int kRowsTwoVec = 2 * (2 * kVec) * (kBwd ? 2 : 1) <= 32 ? 2 : 1;
