@@ -239,6 +239,14 @@ if want knobs; then
       -k "$(with_test_k "gpu and test_kernel_tiers and ($knob_tests) and not ($big)")"
   done
   wait_tests
+  # The plain short forward rows (up to 32 vectors) on the staged tiers, which the register lane
+  # groups of two rows replaced on sm_90+ in session 43 (JAX_SOFTMAX_SHORT_ROWS=0). KNOB_TESTS
+  # set to something else leaves it out.
+  if [ -z "${KNOB_TESTS:-}" ] || [[ "${KNOB_TESTS}" == *tier_boundaries* ]]; then
+    test_job short_rows_staged JAX_SOFTMAX_SHORT_ROWS=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 -- \
+      -k "$(with_test_k "test_kernel_tiers and tier_boundaries")"
+    wait_tests
+  fi
 fi
 
 if want sanitize; then

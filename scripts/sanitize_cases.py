@@ -42,6 +42,9 @@ CASES = [  # (rows, cols, dtype)
     # held through the reduction (lane groups, 16 per thread) or read again after it (2E = 32 per
     # thread: a 512 x 32 block, clusters of 16 x 512 and 16 x 1024 threads).
     (7, 200, jnp.bfloat16),
+    # Plain short forward rows on sm_90+: register lane groups of two rows per group (8 lanes of
+    # one vector here), a last block of fewer rows than its groups take.
+    (1003, 64, jnp.bfloat16),
     (2, 16384, jnp.float16),
     (3, 262144, jnp.bfloat16),
     (1, 524288, jnp.bfloat16),
