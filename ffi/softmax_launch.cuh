@@ -1173,8 +1173,9 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
 }
 
 // Plain forward rows of up to 32 vectors (N <= 256 for 16-bit types, 128 for float32) on sm_90+:
-// the register tiers' lane groups with two rows per group (CTAs of 128 threads over 4 KiB of
-// 16-bit rows, 48 registers), not the staged tiers, whose 128-thread CTAs take 8-16 KiB tiles
+// the register tiers' lane groups with two rows per group (CTAs of 128 threads over 4 KiB: one
+// 16-byte vector per lane and row; 48 registers for 16-bit rows, 32-37 for float32), not the
+// staged tiers, whose 128-thread CTAs take 8-16 KiB tiles
 // (one each) at 47-59% occupancy, where XLA's fusion takes 4 KiB per CTA at 88% (ncu, H200,
 // session 36). Measured (session 43, us per call at 256 MiB, staged / two rows; one row per group
 // lost 20%, 158 us, and the register tiers' four rows measured as the staged tiers), H200:
@@ -1182,7 +1183,8 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
 // float16 128 132 / 130, float32 32 133 / 128 (0.99x -> 1.02x), 64 133 / 128, 128 131 / 128; H100:
 // bfloat16 32-256 and float16 256 180 / 179 (0.99x -> 1.00x), float32 32-128 180-181 / 179. Held
 // to 32 registers (16 CTAs per SM) the two-row groups timed the same on the H100.
-// JAX_SOFTMAX_SHORT_ROWS=0 (read once; A/B runs) keeps the staged tiers for them.
+// JAX_SOFTMAX_SHORT_ROWS=0 (read once; A/B runs) keeps the staged tiers for them; under
+// JAX_SOFTMAX_STAGED=0 they take four rows per group, as every register-tier short row does.
 template <typename T, int kVec, bool kBwd, Access kAccess>
 constexpr bool kShortRegisterTiers = !kBwd && kAccess == Access::kPlain && kStageable<T, kVec>;
 inline bool ShortRegisterRows() {
