@@ -1181,8 +1181,9 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
 // lost 20%, 158 us, and the register tiers' four rows measured as the staged tiers), H200:
 // bfloat16 32 131 / 128 (0.97x -> 1.00x XLA), 64 131 / 129, 128 132 / 130, 256 132 / 131,
 // float16 128 132 / 130, float32 32 133 / 128 (0.99x -> 1.02x), 64 133 / 128, 128 131 / 128; H100:
-// bfloat16 32-256 and float16 256 180 / 179 (0.99x -> 1.00x), float32 32-128 180-181 / 179. Held
-// to 32 registers (16 CTAs per SM) the two-row groups timed the same on the H100.
+// bfloat16 32-128 180 / 179 (0.99x -> 1.00x), 256 and float16 256 180 / 179-180, float32 32-128
+// 180-181 / 179. Held to 32 registers (16 CTAs per SM) the two-row groups timed the same on the
+// H100.
 // JAX_SOFTMAX_SHORT_ROWS=0 (read once; A/B runs) keeps the staged tiers for them; under
 // JAX_SOFTMAX_STAGED=0 they take four rows per group, as every register-tier short row does.
 template <typename T, int kVec, bool kBwd, Access kAccess>
