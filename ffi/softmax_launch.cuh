@@ -14,7 +14,7 @@
 //                           in flight; it moved float32 N <= 128 from 76-81% to 78-82% and left
 //                           bf16 N <= 256 at 58-65% (TUNING.md). On sm_90+ plain forward rows
 //                           take two rows per group instead of the staged tiers (session 43,
-//                           kShortRegisterTiers)
+//                           ShortRegisterRows)
 //   cols <= 32 * E          one warp per row, E' <= E elements per lane (E' the smallest power
 //                           of two that fits)
 //   cols <= 512 * E         one block of G = 64..512 threads per row, E elements per thread,
@@ -51,7 +51,7 @@
 // for the row tiers (two for some 16-bit odd rows: OddRowTilesPerCta), a persistent ring of
 // stages for the clusters; with their own
 // short-row table (LaunchStagedTier): rows of cols <= 8 V on G = 1..8 lanes of one vector (plain
-// rows of up to 32 V: only under JAX_SOFTMAX_SHORT_ROWS=0, kShortRegisterTiers), then
+// rows of up to 32 V: only under JAX_SOFTMAX_SHORT_ROWS=0, ShortRegisterRows), then
 // 8, 16, 32 lanes of up to E values (16-bit rows also on 8-32 lanes of 5/4 E, 3/2 E, 7/4 E or
 // 3/4 E between them, and on 64 threads of 5/4 E past 64 E: GapTierRanges), then blocks and
 // clusters as above, but 16-bit rows of
@@ -1186,8 +1186,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
 // H100.
 // JAX_SOFTMAX_SHORT_ROWS=0 (read once; A/B runs) keeps the staged tiers for them; under
 // JAX_SOFTMAX_STAGED=0 they take four rows per group, as every register-tier short row does.
-template <typename T, int kVec, bool kBwd, Access kAccess>
-constexpr bool kShortRegisterTiers = !kBwd && kAccess == Access::kPlain && kStageable<T, kVec>;
+// (LaunchTier asks only for plain forward rows where the staged tiers would run.)
 inline bool ShortRegisterRows() {
   static const bool enabled = EnvKnob("JAX_SOFTMAX_SHORT_ROWS", 1) != 0;
   return enabled;
@@ -1232,14 +1231,14 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
     if (n <= 16 * kVec) return LaunchRows<T, 16, kVec, kVec, kBwd, kAccess, kRows>(c);
     return LaunchRows<T, 32, kVec, kVec, kBwd, kAccess, kRows>(c);
   };
-  if constexpr (kShortRegisterTiers<T, kVec, kBwd, kAccess>) {
-    if (n <= 32 * kVec && c.dev.cc_major >= 9 && StagedEnabled() && ShortRegisterRows())
-      return lane_groups(std::integral_constant<int, 2>{});
-  }
   // Forward only: staged backward kernels (y and dy in each stage) measured 0-20% slower than the
-  // register ones (TUNING.md), whose rows already keep two operands' loads in flight.
+  // register ones (TUNING.md), whose rows already keep two operands' loads in flight. Short plain
+  // rows take the lane groups of two rows instead (ShortRegisterRows).
   if constexpr (!kBwd && kStageable<T, kVec>) {
     if (c.dev.cc_major >= 9 && StagedEnabled()) {
+      if constexpr (kAccess == Access::kPlain)
+        if (n <= 32 * kVec && ShortRegisterRows())
+          return lane_groups(std::integral_constant<int, 2>{});
       if (Launched launched = LaunchStagedTier<T, kVec, kAccess>(c)) return *launched;
     }
   }

@@ -13,7 +13,9 @@ two-pass kernel only beyond). Float32 backward rows on the vector path take one 
 to 1024 E = 2^14 instead of a cluster.
 On sm_90+ plain forward rows of whole vectors take the staged tiers (the same shapes fed through
 shared memory), except 16-bit rows of 2049-65536 columns, which take the register tiers: 2^11,
-2^11 + V, 2^16 and 2^16 + V below hit both sides of that switch. Plain rows (no mask) with
+2^11 + V, 2^16 and 2^16 + V below hit both sides of that switch; and rows of up to 32 V, which
+take the register lane groups with two rows per group (session 43): 32 V and 32 V + V hit both
+sides (scripts/gpu_check.sh's knobs step runs them staged, JAX_SOFTMAX_SHORT_ROWS=0). Plain rows (no mask) with
 N % V != 0 are read through aligned 16-byte windows, masked ones with V = 1. A windowed row
 takes the tier of N rounded up to V (its last columns wrap into its first vector's free slots),
 so 2^k - 1 tests the wrap at the top of a tier. On sm_90+ windowed forward rows take the staged
