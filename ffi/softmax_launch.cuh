@@ -37,6 +37,8 @@
 //   (to 16 * 1024 * 2E) instead of 16 x 1024 of E and the two-pass kernel (LaunchTier says why);
 //   plain and windowed ones also on 4 and 8 x 512 threads of 2E for rows of 4 * 512 * E + 1 to
 //   4 * 512 * 2E and 8 * 512 * E + 1 to 8 * 512 * 2E columns (instead of 8 and 16 x 512 of E),
+//   and on two CTAs of the 4 x 512 x 2E clusters for rows of 512 * 2E + 1 to 2 * 512 * 2E
+//   columns whose window does not fill every CTA of 8 x 256 x E (session 44),
 //   their clusters of 2E reading the row through shared memory (kSmemRowBwd); on GPUs with less
 //   DRAM bandwidth per SM cycle than the H200 (the H100) the rows of exactly 8 and 16 x 512 x E
 //   keep E (AmpleDramPerSm).
@@ -564,6 +566,13 @@ inline GapTierTops GapTierRanges(const DeviceInfo& dev) {
 inline bool NarrowClusters() {
   static const bool narrow = EnvKnob("JAX_SOFTMAX_CLUSTER_BLOCK", 256) != 512;
   return narrow;
+}
+
+// JAX_SOFTMAX_RAW_WIDE (read once; A/B runs; -1 where unset): which 16-bit backward rows take the
+// cluster tiers of 2E values per thread instead of E (LaunchTier says which rows and why).
+inline long RawWideKnob() {
+  static const long knob = EnvKnob("JAX_SOFTMAX_RAW_WIDE", -1);
+  return knob;
 }
 
 // Whether consecutive rows read the same mask row: the mask's innermost row axis is broadcast
@@ -1280,6 +1289,24 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
     // Hopper and newer: a cluster of 512-thread blocks per row (256-thread blocks for plain rows
     // up to 8 * 256 * E, NarrowClusters), reduced through distributed shared memory; 16 blocks of
     // 1024 threads (non-portable size) as the last resort.
+    if constexpr (kRawWide && kAccess != Access::kGeneral) {
+      // 16-bit plain and windowed rows of 512 x 2E + 1 to 2 x 512 x 2E (16385-32768) columns:
+      // the 4 x 512 x 2E clusters (the row through shared memory, kSmemRowBwd), fitted to the two
+      // CTAs these rows need (FitCluster), rather than 5-8 of the 8 x 256 x E clusters below; but
+      // for the rows whose window fills every CTA of those (W a multiple of 256 x E), which lost
+      // with 2E. Measured (session 44, H100, us per call at 256 MiB, 8 x 256 x E / 2 of 4 x 512
+      // x 2E): bfloat16 windowed 16385 315 / 280 (82% -> 95% of the copy), 20001 295 / 287,
+      // 24577 307 / 286, 28673 293 / 284, 32759 292 / 284; plain 16400 333 / 297, 18000 322 /
+      // 303, 30000 309 / 293; float16 16385 313 / 281, 24577 306 / 286. Full rows: plain 20480
+      // 278 / 289, 24576 279 / 283, 28672 278 / 280, 32768 280 / 280, windowed 32767 (W = 32768)
+      // 279 / 286 and float16 280 / 286. (Plain 32760, W = 8 x 256 x E - 8, lost too: 290 /
+      // 294.) Not measured on the H200. JAX_SOFTMAX_RAW_WIDE=0 keeps 8 x 256 x E for all of
+      // them, =2 takes 2E for the full rows too.
+      const long wide = RawWideKnob();
+      if (wide != 0 && n > 512 * 2 * kE && n <= 2 * 512 * 2 * kE &&
+          (wide == 2 || n % (256 * kE) != 0))
+        return LaunchCluster<T, 512, 2 * kE, kVec, 4, kBwd, kAccess>(c);
+    }
     if constexpr (kAccess != Access::kGeneral) {
       if (NarrowClusters()) {
         if (n <= 4 * 256 * kE) return LaunchCluster<T, 256, kE, kVec, 4, kBwd, kAccess>(c);
@@ -1305,10 +1332,9 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
       // (the session's first try, whose log was lost; not re-measured). So on a GPU with less
       // DRAM bandwidth per SM cycle than the H200 (not AmpleDramPerSm: the H100) those full rows
       // (W = 8 or 16 x 512 x E) keep E; every other row, and every row on the H200, takes 2E.
-      // JAX_SOFTMAX_RAW_WIDE (read once; A/B runs): 0 keeps the E tiers for all of them, 1 for
+      // JAX_SOFTMAX_RAW_WIDE (RawWideKnob; A/B runs): 0 keeps the E tiers for all of them, 1 for
       // those full rows only, 2 takes 2E for all; unset, the device decides (1 or 2).
-      static const long wide_knob = EnvKnob("JAX_SOFTMAX_RAW_WIDE", -1);
-      const long wide = wide_knob >= 0 ? wide_knob : AmpleDramPerSm(c.dev) ? 2 : 1;
+      const long wide = RawWideKnob() >= 0 ? RawWideKnob() : AmpleDramPerSm(c.dev) ? 2 : 1;
       const int64_t full = wide == 1 ? 0 : 1;
       if (wide != 0 && n < 4 * 512 * 2 * kE + full)
         return LaunchCluster<T, 512, 2 * kE, kVec, 4, kBwd, kAccess>(c);

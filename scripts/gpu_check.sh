@@ -149,7 +149,7 @@ if want test; then
     "tiers_boundaries:tier_boundaries"
     "tiers_long:two_pass or many_long_rows"
     "tiers_ring:staged_ring"
-    "tiers_dependent:dependent_calls"
+    "tiers_dependent:dependent_calls or mid_backward_rows"
     "tiers_causal:causal_attention_sizes"
     "tiers_odd:odd_row or plain_row_gaps"
     "tiers_past:past_top_rows or wide_block_rows"
@@ -174,7 +174,7 @@ if want test; then
     "XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and dependent_calls")"
   # Every cluster tier at the size its rows need (by default only where that fits more clusters
-  # on the GPU: FitCluster), and the 16-bit backward rows of 32769-131072 columns on the
+  # on the GPU: FitCluster), and the 16-bit backward rows of 16385-131072 columns on the
   # tiers of 16 values that those of 32 replaced (JAX_SOFTMAX_RAW_WIDE=0), and the float32
   # backward rows read twice with both y and dy kept in shared memory (JAX_SOFTMAX_REREAD_SMEM=2).
   test_job cluster_fit_all JAX_SOFTMAX_CLUSTER_FIT=2 JAX_SOFTMAX_RAW_WIDE=0 JAX_SOFTMAX_REREAD_SMEM=2 \

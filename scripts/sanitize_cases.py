@@ -27,7 +27,9 @@ CASES = [  # (rows, cols, dtype)
     (4, 1000, jnp.float32),  # warp per row
     (3, 1001, jnp.bfloat16),  # warp per row, scalar
     (2, 8192, jnp.float32),  # block per row
-    (2, 20000, jnp.bfloat16),  # forward: staged reread block of 10 warps; backward: cluster
+    # forward: staged reread block of 10 warps; backward: 2 CTAs of a 4 x 512 x 32 cluster,
+    # the row through shared memory
+    (2, 20000, jnp.bfloat16),
     (3, 16384, jnp.float32),  # backward: one 1024-thread block
     (2, 50257, jnp.float32),  # cluster of 8 x 256 threads (windowed; `where`: scalar path)
     (3, 65536, jnp.bfloat16),  # staged cluster of 8 x 256 threads (plain rows up to 65536)
