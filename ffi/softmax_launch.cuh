@@ -464,13 +464,15 @@ inline int WideClusterMode() {
 }
 inline bool WideClusters() { return WideClusterMode() == 2; }
 // JAX_SOFTMAX_WIDE_BLOCKS (read once): 1 (default) lets LaunchStagedTier put 16-bit odd rows of
-// 512 E + 1 to 1024 E columns on one staged CTA of up to 1024 threads where two fit an SM, and
-// float32 plain and windowed rows of those lengths on one such CTA (session 42); 0 keeps them on
-// clusters (float32 windowed rows: the register tiers' clusters).
-inline bool WideBlocks() {
-  static const bool enabled = EnvKnob("JAX_SOFTMAX_WIDE_BLOCKS", 1) == 1;
-  return enabled;
+// 512 E + 1 to 1024 E columns on one staged CTA of up to 1024 threads (two per SM where they fit,
+// else one with a ring of tiles, session 44), and float32 plain and windowed rows of those lengths
+// on one such CTA (session 42); 2 the 16-bit rows only where two such CTAs fit an SM (sessions
+// 33-43); 0 keeps them all on clusters (float32 windowed rows: the register tiers' clusters).
+inline int WideBlockMode() {
+  static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_WIDE_BLOCKS", 1));
+  return mode;
 }
+inline bool WideBlocks() { return WideBlockMode() != 0; }
 // JAX_SOFTMAX_REREAD_BLOCKS (read once): 1 (default) puts plain 16-bit rows of 512 E + 1 to
 // 1024 E columns on one staged CTA of up to 512 threads of 2 E values that reads its row from the
 // stage in each pass (softmax_rows_staged_kernel's kReread; LaunchStagedTier); 0 leaves them on
@@ -1036,6 +1038,15 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   //   Instantiated only where the block is held to 40 registers (kRawRows); float16's is since
   //   session 35's raw_max (H100, cluster / block: 16385 232 / 192, 20001 219 / 185, 24575 203 /
   //   184). (Plain 16-bit rows of these lengths take the reread blocks above.)
+  //   Since session 44 the longer ones (25-32 warps, W = 24577-32768) take one such CTA per SM,
+  //   with three tiles per CTA up to W = 896 E (28 warps) and two beyond, so that the next rows'
+  //   copies are in flight while one is reduced (the float32 rows' shape, below), rather than the
+  //   staged clusters. Measured (H100, us per call at 256 MiB, cluster / one CTA of 2 tiles / of
+  //   3 / of 4): bfloat16 24577 212 / 201 / 194 / 200, 26001 208 / 196 / 192 / 198, 28673 205 /
+  //   195 / 194 / 200, 30001 - / 192 / 193 / 199, 31745 - / 190 / 193 / 199, 32767 201 / 190 / 194
+  //   / 199; float16 24577 210 / 202 / 194, 32767 201 / 190 / 194. (Two stages of four tiles, or
+  //   of eight: 194-206.) Not measured on the H200. JAX_SOFTMAX_WIDE_BLOCKS=2 keeps the clusters
+  //   for them.
   // - Float32 plain and windowed rows (session 42; 64 registers, no spill), one CTA per SM from
   //   17 warps on, with two tiles per CTA so that the next row's copy is in flight while one is
   //   reduced; before, clusters of 2 x 512 threads (plain rows staged, windowed ones on the
@@ -1049,9 +1060,13 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   if (n > 512 * kE && n <= 1024 * kE && WideBlocks()) {
     using WideLoader = RowLoader<T, kVec, /*kBwd=*/false, kAccess>;
     Launched launched;
-    if constexpr (kOdd16 && kRawRows<WideLoader, 1024, 1>)
+    if constexpr (kOdd16 && kRawRows<WideLoader, 1024, 1>) {
       launched = LaunchStagedRows<T, 1024, kE, kVec, kAccess, 1>(c, /*min_ctas_per_sm=*/2,
                                                                 OddRowTilesPerCta<kE>(c.dev, n));
+      if (!launched && WideBlockMode() == 1)
+        launched = LaunchStagedRows<T, 1024, kE, kVec, kAccess, 1>(
+            c, /*min_ctas_per_sm=*/1, TilesPerCta(n <= 896 * kE ? 3 : 2));
+    }
     else if constexpr (sizeof(T) == 4 && kAccess != Access::kGeneral)
       launched = LaunchStagedRows<T, 1024, kE, kVec, kAccess, 1>(c, 1, TilesPerCta(2));
     if (launched) return launched;

@@ -184,9 +184,10 @@ if want test; then
   # shapes do not reach (session 31, H100: 16 passed, 25 s).
   test_job reuse_order JAX_SOFTMAX_REUSE_ORDER=2 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and broadcast_operand_order")"
-  # The 16-bit odd rows of 16385-24576 on the staged clusters that one CTA of up to 1024 threads
-  # replaced by default, and the float32 rows of 16385-32768 on the clusters that such a CTA
-  # replaced in session 42 (JAX_SOFTMAX_WIDE_BLOCKS=0; test_wide_block_rows, every dtype).
+  # The 16-bit odd rows of 16385-32768 on the staged clusters that one CTA of up to 1024 threads
+  # replaced by default (to 24576 in session 33, beyond in 44), and the float32 rows of
+  # 16385-32768 on the clusters that such a CTA replaced in session 42 (JAX_SOFTMAX_WIDE_BLOCKS=0;
+  # test_wide_block_rows, every dtype).
   test_job wide_blocks_off JAX_SOFTMAX_WIDE_BLOCKS=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (wide_block_rows or cluster_ctas)")"
   # The 16-bit odd rows whose staged tiers take OddRowTilesPerCta tiles per CTA (two on the H200,

@@ -235,15 +235,17 @@ def test_seven_chunk_rows(backend, device, rng, dtype):
 # Row lengths of the wide blocks (ffi/softmax_launch.cuh, LaunchStagedTier: rows of 512 * 32 + 1
 # .. 1024 * 32 columns on one staged CTA of as many warps as the row needs, up to 1024 threads of
 # 32 values; clusters under JAX_SOFTMAX_WIDE_BLOCKS=0, which scripts/gpu_check.sh also runs).
-# 16-bit: odd rows, where two such CTAs fit an SM (to 24 warps, W = 24576), else staged clusters
-# of 256 threads: both ends of the range and one past each, warp counts between, and both sides
-# of 24 warps (plain 16-bit rows of these lengths take the reread blocks: test_reread_block_rows).
+# 16-bit: odd rows, two such CTAs per SM up to 24 warps (W = 24576), beyond one per SM with three
+# tiles per CTA up to 28 warps (W = 28672) and two past it (staged clusters of 256 threads under
+# JAX_SOFTMAX_WIDE_BLOCKS=2): both ends of the range and one past each, warp counts between, and
+# both sides of 24 and of 28 warps (plain 16-bit rows of these lengths take the reread blocks:
+# test_reread_block_rows).
 # Float32: plain and odd rows, two tiles per CTA (one under JAX_SOFTMAX_TILES_PER_CTA=1), before
 # them clusters of 2 x 512 threads, staged (plain) or on the register tiers (odd): the 512-thread
 # block below (16384, 16383) and the clusters above (32769, 32772), the first widths (16385 with
 # W = 16388, 16388: 17 warps, the last one's packs mostly past the row's end), warp counts
 # between, and the last width (32767 wraps into the row's first vector; 32768).
-WIDE_BLOCK_SIZES_16 = [16383, 16385, 16391, 20001, 24575, 24577, 28673, 32767, 32769]
+WIDE_BLOCK_SIZES_16 = [16383, 16385, 16391, 20001, 24575, 24577, 28671, 28673, 32767, 32769]
 WIDE_BLOCK_SIZES = {
     jnp.float16: WIDE_BLOCK_SIZES_16,
     jnp.bfloat16: WIDE_BLOCK_SIZES_16,
