@@ -61,6 +61,9 @@ CASES = [  # (rows, cols, dtype)
     # first row and end past their last; the last tile ends inside x's last vector, whose
     # elements the kernel must not read past (the platform allocator puts nothing after x).
     (37, 50257, jnp.bfloat16),  # staged cluster of 8 x 256 threads, ring refilled
+    # one staged CTA of 800 threads per SM (25 warps) with a ring of three tiles, the last CTA
+    # with one tile (and backward: two CTAs of a 4 x 512 x 32 cluster, the row in shared memory)
+    (7, 24577, jnp.bfloat16),
     (301, 1001, jnp.float32),  # register warp tier (windowed float32 rows stage beyond 2^16)
     # Forward rows of 2^k - 1 wrap their last columns into their first vector: a staged block
     # (16383: 512 x 32) and a staged cluster of 16 x 512, whose first CTA stages them in a slot.
