@@ -1349,7 +1349,8 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
       // (W = 8 or 16 x 512 x E) keep E; every other row, and every row on the H200, takes 2E.
       // JAX_SOFTMAX_RAW_WIDE (RawWideKnob; A/B runs): 0 keeps the E tiers for all of them, 1 for
       // those full rows only, 2 takes 2E for all; unset, the device decides (1 or 2).
-      const long wide = RawWideKnob() >= 0 ? RawWideKnob() : AmpleDramPerSm(c.dev) ? 2 : 1;
+      const long knob = RawWideKnob();
+      const long wide = knob >= 0 ? knob : AmpleDramPerSm(c.dev) ? 2 : 1;
       const int64_t full = wide == 1 ? 0 : 1;
       if (wide != 0 && n < 4 * 512 * 2 * kE + full)
         return LaunchCluster<T, 512, 2 * kE, kVec, 4, kBwd, kAccess>(c);

@@ -10,8 +10,8 @@ float64):
 16-bit backward rows on the vector path (V = 8, masked or not) also take 2E per thread (one
 512-thread block to 512 * 2E, 16-CTA clusters from 16 * 512 E to 16 * 1024 * 2E = 2^19, the
 two-pass kernel only beyond; unmasked rows of 512 * 2E + 1 to 2 * 512 * 2E on two CTAs of a
-4 x 512 x 2E cluster, test_mid_backward_rows). Float32 backward rows on the vector path take one 1024-thread block
-to 1024 E = 2^14 instead of a cluster.
+4 x 512 x 2E cluster, test_mid_backward_rows). Float32 backward rows on the vector path take one
+1024-thread block to 1024 E = 2^14 instead of a cluster.
 On sm_90+ plain forward rows of whole vectors take the staged tiers (the same shapes fed through
 shared memory), except 16-bit rows of 2049-65536 columns, which take the register tiers: 2^11,
 2^11 + V, 2^16 and 2^16 + V below hit both sides of that switch; and rows of up to 32 V, which
@@ -339,11 +339,11 @@ def test_mid_backward_rows(backend, device, rng, dtype):
     # 4 x 512 x 32 clusters, the row through shared memory, unless W is a multiple of 256 * 16,
     # which keeps the 8 x 256 x 16 clusters (ffi/softmax_launch.cuh, LaunchTier; all of them
     # under JAX_SOFTMAX_RAW_WIDE=0, which scripts/gpu_check.sh's cluster_fit_all job runs with
-    # test_cluster_ctas). Odd rows (windowed) at the first width, a second CTA of one vector
-    # (16385) or a few (16391), one column short of and past a full W (20479 and 20481, W = 20480
-    # and 20488), past 6 and 7 chunks (24577, 28673), and the last widths (32759: W = 32760;
-    # 32767 wraps into its first vector and keeps 8 x 256); plain rows that leave the last 8 x 256
-    # chunk partly filled (16400, 30000). More rows than the clusters hold at once.
+    # test_cluster_ctas). Odd rows (windowed) at the first width, W = 16392, whose second CTA
+    # holds one vector (16385; 16391 wraps into its first vector), one column short of and past a
+    # full W (20479 and 20481, W = 20480 and 20488), past 6 and 7 chunks (24577, 28673), and the
+    # last widths (32759: W = 32760; 32767 wraps and keeps 8 x 256); plain rows that leave the
+    # last 8 x 256 chunk partly filled (16400, 30000). More rows than the clusters hold at once.
     sizes = [16385, 16391, 16400, 20479, 20481, 24577, 28673, 30000, 32759, 32767]
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
 
