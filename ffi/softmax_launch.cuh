@@ -60,8 +60,8 @@
 // 8 * 512 * E + 1 to 16 * 512 * E on 8 x 1024 threads, and on GPUs with less DRAM bandwidth per
 // SM cycle than the H200 (the H100) those of 6 * 256 * E + 1 to 7 * 256 * E and 6 * 512 * E + 1
 // to 7 * 512 * E on 2 and 4 x 1024 (WideClusterMode, AmpleDramPerSm), and odd
-// 16-bit rows of 512 * E + 1 to 1024 * E on one block of up to 1024 threads where two fit an SM
-// (WideBlocks), float32 plain and windowed rows of those lengths on one such block with two
+// 16-bit rows of 512 * E + 1 to 1024 * E on one block of up to 1024 threads, two per SM where
+// they fit, else one with a ring of three or two tiles (WideBlocks, session 44), float32 plain and windowed rows of those lengths on one such block with two
 // tiles per CTA (WideBlocks, session 42), and plain 16-bit rows of those lengths on one block of
 // up to 512 threads of 2E values that reads the row from the stage in each of its passes and
 // holds none of it in registers (RereadBlocks, softmax_rows_staged_kernel's kReread).
