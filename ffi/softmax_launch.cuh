@@ -61,10 +61,11 @@
 // SM cycle than the H200 (the H100) those of 6 * 256 * E + 1 to 7 * 256 * E and 6 * 512 * E + 1
 // to 7 * 512 * E on 2 and 4 x 1024 (WideClusterMode, AmpleDramPerSm), and odd
 // 16-bit rows of 512 * E + 1 to 1024 * E on one block of up to 1024 threads, two per SM where
-// they fit, else one with a ring of three or two tiles (WideBlocks, session 44), float32 plain and windowed rows of those lengths on one such block with two
-// tiles per CTA (WideBlocks, session 42), and plain 16-bit rows of those lengths on one block of
-// up to 512 threads of 2E values that reads the row from the stage in each of its passes and
-// holds none of it in registers (RereadBlocks, softmax_rows_staged_kernel's kReread).
+// they fit, else one with a ring of three or two tiles (WideBlocks, session 44), float32 plain
+// and windowed rows of those lengths on one such block with two tiles per CTA (WideBlocks,
+// session 42), and plain 16-bit rows of those lengths on one block of up to 512 threads of 2E
+// values that reads the row from the stage in each of its passes and holds none of it in
+// registers (RereadBlocks, softmax_rows_staged_kernel's kReread).
 // (Float32 rows of up to 32 V measured 1.0-1.15x faster there than on the register lane groups
 // once each CTA takes one tile.) Where no tile fits, the register tiers run; the other plain
 // 16-bit rows of 2049-65536 columns take the register tiers too (faster there,
@@ -1028,10 +1029,11 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // warps as the row needs (RowThreads, up to 1024 threads of E values) instead of clusters, where
   // a row just past 512 E left its second CTA nearly empty and every row waited at the cluster's
   // barriers. Where the block declines (nullopt), the rules below take the row as before.
-  // - 16-bit odd rows (session 33), where two such CTAs fit an SM (else the staged clusters of
-  //   3-4 x 256 threads below), OddRowTilesPerCta tiles per CTA (two on the H200). At 40
-  //   registers (kRawRows) the occupancy calculator fits two CTAs of up to 24 warps (W = 24576;
-  //   48 warps of 40 registers per SM); float16 at 64 registers (before session 35) fitted one.
+  // - 16-bit odd rows (session 33), two such CTAs per SM where they fit (before session 44 the
+  //   staged clusters of 3-4 x 256 threads below took the others), OddRowTilesPerCta tiles per
+  //   CTA (two on the H200). At 40 registers (kRawRows) the occupancy calculator fits two CTAs of
+  //   up to 24 warps (W = 24576; 48 warps of 40 registers per SM); float16 at 64 registers (before
+  //   session 35) fitted one.
   //   Measured (H100, session 33, us per call at 256 MiB, cluster / block): bfloat16 16385 233 /
   //   196 (17 warps), 16391 234 / 198, 20001 219 / 189 (20 warps); one CTA per SM lost: 24577
   //   211 / 262 (25 warps), 28673 205 / 250, 32767 201 / 227, float16 16385 238 / 285.
@@ -1066,8 +1068,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
       if (!launched && WideBlockMode() == 1)
         launched = LaunchStagedRows<T, 1024, kE, kVec, kAccess, 1>(
             c, /*min_ctas_per_sm=*/1, TilesPerCta(n <= 896 * kE ? 3 : 2));
-    }
-    else if constexpr (sizeof(T) == 4 && kAccess != Access::kGeneral)
+    } else if constexpr (sizeof(T) == 4 && kAccess != Access::kGeneral)
       launched = LaunchStagedRows<T, 1024, kE, kVec, kAccess, 1>(c, 1, TilesPerCta(2));
     if (launched) return launched;
   }
@@ -1304,6 +1305,10 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
     // Hopper and newer: a cluster of 512-thread blocks per row (256-thread blocks for plain rows
     // up to 8 * 256 * E, NarrowClusters), reduced through distributed shared memory; 16 blocks of
     // 1024 threads (non-portable size) as the last resort.
+    // 16-bit backward rows held as loaded (kRawWide), plain and windowed, on the clusters of 2E
+    // values per thread that read the row through shared memory (kSmemRowBwd), one rule per
+    // range, all under JAX_SOFTMAX_RAW_WIDE (RawWideKnob). Before the 8 x 256 x E clusters below,
+    // which would otherwise take the first range.
     if constexpr (kRawWide && kAccess != Access::kGeneral) {
       // 16-bit plain and windowed rows of 512 x 2E + 1 to 2 x 512 x 2E (16385-32768) columns:
       // the 4 x 512 x 2E clusters (the row through shared memory, kSmemRowBwd), fitted to the two
@@ -1317,20 +1322,10 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
       // 279 / 286 and float16 280 / 286. (Plain 32760, W = 8 x 256 x E - 8, lost too: 290 /
       // 294.) Not measured on the H200. JAX_SOFTMAX_RAW_WIDE=0 keeps 8 x 256 x E for all of
       // them, =2 takes 2E for the full rows too.
-      const long wide = RawWideKnob();
-      if (wide != 0 && n > 512 * 2 * kE && n <= 2 * 512 * 2 * kE &&
-          (wide == 2 || n % (256 * kE) != 0))
+      const long knob = RawWideKnob();
+      if (knob != 0 && n > 512 * 2 * kE && n <= 2 * 512 * 2 * kE &&
+          (knob == 2 || n % (256 * kE) != 0))
         return LaunchCluster<T, 512, 2 * kE, kVec, 4, kBwd, kAccess>(c);
-    }
-    if constexpr (kAccess != Access::kGeneral) {
-      if (NarrowClusters()) {
-        if (n <= 4 * 256 * kE) return LaunchCluster<T, 256, kE, kVec, 4, kBwd, kAccess>(c);
-        if (n <= 8 * 256 * kE) return LaunchCluster<T, 256, kE, kVec, 8, kBwd, kAccess>(c);
-      }
-    }
-    if (n <= 2 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 2, kBwd, kAccess>(c);
-    if (n <= 4 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 4, kBwd, kAccess>(c);
-    if constexpr (kRawWide && kAccess != Access::kGeneral) {
       // 16-bit plain and windowed rows of 32769-65536 and 65537-131072 columns: 4 or 8 x 512
       // threads of 32 values (the row through shared memory, kSmemRowBwd) rather than 8 or 16 x
       // 512 of 16 values, held. Measured (session 25, bfloat16, us per call, E -> 2E): H100 65537
@@ -1349,14 +1344,21 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
       // (W = 8 or 16 x 512 x E) keep E; every other row, and every row on the H200, takes 2E.
       // JAX_SOFTMAX_RAW_WIDE (RawWideKnob; A/B runs): 0 keeps the E tiers for all of them, 1 for
       // those full rows only, 2 takes 2E for all; unset, the device decides (1 or 2).
-      const long knob = RawWideKnob();
       const long wide = knob >= 0 ? knob : AmpleDramPerSm(c.dev) ? 2 : 1;
       const int64_t full = wide == 1 ? 0 : 1;
-      if (wide != 0 && n < 4 * 512 * 2 * kE + full)
+      if (wide != 0 && n > 4 * 512 * kE && n < 4 * 512 * 2 * kE + full)
         return LaunchCluster<T, 512, 2 * kE, kVec, 4, kBwd, kAccess>(c);
       if (wide != 0 && n > 8 * 512 * kE && n < 8 * 512 * 2 * kE + full)
         return LaunchCluster<T, 512, 2 * kE, kVec, 8, kBwd, kAccess>(c);
     }
+    if constexpr (kAccess != Access::kGeneral) {
+      if (NarrowClusters()) {
+        if (n <= 4 * 256 * kE) return LaunchCluster<T, 256, kE, kVec, 4, kBwd, kAccess>(c);
+        if (n <= 8 * 256 * kE) return LaunchCluster<T, 256, kE, kVec, 8, kBwd, kAccess>(c);
+      }
+    }
+    if (n <= 2 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 2, kBwd, kAccess>(c);
+    if (n <= 4 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 4, kBwd, kAccess>(c);
     if (n <= 8 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 8, kBwd, kAccess>(c);
     if (n <= 16 * 512 * kE) return LaunchCluster<T, 512, kE, kVec, 16, kBwd, kAccess>(c);
     if constexpr (kRawWide || kRereadWide) {
