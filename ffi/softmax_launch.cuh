@@ -38,7 +38,8 @@
 //   plain and windowed ones also on 4 and 8 x 512 threads of 2E for rows of 4 * 512 * E + 1 to
 //   4 * 512 * 2E and 8 * 512 * E + 1 to 8 * 512 * 2E columns (instead of 8 and 16 x 512 of E),
 //   and on two CTAs of the 4 x 512 x 2E clusters for rows of 512 * 2E + 1 to 2 * 512 * 2E
-//   columns whose window does not fill every CTA of 8 x 256 x E (session 44),
+//   columns whose window does not fill every CTA of 8 x 256 x E (session 44), but plain ones of
+//   up to 512 * 3E on one block of 512 threads of 5/2 E or 3E (session 45, BackwardWideBlocks),
 //   their clusters of 2E reading the row through shared memory (kSmemRowBwd); on GPUs with less
 //   DRAM bandwidth per SM cycle than the H200 (the H100) the rows of exactly 8 and 16 x 512 x E
 //   keep E (AmpleDramPerSm).
@@ -576,6 +577,13 @@ inline bool NarrowClusters() {
 inline long RawWideKnob() {
   static const long knob = EnvKnob("JAX_SOFTMAX_RAW_WIDE", -1);
   return knob;
+}
+
+// JAX_SOFTMAX_BWD_BLOCKS (read once; A/B runs): 0 leaves the plain 16-bit backward rows of
+// 512 x 2E + 1 to 512 x 3E columns on the clusters of 2E (LaunchTier says which rows and why).
+inline bool BackwardWideBlocks() {
+  static const bool enabled = EnvKnob("JAX_SOFTMAX_BWD_BLOCKS", 1) != 0;
+  return enabled;
 }
 
 // Whether consecutive rows read the same mask row: the mask's innermost row axis is broadcast
@@ -1286,6 +1294,25 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   if (n <= 512 * kEB) JS_ROWS(512, kEB, 1);
   if constexpr (kEB != kE) if (n <= 512 * kE) JS_ROWS(512, kE, 1);
   if constexpr (kRawWide) if (n <= 512 * 2 * kE) JS_ROWS(512, 2 * kE, 1);
+  // Plain 16-bit rows of 512 x 2E + 1 to 512 x 3E (16385-24576) columns: one block of 512 threads
+  // of 5/2 E values (to 20480) or 3 E (to 24576), the row's y and dy read again after the
+  // reduction as in the 2E block (finish_batch_raw), rather than two CTAs of the 4 x 512 x 2E
+  // clusters, whose second CTA holds what the first cannot: one row per 512 threads and two
+  // rows per SM instead of one, and no cluster exchange. Not the rows that fill every CTA of the
+  // 8 x 256 x E clusters (W a multiple of 256 x E), which keep them (the cluster rule below), nor
+  // windowed rows, whose 5/2 E and 3 E blocks spill 248 and 380 bytes (ptxas sm_90a; the plain
+  // ones: none and 12) and lost. Measured (session 45, H100, us per call at 256 MiB, 2 CTAs of
+  // 4 x 512 x 2E / block): bfloat16 16400 298 / 267 (89% -> 99% of the copy), 18000 304 / 273,
+  // 20488 324 / 272, 22000 303 / 281; float16 16400 298 / 267; full rows 20480 (8 x 256 x E)
+  // 279 / 290, 24576 279 / 331; windowed 16385 280 / 311, 20001 288 / 312. Past 3 E: 7/2 E
+  // (52 bytes spilled) 24584 312 / 303 but 26000 296 / 305, 4 E (104 bytes) 28680-32760 306 /
+  // 376. Not measured on the H200. JAX_SOFTMAX_BWD_BLOCKS=0 keeps the clusters (A/B runs).
+  if constexpr (kRawWide && kAccess == Access::kPlain) {
+    if (n % (256 * kE) != 0 && BackwardWideBlocks()) {
+      if (n <= 512 * (5 * kE / 2)) JS_ROWS(512, 5 * kE / 2, 1);
+      if (n <= 512 * 3 * kE) JS_ROWS(512, 3 * kE, 1);
+    }
+  }
   // One 1024-thread block of E values per row up to 1024 x E columns: before sm_90 (no clusters),
   // and for float32 backward rows of 16-byte vectors (kRereadWide's rows, to 16384 columns) on
   // every GPU, held through the reduction (one CTA per SM, 56-64 registers), rather than a cluster
@@ -1321,7 +1348,8 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
       // 278 / 289, 24576 279 / 283, 28672 278 / 280, 32768 280 / 280, windowed 32767 (W = 32768)
       // 279 / 286 and float16 280 / 286. (Plain 32760, W = 8 x 256 x E - 8, lost too: 290 /
       // 294.) Not measured on the H200. JAX_SOFTMAX_RAW_WIDE=0 keeps 8 x 256 x E for all of
-      // them, =2 takes 2E for the full rows too.
+      // them, =2 takes 2E for the full rows too. (Since session 45 the plain rows of up to 512 x
+      // 3E that are not full take the blocks of 5/2 E and 3E above.)
       const long knob = RawWideKnob();
       if (knob != 0 && n > 512 * 2 * kE && n <= 2 * 512 * 2 * kE &&
           (knob == 2 || n % (256 * kE) != 0))

@@ -175,9 +175,12 @@ if want test; then
     -- -k "$(with_test_k "gpu and test_kernel_tiers and dependent_calls")"
   # Every cluster tier at the size its rows need (by default only where that fits more clusters
   # on the GPU: FitCluster), and the 16-bit backward rows of 16385-131072 columns on the
-  # tiers of 16 values that those of 32 replaced (JAX_SOFTMAX_RAW_WIDE=0), and the float32
-  # backward rows read twice with both y and dy kept in shared memory (JAX_SOFTMAX_REREAD_SMEM=2).
-  test_job cluster_fit_all JAX_SOFTMAX_CLUSTER_FIT=2 JAX_SOFTMAX_RAW_WIDE=0 JAX_SOFTMAX_REREAD_SMEM=2 \
+  # tiers of 16 values that those of 32 replaced (JAX_SOFTMAX_RAW_WIDE=0; the plain ones of up to
+  # 24576 too, which since session 45 take blocks of 40 and 48 values: JAX_SOFTMAX_BWD_BLOCKS=0),
+  # and the float32 backward rows read twice with both y and dy kept in shared memory
+  # (JAX_SOFTMAX_REREAD_SMEM=2).
+  test_job cluster_fit_all JAX_SOFTMAX_CLUSTER_FIT=2 JAX_SOFTMAX_RAW_WIDE=0 JAX_SOFTMAX_BWD_BLOCKS=0 \
+    JAX_SOFTMAX_REREAD_SMEM=2 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (cluster_ctas or many_long_rows)")"
   # The broadcast operands' rows taken copy by copy (RowOrder) in every tier: by default only
   # where the bytes between copies exceed a quarter of L2 (OperandReuseOrder), which the tests'

@@ -27,9 +27,10 @@ CASES = [  # (rows, cols, dtype)
     (4, 1000, jnp.float32),  # warp per row
     (3, 1001, jnp.bfloat16),  # warp per row, scalar
     (2, 8192, jnp.float32),  # block per row
-    # forward: staged reread block of 10 warps; backward: 2 CTAs of a 4 x 512 x 32 cluster,
-    # the row through shared memory
+    # forward: staged reread blocks of 10 and 11 warps; backward: one 512-thread block of 40 and
+    # of 48 values (plain rows of 16385-24576 since session 45, y and dy read again)
     (2, 20000, jnp.bfloat16),
+    (5, 22000, jnp.bfloat16),
     (3, 16384, jnp.float32),  # backward: one 1024-thread block
     (2, 50257, jnp.float32),  # cluster of 8 x 256 threads (windowed; `where`: scalar path)
     (3, 65536, jnp.bfloat16),  # staged cluster of 8 x 256 threads (plain rows up to 65536)
@@ -120,9 +121,11 @@ CASES = [  # (rows, cols, dtype)
     # wrap (65535).
     (11, 255, jnp.bfloat16),
     (5, 65535, jnp.bfloat16),
-    # 16-bit backward cluster rows whose CTAs copy their next row into shared memory while they
-    # reduce this one (RowParams::copy_next_row): since session 25 only the 8 x 256 clusters of
-    # 16385-32768 columns (here 7 of 8 CTAs), more rows than clusters.
+    # 16-bit backward cluster rows, more rows than clusters: since session 44 two CTAs of a
+    # 4 x 512 x 32 cluster, the row through shared memory and the next row's copies issued after
+    # its second read (RowParams::row_in_smem). (The 8 x 256 clusters that copy their next row
+    # while they reduce this one, RowParams::copy_next_row, run only under
+    # JAX_SOFTMAX_RAW_WIDE=0 since then.)
     (101, 24577, jnp.bfloat16),
     # 16-bit backward cluster rows of 32 values per thread read through shared memory
     # (RowParams::row_in_smem): 8 x 512 (7 of 8 CTAs) and 16 x 512 threads, windowed rows that

@@ -343,8 +343,12 @@ def test_mid_backward_rows(backend, device, rng, dtype):
     # holds one vector (16385; 16391 wraps into its first vector), one column short of and past a
     # full W (20479 and 20481, W = 20480 and 20488), past 6 and 7 chunks (24577, 28673), and the
     # last widths (32759: W = 32760; 32767 wraps and keeps 8 x 256); plain rows that leave the
-    # last 8 x 256 chunk partly filled (16400, 30000). More rows than the clusters hold at once.
-    sizes = [16385, 16391, 16400, 20479, 20481, 24577, 28673, 30000, 32759, 32767]
+    # last 8 x 256 chunk partly filled past 512 * 48 (24584, 30000). Plain rows of up to 512 * 48
+    # that are not a multiple of 256 * 16 take one 512-thread block of 40 values (16392, 16400,
+    # 20472) or 48 (20488, 24568) instead (BackwardWideBlocks); 20480 and 24576 keep 8 x 256.
+    # More rows than the clusters hold at once.
+    sizes = [16385, 16391, 16392, 16400, 20472, 20479, 20480, 20481, 20488, 24568, 24576, 24577,
+             24584, 28673, 30000, 32759, 32767]
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
 
 
