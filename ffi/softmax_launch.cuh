@@ -38,7 +38,8 @@
 //   plain and windowed ones also on 4 and 8 x 512 threads of 2E for rows of 4 * 512 * E + 1 to
 //   4 * 512 * 2E and 8 * 512 * E + 1 to 8 * 512 * 2E columns (instead of 8 and 16 x 512 of E),
 //   and on two CTAs of the 4 x 512 x 2E clusters for rows of 512 * 2E + 1 to 2 * 512 * 2E
-//   columns whose window does not fill every CTA of 8 x 256 x E (session 44), but plain ones of
+//   columns whose window does not fill every CTA of 8 x 256 x E (session 44; on the H200 from
+//   5 * 256 * E + 1, AmpleDramPerSm), but plain ones of
 //   up to 512 * 3E on one block of 512 threads of 5/2 E or 3E (session 45, BackwardWideBlocks),
 //   their clusters of 2E reading the row through shared memory (kSmemRowBwd); on GPUs with less
 //   DRAM bandwidth per SM cycle than the H200 (the H100) the rows of exactly 8 and 16 x 512 x E
@@ -62,7 +63,8 @@
 // SM cycle than the H200 (the H100) those of 6 * 256 * E + 1 to 7 * 256 * E and 6 * 512 * E + 1
 // to 7 * 512 * E on 2 and 4 x 1024 (WideClusterMode, AmpleDramPerSm), and odd
 // 16-bit rows of 512 * E + 1 to 1024 * E on one block of up to 1024 threads, two per SM where
-// they fit, else one with a ring of three or two tiles (WideBlocks, session 44), float32 plain
+// they fit, else (not on the H200: AmpleDramPerSm) one with a ring of three or two tiles
+// (WideBlocks, session 44), float32 plain
 // and windowed rows of those lengths on one such block with two tiles per CTA (WideBlocks,
 // session 42), and plain 16-bit rows of those lengths on one block of up to 512 threads of 2E
 // values that reads the row from the stage in each of its passes and holds none of it in
@@ -467,9 +469,10 @@ inline int WideClusterMode() {
 inline bool WideClusters() { return WideClusterMode() == 2; }
 // JAX_SOFTMAX_WIDE_BLOCKS (read once): 1 (default) lets LaunchStagedTier put 16-bit odd rows of
 // 512 E + 1 to 1024 E columns on one staged CTA of up to 1024 threads (two per SM where they fit,
-// else one with a ring of tiles, session 44), and float32 plain and windowed rows of those lengths
-// on one such CTA (session 42); 2 the 16-bit rows only where two such CTAs fit an SM (sessions
-// 33-43); 0 keeps them all on clusters (float32 windowed rows: the register tiers' clusters).
+// else, but for GPUs with the H200's DRAM bandwidth per SM cycle, one with a ring of tiles,
+// session 44), and float32 plain and windowed rows of those lengths on one such CTA (session
+// 42); 2 the 16-bit rows only where two such CTAs fit an SM (sessions 33-43); 0 keeps them all on
+// clusters (float32 windowed rows: the register tiers' clusters).
 inline int WideBlockMode() {
   static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_WIDE_BLOCKS", 1));
   return mode;
@@ -1055,8 +1058,11 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   //   3 / of 4): bfloat16 24577 212 / 201 / 194 / 200, 26001 208 / 196 / 192 / 198, 28673 205 /
   //   195 / 194 / 200, 30001 - / 192 / 193 / 199, 31745 - / 190 / 193 / 199, 32767 201 / 190 / 194
   //   / 199; float16 24577 210 / 202 / 194, 32767 201 / 190 / 194. (Two stages of four tiles, or
-  //   of eight: 194-206.) Not measured on the H200. JAX_SOFTMAX_WIDE_BLOCKS=2 keeps the clusters
-  //   for them.
+  //   of eight: 194-206.) On GPUs with the H200's DRAM bandwidth per SM cycle (AmpleDramPerSm)
+  //   the clusters stay: there the one CTA lost (session 45, H200, us per call, one CTA /
+  //   clusters: bfloat16 24577 176 / 163, 26001 168 / 160, 28673 178 / 158, 30001 172 / 157,
+  //   32767 166 / 155; float16 24577 176 / 162). JAX_SOFTMAX_WIDE_BLOCKS=2 keeps the clusters
+  //   for them on every GPU.
   // - Float32 plain and windowed rows (session 42; 64 registers, no spill), one CTA per SM from
   //   17 warps on, with two tiles per CTA so that the next row's copy is in flight while one is
   //   reduced; before, clusters of 2 x 512 threads (plain rows staged, windowed ones on the
@@ -1073,7 +1079,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if constexpr (kOdd16 && kRawRows<WideLoader, 1024, 1>) {
       launched = LaunchStagedRows<T, 1024, kE, kVec, kAccess, 1>(c, /*min_ctas_per_sm=*/2,
                                                                 OddRowTilesPerCta<kE>(c.dev, n));
-      if (!launched && WideBlockMode() == 1)
+      if (!launched && WideBlockMode() == 1 && !AmpleDramPerSm(c.dev))
         launched = LaunchStagedRows<T, 1024, kE, kVec, kAccess, 1>(
             c, /*min_ctas_per_sm=*/1, TilesPerCta(n <= 896 * kE ? 3 : 2));
     } else if constexpr (sizeof(T) == 4 && kAccess != Access::kGeneral)
@@ -1347,11 +1353,21 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
       // 303, 30000 309 / 293; float16 16385 313 / 281, 24577 306 / 286. Full rows: plain 20480
       // 278 / 289, 24576 279 / 283, 28672 278 / 280, 32768 280 / 280, windowed 32767 (W = 32768)
       // 279 / 286 and float16 280 / 286. (Plain 32760, W = 8 x 256 x E - 8, lost too: 290 /
-      // 294.) Not measured on the H200. JAX_SOFTMAX_RAW_WIDE=0 keeps 8 x 256 x E for all of
-      // them, =2 takes 2E for the full rows too. (Since session 45 the plain rows of up to 512 x
-      // 3E that are not full take the blocks of 5/2 E and 3E above.)
+      // 294.) On GPUs with the H200's DRAM bandwidth per SM cycle (AmpleDramPerSm) the rows that
+      // 8 x 256 x E splits over 5 CTAs or fewer (to 5 x 256 x E, 20480) keep it: there 2E lost
+      // them (session 45, H200, us per call, 8 x 256 x E / 2 of 4 x 512 x 2E: bfloat16 windowed
+      // 16385 221 / 273, 16391 222 / 279, 17001 219 / 264, 18001 220 / 249, 20001 215 / 227;
+      // float16 16385 220 / 275) and won the longer ones (22001 217 / 208, 24577 221 / 208, 26001
+      // 220 / 204, 28673 214 / 204, 32759 213 / 206; float16 24577 219 / 208; plain rows past
+      // 512 x 3E even in sum: 24584 219 / 233, 26000 238 / 214, 28680 212 / 226, 30000 228 /
+      // 212, 32760 211 / 223). JAX_SOFTMAX_RAW_WIDE=0 keeps 8 x 256 x E for all of them, =2
+      // takes 2E for the full rows too and, on every GPU, from 512 x 2E + 1. (Since session 45
+      // the plain rows of up to 512 x 3E that are not full take the blocks of 5/2 E and 3E
+      // above.)
       const long knob = RawWideKnob();
-      if (knob != 0 && n > 512 * 2 * kE && n <= 2 * 512 * 2 * kE &&
+      const int64_t two_cta_from =
+          AmpleDramPerSm(c.dev) && knob != 2 ? 5 * 256 * kE : 512 * 2 * kE;
+      if (knob != 0 && n > two_cta_from && n <= 2 * 512 * 2 * kE &&
           (knob == 2 || n % (256 * kE) != 0))
         return LaunchCluster<T, 512, 2 * kE, kVec, 4, kBwd, kAccess>(c);
       // 16-bit plain and windowed rows of 32769-65536 and 65537-131072 columns: 4 or 8 x 512

@@ -232,14 +232,14 @@ def test_seven_chunk_rows(backend, device, rng, dtype):
     check_sizes(device, rng, dtype, sorted(sizes), rows_past_one_wave)
 
 
-# Row lengths of the wide blocks (ffi/softmax_launch.cuh, LaunchStagedTier: rows of 512 * 32 + 1
-# .. 1024 * 32 columns on one staged CTA of as many warps as the row needs, up to 1024 threads of
-# 32 values; clusters under JAX_SOFTMAX_WIDE_BLOCKS=0, which scripts/gpu_check.sh also runs).
-# 16-bit: odd rows, two such CTAs per SM up to 24 warps (W = 24576), beyond one per SM with three
-# tiles per CTA up to 28 warps (W = 28672) and two past it (staged clusters of 256 threads under
-# JAX_SOFTMAX_WIDE_BLOCKS=2): both ends of the range and one past each, warp counts between, and
-# both sides of 24 and of 28 warps (plain 16-bit rows of these lengths take the reread blocks:
-# test_reread_block_rows).
+# Row lengths of the wide blocks (ffi/softmax_launch.cuh, LaunchStagedTier: rows of 512 * 32 + 1 ..
+# 1024 * 32 columns on one staged CTA of as many warps as the row needs, up to 1024 threads of 32
+# values; clusters under JAX_SOFTMAX_WIDE_BLOCKS=0, which scripts/gpu_check.sh also runs). 16-bit:
+# odd rows, two such CTAs per SM up to 24 warps (W = 24576), beyond one per SM with three tiles per
+# CTA up to 28 warps (W = 28672) and two past it (staged clusters of 256 threads under
+# JAX_SOFTMAX_WIDE_BLOCKS=2 and on the H200): both ends of the range and one past each, warp counts
+# between, and both sides of 24 and of 28 warps (plain 16-bit rows of these lengths take the reread
+# blocks: test_reread_block_rows).
 # Float32: plain and odd rows, two tiles per CTA (one under JAX_SOFTMAX_TILES_PER_CTA=1), before
 # them clusters of 2 x 512 threads, staged (plain) or on the register tiers (odd): the 512-thread
 # block below (16384, 16383) and the clusters above (32769, 32772), the first widths (16385 with
@@ -335,18 +335,19 @@ def test_reread_block_rows(backend, device, rng, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_mid_backward_rows(backend, device, rng, dtype):
-    # 16-bit backward rows of W = 512 * 32 + 8 .. 2 * 512 * 32 columns take two CTAs of the
-    # 4 x 512 x 32 clusters, the row through shared memory, unless W is a multiple of 256 * 16,
-    # which keeps the 8 x 256 x 16 clusters (ffi/softmax_launch.cuh, LaunchTier; all of them
-    # under JAX_SOFTMAX_RAW_WIDE=0, which scripts/gpu_check.sh's cluster_fit_all job runs with
-    # test_cluster_ctas). Odd rows (windowed) at the first width, W = 16392, whose second CTA
-    # holds one vector (16385; 16391 wraps into its first vector), one column short of and past a
-    # full W (20479 and 20481, W = 20480 and 20488), past 6 and 7 chunks (24577, 28673), and the
-    # last widths (32759: W = 32760; 32767 wraps and keeps 8 x 256); plain rows that leave the
-    # last 8 x 256 chunk partly filled past 512 * 48 (24584, 30000). Plain rows of up to 512 * 48
-    # that are not a multiple of 256 * 16 take one 512-thread block of 40 values (16392, 16400,
-    # 20472) or 48 (20488, 24568) instead (BackwardWideBlocks); 20480 and 24576 keep 8 x 256.
-    # More rows than the clusters hold at once.
+    # 16-bit backward rows of W = 512 * 32 + 8 .. 2 * 512 * 32 columns take two CTAs of the 4 x 512
+    # x 32 clusters, the row through shared memory, unless W is a multiple of 256 * 16, which keeps
+    # the 8 x 256 x 16 clusters (ffi/softmax_launch.cuh, LaunchTier; all of them under
+    # JAX_SOFTMAX_RAW_WIDE=0, which scripts/gpu_check.sh's cluster_fit_all job runs with
+    # test_cluster_ctas; on the H200 only rows past W = 5 * 256 * 16 = 20480 take the two CTAs). Odd
+    # rows (windowed) at the first width, W = 16392, whose second CTA holds one vector (16385; 16391
+    # wraps into its first vector), one column short of and past a full W (20479 and 20481, W =
+    # 20480 and 20488: the H200's boundary too), past 6 and 7 chunks (24577, 28673), and the last
+    # widths (32759: W = 32760; 32767 wraps and keeps 8 x 256); plain rows that leave the last 8 x
+    # 256 chunk partly filled past 512 * 48 (24584, 30000). Plain rows of up to 512 * 48 that are
+    # not a multiple of 256 * 16 take one 512-thread block of 40 values (16392, 16400, 20472) or 48
+    # (20488, 24568) instead (BackwardWideBlocks); 20480 and 24576 keep 8 x 256. More rows than the
+    # clusters hold at once.
     sizes = [16385, 16391, 16392, 16400, 20472, 20479, 20480, 20481, 20488, 24568, 24576, 24577,
              24584, 28673, 30000, 32759, 32767]
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
