@@ -341,15 +341,15 @@ def test_mid_backward_rows(backend, device, rng, dtype):
     # JAX_SOFTMAX_RAW_WIDE=0, which scripts/gpu_check.sh's cluster_fit_all job runs with
     # test_cluster_ctas; on the H200 only rows past W = 5 * 256 * 16 = 20480 take the two CTAs). Odd
     # rows (windowed) at the first width, W = 16392, whose second CTA holds one vector (16385; 16391
-    # wraps into its first vector), one column short of and past a full W (20479 and 20481, W =
-    # 20480 and 20488: the H200's boundary too), past 6 and 7 chunks (24577, 28673), and the last
-    # widths (32759: W = 32760; 32767 wraps and keeps 8 x 256); plain rows that leave the last 8 x
-    # 256 chunk partly filled past 512 * 48 (24584, 30000). Plain rows of up to 512 * 48 that are
-    # not a multiple of 256 * 16 take one 512-thread block of 40 values (16392, 16400, 20472) or 48
-    # (20488, 24568) instead (BackwardWideBlocks); 20480 and 24576 keep 8 x 256. More rows than the
-    # clusters hold at once.
-    sizes = [16385, 16391, 16392, 16400, 20472, 20479, 20480, 20481, 20488, 24568, 24576, 24577,
-             24584, 28673, 30000, 32759, 32767]
+    # wraps into its first vector), the last width of the H200's 8 x 256 x 16 (20471: W = 20472),
+    # one column short of and past a full W (20479 and 20481, W = 20480 and 20488; 20481 the H200's
+    # first of two CTAs), past 6 and 7 chunks (24577, 28673), and the last widths (32759: W = 32760;
+    # 32767 wraps and keeps 8 x 256); plain rows that leave the last 8 x 256 chunk partly filled
+    # past 512 * 48 (24584, 30000). Plain rows of up to 512 * 48 that are not a multiple of 256 * 16
+    # take one 512-thread block of 40 values (16392, 16400, 20472) or 48 (20488, 24568) instead
+    # (BackwardWideBlocks); 20480 and 24576 keep 8 x 256. More rows than the clusters hold at once.
+    sizes = [16385, 16391, 16392, 16400, 20471, 20472, 20479, 20480, 20481, 20488, 24568, 24576,
+             24577, 24584, 28673, 30000, 32759, 32767]
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
 
 
