@@ -39,8 +39,8 @@
 //   4 * 512 * 2E and 8 * 512 * E + 1 to 8 * 512 * 2E columns (instead of 8 and 16 x 512 of E),
 //   and on two CTAs of the 4 x 512 x 2E clusters for rows of 512 * 2E + 1 to 2 * 512 * 2E
 //   columns whose window does not fill every CTA of 8 x 256 x E (session 44; on the H200 from
-//   5 * 256 * E + 1, AmpleDramPerSm), but plain ones of
-//   up to 512 * 3E on one block of 512 threads of 5/2 E or 3E (session 45, BackwardWideBlocks),
+//   5 * 256 * E + 1, AmpleDramPerSm), but plain ones of up to 512 * 3E on one block of 512
+//   threads of 5/2 E or 3E (session 45, BackwardWideBlocks),
 //   their clusters of 2E reading the row through shared memory (kSmemRowBwd); on GPUs with less
 //   DRAM bandwidth per SM cycle than the H200 (the H100) the rows of exactly 8 and 16 x 512 x E
 //   keep E (AmpleDramPerSm).
@@ -62,13 +62,12 @@
 // 8 * 512 * E + 1 to 16 * 512 * E on 8 x 1024 threads, and on GPUs with less DRAM bandwidth per
 // SM cycle than the H200 (the H100) those of 6 * 256 * E + 1 to 7 * 256 * E and 6 * 512 * E + 1
 // to 7 * 512 * E on 2 and 4 x 1024 (WideClusterMode, AmpleDramPerSm), and odd
-// 16-bit rows of 512 * E + 1 to 1024 * E on one block of up to 1024 threads, two per SM where
-// they fit, else (not on the H200: AmpleDramPerSm) one with a ring of three or two tiles
-// (WideBlocks, session 44), float32 plain
-// and windowed rows of those lengths on one such block with two tiles per CTA (WideBlocks,
-// session 42), and plain 16-bit rows of those lengths on one block of up to 512 threads of 2E
-// values that reads the row from the stage in each of its passes and holds none of it in
-// registers (RereadBlocks, softmax_rows_staged_kernel's kReread).
+// 16-bit rows of 512 * E + 1 to 1024 * E on one block of up to 1024 threads, two per SM where they
+// fit, else (not on the H200: AmpleDramPerSm) one with a ring of three or two tiles (WideBlocks,
+// session 44), float32 plain and windowed rows of those lengths on one such block with two tiles
+// per CTA (WideBlocks, session 42), and plain 16-bit rows of those lengths on one block of up to
+// 512 threads of 2E values that reads the row from the stage in each of its passes and holds none
+// of it in registers (RereadBlocks, softmax_rows_staged_kernel's kReread).
 // (Float32 rows of up to 32 V measured 1.0-1.15x faster there than on the register lane groups
 // once each CTA takes one tile.) Where no tile fits, the register tiers run; the other plain
 // 16-bit rows of 2049-65536 columns take the register tiers too (faster there,
@@ -1312,7 +1311,8 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // 20488 324 / 272, 22000 303 / 281; float16 16400 298 / 267; full rows 20480 (8 x 256 x E)
   // 279 / 290, 24576 279 / 331; windowed 16385 280 / 311, 20001 288 / 312. Past 3 E: 7/2 E
   // (52 bytes spilled) 24584 312 / 303 but 26000 296 / 305, 4 E (104 bytes) 28680-32760 306 /
-  // 376. Not measured on the H200. JAX_SOFTMAX_BWD_BLOCKS=0 keeps the clusters (A/B runs).
+  // 376. H200 (session 45): bfloat16 16400 230 / 215, 20488 228 / 206, 22000 200 / 202, 24568
+  // 234 / 198. JAX_SOFTMAX_BWD_BLOCKS=0 keeps the clusters (A/B runs).
   if constexpr (kRawWide && kAccess == Access::kPlain) {
     if (n % (256 * kE) != 0 && BackwardWideBlocks()) {
       if (n <= 512 * (5 * kE / 2)) JS_ROWS(512, 5 * kE / 2, 1);
@@ -1343,27 +1343,27 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
     // range, all under JAX_SOFTMAX_RAW_WIDE (RawWideKnob). Before the 8 x 256 x E clusters below,
     // which would otherwise take the first range.
     if constexpr (kRawWide && kAccess != Access::kGeneral) {
-      // 16-bit plain and windowed rows of 512 x 2E + 1 to 2 x 512 x 2E (16385-32768) columns:
-      // the 4 x 512 x 2E clusters (the row through shared memory, kSmemRowBwd), fitted to the two
-      // CTAs these rows need (FitCluster), rather than 5-8 of the 8 x 256 x E clusters below; but
-      // for the rows whose window fills every CTA of those (W a multiple of 256 x E), which lost
-      // with 2E. Measured (session 44, H100, us per call at 256 MiB, 8 x 256 x E / 2 of 4 x 512
-      // x 2E): bfloat16 windowed 16385 315 / 280 (82% -> 95% of the copy), 20001 295 / 287,
-      // 24577 307 / 286, 28673 293 / 284, 32759 292 / 284; plain 16400 333 / 297, 18000 322 /
-      // 303, 30000 309 / 293; float16 16385 313 / 281, 24577 306 / 286. Full rows: plain 20480
-      // 278 / 289, 24576 279 / 283, 28672 278 / 280, 32768 280 / 280, windowed 32767 (W = 32768)
-      // 279 / 286 and float16 280 / 286. (Plain 32760, W = 8 x 256 x E - 8, lost too: 290 /
-      // 294.) On GPUs with the H200's DRAM bandwidth per SM cycle (AmpleDramPerSm) the rows that
-      // 8 x 256 x E splits over 5 CTAs or fewer (to 5 x 256 x E, 20480) keep it: there 2E lost
-      // them (session 45, H200, us per call, 8 x 256 x E / 2 of 4 x 512 x 2E: bfloat16 windowed
-      // 16385 221 / 273, 16391 222 / 279, 17001 219 / 264, 18001 220 / 249, 20001 215 / 227;
-      // float16 16385 220 / 275) and won the longer ones (22001 217 / 208, 24577 221 / 208, 26001
-      // 220 / 204, 28673 214 / 204, 32759 213 / 206; float16 24577 219 / 208; plain rows past
-      // 512 x 3E even in sum: 24584 219 / 233, 26000 238 / 214, 28680 212 / 226, 30000 228 /
-      // 212, 32760 211 / 223). JAX_SOFTMAX_RAW_WIDE=0 keeps 8 x 256 x E for all of them, =2
-      // takes 2E for the full rows too and, on every GPU, from 512 x 2E + 1. (Since session 45
-      // the plain rows of up to 512 x 3E that are not full take the blocks of 5/2 E and 3E
-      // above.)
+      // 16-bit plain and windowed rows of 512 x 2E + 1 to 2 x 512 x 2E (16385-32768) columns: the 4
+      // x 512 x 2E clusters (the row through shared memory, kSmemRowBwd), fitted to the two CTAs
+      // these rows need (FitCluster), rather than 5-8 of the 8 x 256 x E clusters below; but for
+      // the rows whose window fills every CTA of those (W a multiple of 256 x E), which lost with
+      // 2E. Measured (session 44, H100, us per call at 256 MiB, 8 x 256 x E / 2 of 4 x 512 x 2E):
+      // bfloat16 windowed 16385 315 / 280 (82% -> 95% of the copy), 20001 295 / 287, 24577 307 /
+      // 286, 28673 293 / 284, 32759 292 / 284; plain 16400 333 / 297, 18000 322 / 303, 30000 309 /
+      // 293; float16 16385 313 / 281, 24577 306 / 286. Full rows: plain 20480 278 / 289, 24576 279
+      // / 283, 28672 278 / 280, 32768 280 / 280, windowed 32767 (W = 32768) 279 / 286 and float16
+      // 280 / 286. (Plain 32760, W = 8 x 256 x E - 8, lost too: 290 / 294.) On GPUs with the H200's
+      // DRAM bandwidth per SM cycle (AmpleDramPerSm) the rows that 8 x 256 x E splits over 5 CTAs
+      // or fewer (to 5 x 256 x E, 20480) keep it: there 2E lost them (session 45, H200, us per
+      // call, 8 x 256 x E / 2 of 4 x 512 x 2E: bfloat16 windowed 16385 221 / 273, 16391 222 / 279,
+      // 17001 219 / 264, 18001 220 / 249, 20001 215 / 227; float16 16385 220 / 275; a second H200
+      // read 8 x 256 x E at 234, 233 and 227 for 16385, 18001 and 20001, 2E the same as the first)
+      // and won the longer ones (22001 217 / 208, 24577 221 / 208, 26001 220 / 204, 28673 214 /
+      // 204, 32759 213 / 206; float16 24577 219 / 208; plain rows past 512 x 3E even in sum: 24584
+      // 219 / 233, 26000 238 / 214, 28680 212 / 226, 30000 228 / 212, 32760 211 / 223).
+      // JAX_SOFTMAX_RAW_WIDE=0 keeps 8 x 256 x E for all of them, =2 takes 2E for the full rows too
+      // and, on every GPU, from 512 x 2E + 1. (Since session 45 the plain rows of up to 512 x 3E
+      // that are not full take the blocks of 5/2 E and 3E above.)
       const long knob = RawWideKnob();
       const int64_t two_cta_from =
           AmpleDramPerSm(c.dev) && knob != 2 ? 5 * 256 * kE : 512 * 2 * kE;
