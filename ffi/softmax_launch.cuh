@@ -1343,30 +1343,30 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
     // range, all under JAX_SOFTMAX_RAW_WIDE (RawWideKnob). Before the 8 x 256 x E clusters below,
     // which would otherwise take the first range.
     if constexpr (kRawWide && kAccess != Access::kGeneral) {
-      // 16-bit plain and windowed rows of 512 x 2E + 1 to 2 x 512 x 2E (16385-32768) columns: the 4
-      // x 512 x 2E clusters (the row through shared memory, kSmemRowBwd), fitted to the two CTAs
+      // 16-bit plain and windowed rows of 512 x 2E + 1 to 2 x 512 x 2E (16385-32768) columns: the
+      // 4 x 512 x 2E clusters (the row through shared memory, kSmemRowBwd), fitted to the two CTAs
       // these rows need (FitCluster), rather than 5-8 of the 8 x 256 x E clusters below; but for
       // the rows whose window fills every CTA of those (W a multiple of 256 x E), which lost with
       // 2E. Measured (session 44, H100, us per call at 256 MiB, 8 x 256 x E / 2 of 4 x 512 x 2E):
-      // bfloat16 windowed 16385 315 / 280 (82% -> 95% of the copy), 20001 295 / 287, 24577 307 /
-      // 286, 28673 293 / 284, 32759 292 / 284; plain 16400 333 / 297, 18000 322 / 303, 30000 309 /
-      // 293; float16 16385 313 / 281, 24577 306 / 286. Full rows: plain 20480 278 / 289, 24576 279
-      // / 283, 28672 278 / 280, 32768 280 / 280, windowed 32767 (W = 32768) 279 / 286 and float16
-      // 280 / 286. (Plain 32760, W = 8 x 256 x E - 8, lost too: 290 / 294.) On GPUs with the H200's
-      // DRAM bandwidth per SM cycle (AmpleDramPerSm) the rows that 8 x 256 x E splits over 5 CTAs
-      // or fewer (to 5 x 256 x E, 20480) keep it: there 2E lost them (session 45, H200, us per
-      // call, 8 x 256 x E / 2 of 4 x 512 x 2E: bfloat16 windowed 16385 221 / 273, 16391 222 / 279,
-      // 17001 219 / 264, 18001 220 / 249, 20001 215 / 227; float16 16385 220 / 275; a second H200
-      // read 8 x 256 x E at 234, 233 and 227 for 16385, 18001 and 20001, 2E the same as the first)
-      // and won the longer ones (22001 217 / 208, 24577 221 / 208, 26001 220 / 204, 28673 214 /
-      // 204, 32759 213 / 206; float16 24577 219 / 208; plain rows past 512 x 3E even in sum: 24584
-      // 219 / 233, 26000 238 / 214, 28680 212 / 226, 30000 228 / 212, 32760 211 / 223).
+      // bfloat16 windowed 16385 315 / 280 (82% -> 95% of the copy), 20001 295 / 287, 24577
+      // 307 / 286, 28673 293 / 284, 32759 292 / 284; plain 16400 333 / 297, 18000 322 / 303, 30000
+      // 309 / 293; float16 16385 313 / 281, 24577 306 / 286. Full rows: plain 20480 278 / 289,
+      // 24576 279 / 283, 28672 278 / 280, 32768 280 / 280, windowed 32767 (W = 32768) 279 / 286 and
+      // float16 280 / 286. (Plain 32760, W = 8 x 256 x E - 8, lost too: 290 / 294.) On GPUs with
+      // the H200's DRAM bandwidth per SM cycle (AmpleDramPerSm) the rows that 8 x 256 x E splits
+      // over 5 CTAs or fewer (to 5 x 256 x E, 20480) keep it: there 2E lost them (session 45, H200,
+      // us per call, 8 x 256 x E / 2 of 4 x 512 x 2E: bfloat16 windowed 16385 221 / 273, 16391
+      // 222 / 279, 17001 219 / 264, 18001 220 / 249, 20001 215 / 227; float16 16385 220 / 275; a
+      // second H200 read 8 x 256 x E at 234, 233 and 227 for 16385, 18001 and 20001, 2E the same as
+      // the first) and won the longer ones (22001 217 / 208, 24577 221 / 208, 26001 220 / 204,
+      // 28673 214 / 204, 32759 213 / 206; float16 24577 219 / 208; plain rows past 512 x 3E even in
+      // sum: 24584 219 / 233, 26000 238 / 214, 28680 212 / 226, 30000 228 / 212, 32760 211 / 223).
       // JAX_SOFTMAX_RAW_WIDE=0 keeps 8 x 256 x E for all of them, =2 takes 2E for the full rows too
       // and, on every GPU, from 512 x 2E + 1. (Since session 45 the plain rows of up to 512 x 3E
       // that are not full take the blocks of 5/2 E and 3E above.)
       const long knob = RawWideKnob();
-      const int64_t two_cta_from =
-          AmpleDramPerSm(c.dev) && knob != 2 ? 5 * 256 * kE : 512 * 2 * kE;
+      const bool ample_dram = AmpleDramPerSm(c.dev);
+      const int64_t two_cta_from = ample_dram && knob != 2 ? 5 * 256 * kE : 512 * 2 * kE;
       if (knob != 0 && n > two_cta_from && n <= 2 * 512 * 2 * kE &&
           (knob == 2 || n % (256 * kE) != 0))
         return LaunchCluster<T, 512, 2 * kE, kVec, 4, kBwd, kAccess>(c);
@@ -1388,7 +1388,7 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
       // (W = 8 or 16 x 512 x E) keep E; every other row, and every row on the H200, takes 2E.
       // JAX_SOFTMAX_RAW_WIDE (RawWideKnob; A/B runs): 0 keeps the E tiers for all of them, 1 for
       // those full rows only, 2 takes 2E for all; unset, the device decides (1 or 2).
-      const long wide = knob >= 0 ? knob : AmpleDramPerSm(c.dev) ? 2 : 1;
+      const long wide = knob >= 0 ? knob : ample_dram ? 2 : 1;
       const int64_t full = wide == 1 ? 0 : 1;
       if (wide != 0 && n > 4 * 512 * kE && n < 4 * 512 * 2 * kE + full)
         return LaunchCluster<T, 512, 2 * kE, kVec, 4, kBwd, kAccess>(c);

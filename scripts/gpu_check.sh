@@ -182,6 +182,11 @@ if want test; then
   test_job cluster_fit_all JAX_SOFTMAX_CLUSTER_FIT=2 JAX_SOFTMAX_RAW_WIDE=0 JAX_SOFTMAX_BWD_BLOCKS=0 \
     JAX_SOFTMAX_REREAD_SMEM=2 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (cluster_ctas or many_long_rows)")"
+  # The 16-bit backward rows of 16385-32768 on two CTAs of the 4 x 512 x 32 clusters on every GPU,
+  # full rows too (JAX_SOFTMAX_RAW_WIDE=2): by default the H200 keeps those of up to 20480 on
+  # 8 x 256 x 16 (session 45), so that only the H100 ran the two CTAs there.
+  test_job mid_bwd_two_ctas JAX_SOFTMAX_RAW_WIDE=2 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and mid_backward_rows")"
   # The broadcast operands' rows taken copy by copy (RowOrder) in every tier: by default only
   # where the bytes between copies exceed a quarter of L2 (OperandReuseOrder), which the tests'
   # shapes do not reach (session 31, H100: 16 passed, 25 s).

@@ -335,9 +335,9 @@ def test_reread_block_rows(backend, device, rng, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_mid_backward_rows(backend, device, rng, dtype):
-    # 16-bit backward rows of W = 512 * 32 + 8 .. 2 * 512 * 32 columns take two CTAs of the 4 x 512
-    # x 32 clusters, the row through shared memory, unless W is a multiple of 256 * 16, which keeps
-    # the 8 x 256 x 16 clusters (ffi/softmax_launch.cuh, LaunchTier; all of them under
+    # 16-bit backward rows of W = 512 * 32 + 8 .. 2 * 512 * 32 columns take two CTAs of the
+    # 4 x 512 x 32 clusters, the row through shared memory, unless W is a multiple of 256 * 16,
+    # which keeps the 8 x 256 x 16 clusters (ffi/softmax_launch.cuh, LaunchTier; all of them under
     # JAX_SOFTMAX_RAW_WIDE=0, which scripts/gpu_check.sh's cluster_fit_all job runs with
     # test_cluster_ctas; on the H200 only rows past W = 5 * 256 * 16 = 20480 take the two CTAs). Odd
     # rows (windowed) at the first width, W = 16392, whose second CTA holds one vector (16385; 16391
