@@ -27,6 +27,18 @@ constexpr int BlockThreads(int group) { return group > 32 ? group : 128; }
 // registers, so one CTA per SM, whose loads then stall at every row's barrier.
 constexpr int MinBlocksPerSm(int block) { return block >= 1024 ? 1 : 1024 / block; }
 
+// MinBlocksPerSm for softmax_rows_kernel: the forward lane groups of one vector per lane and two
+// rows per group (short plain rows on sm_90+, ShortRegisterRows in softmax_launch.cuh) take 16 CTAs
+// of 128 threads per SM, i.e. 32 registers (ptxas sm_90a: 48 -> 32 for 16-bit rows, no spill;
+// float32's already used 29), so that each SM keeps 64 KiB of rows in flight instead of 40.
+// Measured (session 46, H200, us per call at 256 MiB, 48 / 32 registers, two rounds each):
+// bfloat16 128 130 / 128 (0.98x -> 1.00x XLA), 256 131 / 128 (0.97x -> 1.00x), float16 128
+// 130 / 128, 256 131 / 128; bfloat16 32 and float32 64-128 unchanged. On the H100 (session 43's
+// same bound, A/B) every such row timed as at 48 registers, 179 us, at the copy's speed.
+constexpr int RowMinBlocksPerSm(int group, int elems, int vec, bool bwd, int rows) {
+  return !bwd && group <= 32 && elems == vec && rows == 2 ? 16 : MinBlocksPerSm(BlockThreads(group));
+}
+
 // MinBlocksPerSm for the staged row tiers: lane tiers (up to 32 threads per row, 128-thread CTAs)
 // whose threads hold more than 40 values (the 16-bit rows' 3/2 E tiers, GapTierRanges) take
 // 7 CTAs per SM, i.e. up to 72 registers: at 8 CTAs' 64 they spilled 16-28 bytes, where 40 values
@@ -1871,7 +1883,8 @@ struct NextRowBuffer<kBlock, kPacks, false> {};
 // in flight; their reductions are independent shuffle chains.
 template <typename T, int kGroup, int kElems, int kVec, int kCluster, bool kBwd, Access kAccess,
           int kRows = 1>
-__global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThreads(kGroup)))
+__global__ void __launch_bounds__(BlockThreads(kGroup),
+                                  RowMinBlocksPerSm(kGroup, kElems, kVec, kBwd, kRows))
     softmax_rows_kernel(const RowParams p) {
   using A = acc_t<T>;
   using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;

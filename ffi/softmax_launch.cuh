@@ -1212,7 +1212,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
 
 // Plain forward rows of up to 32 vectors (N <= 256 for 16-bit types, 128 for float32) on sm_90+:
 // the register tiers' lane groups with two rows per group (CTAs of 128 threads over 4 KiB: one
-// 16-byte vector per lane and row; 48 registers for 16-bit rows, 32-37 for float32), not the
+// 16-byte vector per lane and row; 32 registers, 16 CTAs per SM, RowMinBlocksPerSm), not the
 // staged tiers, whose 128-thread CTAs take 8-16 KiB tiles
 // (one each) at 47-59% occupancy, where XLA's fusion takes 4 KiB per CTA at 88% (ncu, H200,
 // session 36). Measured (session 43, us per call at 256 MiB, staged / two rows; one row per group
@@ -1220,8 +1220,8 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
 // bfloat16 32 131 / 128 (0.97x -> 1.00x XLA), 64 131 / 129, 128 132 / 130, 256 132 / 131,
 // float16 128 132 / 130, float32 32 133 / 128 (0.99x -> 1.02x), 64 133 / 128, 128 131 / 128; H100:
 // bfloat16 32-128 180 / 179 (0.99x -> 1.00x), 256 and float16 256 180 / 179-180, float32 32-128
-// 180-181 / 179. Held to 32 registers (16 CTAs per SM) the two-row groups timed the same on the
-// H100.
+// 180-181 / 179. Then at 48 registers (10 CTAs per SM) for 16-bit rows; held to 32 since session
+// 46, which took the H200's 16-bit 128-256 from 0.97-0.98x to 1.00x (RowMinBlocksPerSm).
 // JAX_SOFTMAX_SHORT_ROWS=0 (read once; A/B runs) keeps the staged tiers for them; under
 // JAX_SOFTMAX_STAGED=0 they take four rows per group, as every register-tier short row does.
 // (LaunchTier asks only for plain forward rows where the staged tiers would run.)
