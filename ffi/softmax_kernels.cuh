@@ -27,18 +27,21 @@ constexpr int BlockThreads(int group) { return group > 32 ? group : 128; }
 // registers, so one CTA per SM, whose loads then stall at every row's barrier.
 constexpr int MinBlocksPerSm(int block) { return block >= 1024 ? 1 : 1024 / block; }
 
-// MinBlocksPerSm for softmax_rows_kernel: the forward lane groups of one vector per lane and two
-// rows per group (short plain rows on sm_90+, ShortRegisterRows in softmax_launch.cuh) take 16 CTAs
-// of 128 threads per SM, i.e. 32 registers (ptxas sm_90a, no spill: 16-bit rows 48 -> 32,
-// float32 32-37 -> 29), so that each SM keeps 64 KiB of 16-bit rows in flight instead of 40.
+// MinBlocksPerSm for softmax_rows_kernel: lane groups whose threads hold at most two vector loads
+// at once (rows per group x vectors per row, twice for the backward's two operands) take
+// 16 CTAs of 128 threads per SM, i.e. 32 registers. Of the tiers that LaunchTier instantiates,
+// those are the forward lane groups of two rows of one vector each (short plain rows on sm_90+,
+// ShortRegisterRows in softmax_launch.cuh); every other tier holds four vectors or more. ptxas
+// (sm_90a, no spill): 16-bit rows 48 -> 32 registers, float32 32-37 -> 29, so that each SM keeps
+// 64 KiB of 16-bit rows in flight instead of 40.
 // Measured (session 46, us per call at 256 MiB, 48 / 32 registers, two rounds each): H200
 // bfloat16 128 130 / 128 (0.98x -> 1.00x XLA), 256 131 / 128 (0.97x -> 1.00x), float16 128
 // 130 / 128, 256 131 / 128, bfloat16 32 and float32 64-128 unchanged (the sweep: 16-bit 32-256 at
 // 97.6% of the copy, 0.996-0.997x XLA, which reads 98% there); H100 16-bit 32-256 179 / 180
 // (1.00x both times; session 43 had timed this bound at 179 there too), float32 128 179 / 179.
 constexpr int RowMinBlocksPerSm(int group, int elems, int vec, bool bwd, int rows) {
-  return !bwd && group <= 32 && elems == vec && rows == 2 ? 16
-                                                          : MinBlocksPerSm(BlockThreads(group));
+  const int vectors_held = rows * (elems / vec) * (bwd ? 2 : 1);
+  return group <= 32 && vectors_held <= 2 ? 16 : MinBlocksPerSm(BlockThreads(group));
 }
 
 // MinBlocksPerSm for the staged row tiers: lane tiers (up to 32 threads per row, 128-thread CTAs)

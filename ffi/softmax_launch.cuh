@@ -1221,7 +1221,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
 // float16 128 132 / 130, float32 32 133 / 128 (0.99x -> 1.02x), 64 133 / 128, 128 131 / 128; H100:
 // bfloat16 32-128 180 / 179 (0.99x -> 1.00x), 256 and float16 256 180 / 179-180, float32 32-128
 // 180-181 / 179. Then at 48 registers (10 CTAs per SM) for 16-bit rows; held to 32 since session
-// 46, which took the H200's 16-bit 128-256 from 0.97-0.98x to 1.00x (RowMinBlocksPerSm).
+// 46 (RowMinBlocksPerSm gives the reason and the figures).
 // JAX_SOFTMAX_SHORT_ROWS=0 (read once; A/B runs) keeps the staged tiers for them; under
 // JAX_SOFTMAX_STAGED=0 they take four rows per group, as every register-tier short row does.
 // (LaunchTier asks only for plain forward rows where the staged tiers would run.)
