@@ -1434,6 +1434,7 @@ def run_softmax(argv=None) -> int:
     point_providers = [q for q in providers if q not in COPY_PROVIDERS]
     total = (len(cfg["sizes_mib"]) * len(cfg["dtypes"]) * len(cfg["modes"]) * len(cfg["ns"])
              * len(point_providers))
+    meta["points_planned"] = total
     bar = Progress(total, "softmax")
     t_start = time.time()
     seed = 0
@@ -1472,7 +1473,8 @@ def _run_point(rec, measure, what, meta, bar, records, base, baseline, group_key
     `measure()` returns the timing fields. Adds the dispatch residual (JAX providers only: the
     dispatch check holds nothing for the others), GB/s and the correctness verdict, or the error;
     then appends the record, recomputes ceiling/baseline figures and rewrites JSON/CSV so an
-    interrupted sweep keeps what it measured."""
+    interrupted sweep keeps what it measured; until _finish, the meta's `partial` says how far
+    the sweep got (a killed run's file keeps it)."""
     try:
         rec.update(measure())
         dc = meta["dispatch_check"].get(rec["provider_id"], {})
@@ -1494,11 +1496,15 @@ def _run_point(rec, measure, what, meta, bar, records, base, baseline, group_key
     records.append(rec)
     finalize_records(records, meta["ceilings"].get("ceiling_gbps"), baseline, group_keys)
     meta["elapsed_s"] = time.time() - t_start
+    meta["partial"] = (f"{len(records)} of {meta.get('points_planned', '?')} points: "
+                       "the sweep had not finished when this file was written")
     write_outputs(base, meta, records)
     bar.update()
 
 
 def _finish(base, meta, records, xkey, group_keys, row_keys, col_keys, title, no_plot) -> int:
+    meta.pop("partial", None)  # every planned point has its record
+    write_outputs(base, meta, records)
     print(format_table(records, xkey, group_keys, f"{title}  [{meta['device']}]"))
     ceil = meta.get("ceilings") or {}
     print(f"\ncopy ceiling: {ceil.get('ceiling_gbps') and round(ceil['ceiling_gbps'])} GB/s "
@@ -1598,6 +1604,7 @@ def run_attention(argv=None) -> int:
     write_outputs(base, meta, records)
     total = (len(cfg["sizes_mib"]) * len(cfg["dtypes"]) * len(cfg["modes"]) * len(cfg["variants"])
              * len(cfg["seqs"]) * len(fns))
+    meta["points_planned"] = total
     bar = Progress(total, "attention")
     t_start = time.time()
     seed = 100

@@ -39,6 +39,23 @@ def test_sweep_writes_timing_fields(tmp_path):
     recs = [r for r in data["records"] if r["provider"] in ("jax_softmax", "jax_nn")]
     assert recs and all(r["timing"] in ("gpu_clock", "host") and r["time_us_host"] > 0
                         and r["check"] == "ok" for r in recs)
+    # A finished sweep's file holds every planned point and does not call itself partial.
+    assert data["meta"]["points_planned"] == len(data["records"]) == 2
+    assert "partial" not in data["meta"]
+
+
+def test_interrupted_sweep_says_partial(tmp_path, monkeypatch):
+    """A sweep stopped before it finishes (here: right after its last point, before the table and
+    plot) leaves a file whose meta says how many of the planned points it holds."""
+    monkeypatch.setattr(_bench, "_finish", lambda *args, **kwargs: 0)
+    rc = _bench.run_softmax(["--quick", "--ns", "32", "64", "--dtypes", "float32", "--modes",
+                             "fwd", "--sizes-mib", "1", "--copy-mib", "1", "--reps", "2",
+                             "--providers", "jax_softmax", "--no-plot",
+                             "--out", str(tmp_path), "--tag", "t"])
+    assert rc == 0
+    meta = json.loads((tmp_path / "t.json").read_text())["meta"]
+    assert meta["points_planned"] == 2
+    assert meta["partial"].startswith("2 of 2 points")
 
 
 @pytest.mark.skipif(not gpu_available(), reason="needs a CUDA device")
