@@ -6,8 +6,14 @@ and without the jax_softmax attention plug-in, for sequence lengths 512 ... 4096
 Tokens per step are held constant (batch = tokens // seq_len) so every point moves a similar
 amount of non-attention work; the attention scores grow with the sequence length. Each point is
 the steady-state steps/s of `train()` (first, compiling step excluded; one device sync at the
-end, so dispatch overlaps the previous step). Writes train_step_<device>.{json,png} and prints a
-table.
+end, so dispatch overlaps the previous step). Writes train_step_<device>.{json,png} (or
+<tag>.{json,png}) and prints a table.
+
+--profile: after each timed run, a few more steps under jax.profiler; the point then also holds
+the GPU timeline per step (`<variant>_timeline`: span, busy and idle time, time in jax_softmax's
+kernels, the kernels that took the most time), and a second table shows it. That is the way to
+see where a step's time goes when the steps/s move but the softmax benchmarks do not. The meta's
+`jax_softmax_env` records the JAX_SOFTMAX_* knobs of the run (e.g. JAX_SOFTMAX_PDL=0).
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
@@ -31,24 +39,34 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--profile", action="store_true",
+                   help="also record each run's GPU timeline per step (jax.profiler)")
+    p.add_argument("--trace-steps", type=int, default=5, help="steps traced with --profile")
+    p.add_argument("--tag", default=None, help="file name stem (default train_step_<device>)")
     args = p.parse_args(argv)
 
     from train_lm import train  # examples/train_lm.py
 
-    from jax_softmax._bench import collect_meta, device_kind, slug
+    from jax_softmax._bench import collect_meta, device_kind, gpu_timeline, slug, timeline_summary
 
     device = device_kind()
+    stem = args.tag or f"train_step_{slug(device)}"
     rows = []
     for s in args.seq_lens:
         batch = max(1, args.tokens // s)
         point = {"seq_len": s, "batch": batch}
         for plugin in (False, True):
+            trace_dir = tempfile.mkdtemp(prefix="train_step_trace_") if args.profile else None
             r = train(steps=args.steps, seq_len=s, batch=batch, d_model=args.d_model,
                       layers=args.layers, heads=args.heads, vocab=512, use_plugin=plugin,
-                      dtype=args.dtype, log_every=10**9, verbose=False)
+                      dtype=args.dtype, log_every=10**9, verbose=False, trace_dir=trace_dir,
+                      trace_steps=args.trace_steps)
             key = "jax_softmax" if plugin else "flax_default"
             point[key + "_steps_per_s"] = r["steps_per_sec"]
             point[key + "_final_loss"] = r["losses"][-1]
+            if trace_dir is not None:
+                point[key + "_timeline"] = timeline_summary(gpu_timeline(trace_dir), args.trace_steps)
+                shutil.rmtree(trace_dir, ignore_errors=True)
         point["speedup"] = point["jax_softmax_steps_per_s"] / point["flax_default_steps_per_s"]
         rows.append(point)
         print(f"S={s:5d} batch={batch:3d}  flax {point['flax_default_steps_per_s']:7.2f} steps/s  "
@@ -59,7 +77,7 @@ def main(argv=None):
     # The softmax benches' record of the machine: device, driver, versions, git revision.
     meta = collect_meta("jax_softmax", standin=False)
     meta["settings"] = vars(args)
-    with open(os.path.join(args.out, f"train_step_{slug(device)}.json"), "w") as f:
+    with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump({"meta": meta, "points": rows}, f, indent=1)
     try:
         import matplotlib
@@ -76,12 +94,24 @@ def main(argv=None):
         ax.set_title(f"train_lm step ({args.dtype}, {args.layers} layers, d={args.d_model}) on {device}")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(os.path.join(args.out, f"train_step_{slug(device)}.png"), dpi=110)
+        fig.savefig(os.path.join(args.out, stem + ".png"), dpi=110)
     except ImportError:
         pass
     print(f"{'S':>6} {'flax steps/s':>13} {'ours steps/s':>13} {'speedup':>8}")
     for r in rows:
         print(f"{r['seq_len']:>6} {r['flax_default_steps_per_s']:>13.2f} {r['jax_softmax_steps_per_s']:>13.2f} {r['speedup']:>8.2f}")
+    if args.profile:
+        # us per step on the GPU's timeline; "softmax" is the time in jax_softmax's kernels.
+        print(f"\n{'S':>6} {'attention':>12} {'span':>9} {'busy':>9} {'idle':>8} {'softmax':>8}  top kernels (us)")
+        for r in rows:
+            for key in ("flax_default", "jax_softmax"):
+                t = r.get(key + "_timeline") or {}
+                if not t:
+                    print(f"{r['seq_len']:>6} {key:>12}  no GPU timeline")
+                    continue
+                top = ", ".join(f"{k['name'][:40]} {k['us']:.0f}" for k in t["kernels"][:3])
+                print(f"{r['seq_len']:>6} {key:>12} {t['span_us']:>9.0f} {t['busy_us']:>9.0f} "
+                      f"{t['idle_us']:>8.0f} {t['jax_softmax_us']:>8.0f}  {top}")
 
 
 if __name__ == "__main__":

@@ -133,9 +133,13 @@ def train(
     seed: int = 0,
     log_every: int = 1,
     verbose: bool = True,
+    trace_dir: str | None = None,
+    trace_steps: int = 5,
 ) -> dict[str, Any]:
     """Trains the model and returns ``losses`` (per step), ``steps_per_sec`` (excluding the first,
-    compiling step), ``compile_s`` (the first step's wall time) and the settings used."""
+    compiling step), ``compile_s`` (the first step's wall time) and the settings used. With
+    ``trace_dir``, ``trace_steps`` more steps run after the timed ones under ``jax.profiler``,
+    whose trace goes there (benchmarks/bench_train_step.py --profile reads its GPU timeline)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if d_model % heads:
@@ -193,6 +197,13 @@ def train(
             print(f"step {i:5d}  loss {float(loss):.4f}", flush=True)
     jax.block_until_ready(state)
     t_end = time.perf_counter()
+    if trace_dir is not None:
+        # Steady-state steps only: compiled, and after the timed ones (which stay untraced).
+        jax.profiler.start_trace(trace_dir)
+        for i in range(trace_steps):
+            state, _ = train_step(state, jax.random.fold_in(data_key, steps + i))
+        jax.block_until_ready(state)
+        jax.profiler.stop_trace()
     losses = [float(v) for v in losses_dev]
     compile_s = (t_first or t_end) - t0
     steps_per_sec = (steps - 1) / (t_end - t_first) if steps > 1 and t_end > t_first else float("nan")

@@ -221,9 +221,7 @@ def trace_case(fn, args, k=4, pipeline=10):
     consecutive kernels (negative where a kernel starts before the one ahead ends), us per call
     from the first kernel's start to the last one's end). Compilation and warm-up run before the
     trace starts."""
-    import glob
     import tempfile
-    from jax.profiler import ProfileData
 
     sets = _arg_sets(args, k)
     lowered, outs = _bench.lower_chain(fn, sets, k)
@@ -237,14 +235,7 @@ def trace_case(fn, args, k=4, pipeline=10):
         outs, _ = run(sets, outs)
     jax.block_until_ready(outs)
     jax.profiler.stop_trace()
-    data = ProfileData.from_file(sorted(glob.glob(f"{d}/**/*.xplane.pb", recursive=True))[-1])
-    events = []
-    for plane in data.planes:
-        if plane.name.startswith("/device:GPU"):
-            for line in plane.lines:
-                if line.name.startswith("Stream"):
-                    events += [(e.start_ns, e.duration_ns, e.name) for e in line.events]
-    events.sort()
+    events = _bench.gpu_timeline(d)
     names = {}
     for _, dur, name in events:
         names.setdefault(name, []).append(dur / 1e3)

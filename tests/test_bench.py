@@ -58,6 +58,19 @@ def test_interrupted_sweep_says_partial(tmp_path, monkeypatch):
     assert meta["partial"].startswith("2 of 2 points")
 
 
+def test_timeline_summary():
+    """Per repetition: the span, the union of the kernels' intervals (busy) and the gaps (idle),
+    jax_softmax's kernels by name, and the kernels ranked by their time."""
+    events = [(0, 10_000, "fusion_a"), (5_000, 10_000, "_ZN11jax_softmax19softmax_rows_kernel"),
+              (30_000, 5_000, "fusion_a"), (40_000, 10_000, "gemm_b")]
+    t = _bench.timeline_summary(events, units=2)
+    assert t["span_us"] == 25 and t["busy_us"] == 15 and t["idle_us"] == 10
+    assert t["jax_softmax_us"] == 5
+    assert t["kernels"][0] == {"name": "fusion_a", "launches": 1, "us": 7.5}
+    assert {k["name"] for k in t["kernels"][1:]} == {"gemm_b", "_ZN11jax_softmax19softmax_rows_kernel"}
+    assert _bench.timeline_summary([], units=2) == {}
+
+
 @pytest.mark.skipif(not gpu_available(), reason="needs a CUDA device")
 def test_gpu_clock_brackets_the_chain():
     """Four 64 MiB copies between the two clock reads: the span per call cannot be shorter than

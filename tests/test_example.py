@@ -12,6 +12,7 @@ pytest.importorskip("flax")
 pytest.importorskip("optax")
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_lm.py"
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_train_step.py"
 TINY = dict(steps=5, seq_len=16, batch=8, d_model=32, layers=1, heads=2, vocab=16, lr=1e-2)
 
 
@@ -54,3 +55,41 @@ def test_cli_bfloat16(train_lm, capsys):
     assert "attention=jax_softmax" in out and "steps/s" in out
     assert out.count("loss ") >= 3
     assert all(math.isfinite(v) for v in result["losses"])
+
+
+def test_traced_steps(train_lm, tmp_path):
+    """train(trace_dir=...) leaves a jax.profiler trace of the extra steps; on a GPU its timeline
+    holds jax_softmax's kernels, elsewhere it has no GPU events."""
+    from conftest import gpu_available
+
+    from jax_softmax import _bench
+
+    run = train_lm.train(**{**TINY, "steps": 3}, use_plugin=True, verbose=False,
+                         trace_dir=str(tmp_path), trace_steps=2)
+    assert len(run["losses"]) == 3
+    assert list(tmp_path.glob("**/*.xplane.pb"))
+    events = _bench.gpu_timeline(str(tmp_path))
+    if gpu_available():
+        assert _bench.timeline_summary(events, 2)["jax_softmax_us"] > 0
+    else:
+        assert events == []
+
+
+def test_train_step_bench_profile(tmp_path):
+    """bench_train_step.py --profile at a tiny size: both variants timed, each point holding its
+    timeline (empty without a GPU), the knobs of the run in the meta."""
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_train_step", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--out", str(tmp_path), "--tag", "t", "--seq-lens", "16", "--tokens", "32",
+                 "--steps", "3", "--d-model", "16", "--layers", "1", "--heads", "2", "--profile",
+                 "--trace-steps", "2"])
+    data = json.loads((tmp_path / "t.json").read_text())
+    (point,) = data["points"]
+    assert point["seq_len"] == 16 and point["batch"] == 2
+    assert point["flax_default_steps_per_s"] > 0 and point["jax_softmax_steps_per_s"] > 0
+    assert isinstance(point["flax_default_timeline"], dict)
+    assert isinstance(point["jax_softmax_timeline"], dict)
+    assert isinstance(data["meta"]["jax_softmax_env"], dict)
