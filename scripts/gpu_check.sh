@@ -2,7 +2,7 @@
 # The one device call: build, GPU tests, compute-sanitizer, benchmark; a short table last.
 # Full logs and results go under $OUT (the device tool brings them back).
 #
-#   bash scripts/gpu_check.sh [all|build|test|knobs|sanitize|bench|attention|ab|ncu]...   (default: all)
+#   bash scripts/gpu_check.sh [all|build|test|knobs|sanitize|bench|attention|train|ab|ncu]...   (default: all)
 #
 # all = build test knobs sanitize bench attention, more than one device call holds: give the steps
 # over several calls (a call's build takes 135-180 s on the H100; a package prebuilt here with
@@ -301,6 +301,13 @@ if want bench; then
 fi
 if want attention; then
   "$PY" -m jax_softmax bench attention --out "$OUT/bench" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attention.log" | tail -40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+# train: one training step of examples/train_lm.py with and without the plug-in
+# (benchmarks/bench_train_step.py; TRAIN_ARGS passes it options, e.g. "--seq-lens 512 1024
+# --profile" for each step's GPU timeline; about 90 s for the four default lengths on the H200).
+if want train; then
+  "$PY" "$REPO/benchmarks/bench_train_step.py" --out "$OUT/train" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train_step.log" | tail -20
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
