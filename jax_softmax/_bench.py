@@ -1528,8 +1528,8 @@ def _run_point(rec, measure, what, meta, bar, records, base, baseline, group_key
     `measure()` returns the timing fields. Adds the dispatch residual (JAX providers only: the
     dispatch check holds nothing for the others), GB/s and the correctness verdict, or the error;
     then appends the record, recomputes ceiling/baseline figures and rewrites JSON/CSV so an
-    interrupted sweep keeps what it measured; until _finish, the meta's `partial` says how far
-    the sweep got (a killed run's file keeps it)."""
+    interrupted sweep keeps what it measured; while records are fewer than the planned points,
+    the meta's `partial` says how far the sweep got (a killed run's file keeps it)."""
     try:
         rec.update(measure())
         dc = meta["dispatch_check"].get(rec["provider_id"], {})
@@ -1551,15 +1551,16 @@ def _run_point(rec, measure, what, meta, bar, records, base, baseline, group_key
     records.append(rec)
     finalize_records(records, meta["ceilings"].get("ceiling_gbps"), baseline, group_keys)
     meta["elapsed_s"] = time.time() - t_start
-    meta["partial"] = (f"{len(records)} of {meta.get('points_planned', '?')} points: "
-                       "the sweep had not finished when this file was written")
+    if len(records) < meta["points_planned"]:
+        meta["partial"] = (f"{len(records)} of {meta['points_planned']} points: "
+                           "the sweep had not finished when this file was written")
+    else:
+        meta.pop("partial", None)
     write_outputs(base, meta, records)
     bar.update()
 
 
 def _finish(base, meta, records, xkey, group_keys, row_keys, col_keys, title, no_plot) -> int:
-    meta.pop("partial", None)  # every planned point has its record
-    write_outputs(base, meta, records)
     print(format_table(records, xkey, group_keys, f"{title}  [{meta['device']}]"))
     ceil = meta.get("ceilings") or {}
     print(f"\ncopy ceiling: {ceil.get('ceiling_gbps') and round(ceil['ceiling_gbps'])} GB/s "

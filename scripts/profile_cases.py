@@ -241,8 +241,8 @@ def trace_case(fn, args, k=4, pipeline=10):
         names.setdefault(name, []).append(dur / 1e3)
     kernels = {n: (len(v), sorted(v)[len(v) // 2]) for n, v in names.items()}
     gaps = sorted(b[0] - (a[0] + a[1]) for a, b in zip(events, events[1:]))
-    span = (max(e[0] + e[1] for e in events) - events[0][0]) / 1e3 if events else float("nan")
-    return kernels, (gaps[len(gaps) // 2] / 1e3 if gaps else float("nan")), span / (pipeline * k)
+    per_call = _bench.timeline_summary(events, pipeline * k).get("span_us", float("nan"))
+    return kernels, (gaps[len(gaps) // 2] / 1e3 if gaps else float("nan")), per_call
 
 
 def copy_bandwidth():

@@ -45,17 +45,27 @@ def test_sweep_writes_timing_fields(tmp_path):
 
 
 def test_interrupted_sweep_says_partial(tmp_path, monkeypatch):
-    """A sweep stopped before it finishes (here: right after its last point, before the table and
-    plot) leaves a file whose meta says how many of the planned points it holds."""
-    monkeypatch.setattr(_bench, "_finish", lambda *args, **kwargs: 0)
-    rc = _bench.run_softmax(["--quick", "--ns", "32", "64", "--dtypes", "float32", "--modes",
-                             "fwd", "--sizes-mib", "1", "--copy-mib", "1", "--reps", "2",
-                             "--providers", "jax_softmax", "--no-plot",
-                             "--out", str(tmp_path), "--tag", "t"])
-    assert rc == 0
-    meta = json.loads((tmp_path / "t.json").read_text())["meta"]
-    assert meta["points_planned"] == 2
-    assert meta["partial"].startswith("2 of 2 points")
+    """A sweep stopped before it finishes (here: interrupted while measuring its second point)
+    leaves a file whose meta says how many of the planned points it holds."""
+    measure = _bench._jax_softmax_point
+    calls = []
+
+    def interrupt_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # as a killed run: not recorded as the point's error
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(_bench, "_jax_softmax_point", interrupt_second)
+    with pytest.raises(KeyboardInterrupt):
+        _bench.run_softmax(["--quick", "--ns", "32", "64", "--dtypes", "float32", "--modes",
+                            "fwd", "--sizes-mib", "1", "--copy-mib", "1", "--reps", "2",
+                            "--providers", "jax_softmax", "--no-plot",
+                            "--out", str(tmp_path), "--tag", "t"])
+    data = json.loads((tmp_path / "t.json").read_text())
+    meta = data["meta"]
+    assert meta["points_planned"] == 2 and len(data["records"]) == 1
+    assert meta["partial"].startswith("1 of 2 points")
 
 
 def test_timeline_summary():
