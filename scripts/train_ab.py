@@ -1,0 +1,99 @@
+"""A/B of the example's training step between builds of the package or knob settings.
+
+    PYTHONPATH=<site of a build> python3 scripts/train_ab.py --label NAME [--seq-lens 512 1024]
+        [--steps 60] [--profile] [--dump-hlo DIR]
+
+Runs examples/train_lm.py's `train()` (the settings of benchmarks/bench_train_step.py: 16384
+tokens per step, d_model 512, 4 layers, 8 heads, bfloat16) with Flax's default attention and with
+the plug-in, in this process, for the jax_softmax that comes first on the path, and prints one
+JSON line per sequence length (label, steps/s of both, their ratio, the package's location and
+revision). Flax's default is the control: it shares the process, so a machine that runs slower
+moves both. Run it once per build or setting, alternating (base / this / base / this), and
+compare the plug-in's steps/s where the controls agree.
+
+It needs nothing of the package but `jax_softmax.flax.dot_product_attention`, so a build of an
+old revision runs it as well; --profile reads the GPU timeline with this repository's
+`jax_softmax/_bench.py`, loaded from its file for the same reason. --dump-hlo DIR keeps the
+training step's optimized HLO of each variant (XLA_FLAGS is read when the backend starts, so it
+is set here before JAX is imported), to diff the programs two builds give XLA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+def _load_bench_module():
+    spec = importlib.util.spec_from_file_location("_repo_bench", os.path.join(REPO, "jax_softmax", "_bench.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--label", required=True)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024])
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--profile", action="store_true", help="also print each run's GPU timeline per step")
+    p.add_argument("--trace-steps", type=int, default=5)
+    p.add_argument("--dump-hlo", default=None, help="keep the optimized HLO of the training steps here")
+    args = p.parse_args(argv)
+
+    if args.dump_hlo:
+        raw = tempfile.mkdtemp(prefix="train_ab_hlo_")
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_dump_to={raw} --xla_dump_hlo_as_text").strip()
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    from train_lm import train  # noqa: E402  (examples/train_lm.py)
+
+    import jax_softmax
+
+    bench = _load_bench_module() if args.profile else None
+    revision = os.environ.get("JAX_SOFTMAX_GIT_REV", "")
+    site = os.path.dirname(os.path.dirname(os.path.abspath(jax_softmax.__file__)))
+    rev_file = os.path.join(os.path.dirname(site), "REVISION")
+    if os.path.exists(rev_file):
+        with open(rev_file) as f:
+            revision = f.read().strip()
+    knobs = {k: v for k, v in os.environ.items() if k.startswith("JAX_SOFTMAX_")}
+    for s in args.seq_lens:
+        batch = max(1, args.tokens // s)
+        line = {"label": args.label, "revision": revision, "knobs": knobs, "seq_len": s, "batch": batch}
+        for plugin in (False, True):
+            key = "jax_softmax" if plugin else "flax_default"
+            trace_dir = tempfile.mkdtemp(prefix="train_ab_trace_") if args.profile else None
+            r = train(steps=args.steps, seq_len=s, batch=batch, d_model=512, layers=4, heads=8, vocab=512,
+                      use_plugin=plugin, dtype="bfloat16", log_every=10**9, verbose=False,
+                      trace_dir=trace_dir, trace_steps=args.trace_steps)
+            line[key + "_steps_per_s"] = round(r["steps_per_sec"], 2)
+            line[key + "_compile_s"] = round(r["compile_s"], 1)
+            if trace_dir is not None:
+                summary = bench.timeline_summary(bench.gpu_timeline(trace_dir), args.trace_steps, top=8)
+                line[key + "_timeline"] = summary
+                shutil.rmtree(trace_dir, ignore_errors=True)
+            if args.dump_hlo:
+                dest = os.path.join(args.dump_hlo, f"{args.label}_S{s}_{key}")
+                os.makedirs(dest, exist_ok=True)
+                for path in glob.glob(os.path.join(raw, "*train_step*after_optimizations.txt")):
+                    shutil.copy(path, dest)
+                for path in glob.glob(os.path.join(raw, "*")):
+                    os.remove(path) if os.path.isfile(path) else shutil.rmtree(path, ignore_errors=True)
+        line["ratio"] = round(line["jax_softmax_steps_per_s"] / line["flax_default_steps_per_s"], 3)
+        print(json.dumps(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
