@@ -76,8 +76,9 @@ def test_traced_steps(train_lm, tmp_path):
 
 
 def test_train_step_bench_profile(tmp_path):
-    """bench_train_step.py --profile at a tiny size: both variants timed, each point holding its
-    timeline (empty without a GPU), the knobs of the run in the meta."""
+    """bench_train_step.py --profile at a tiny size: both variants timed twice (--repeats 2), each
+    point holding every run, their median and best, its timeline (empty without a GPU), the knobs
+    of the run in the meta."""
     import json
 
     spec = importlib.util.spec_from_file_location("bench_train_step", BENCH)
@@ -85,11 +86,19 @@ def test_train_step_bench_profile(tmp_path):
     spec.loader.exec_module(module)
     module.main(["--out", str(tmp_path), "--tag", "t", "--seq-lens", "16", "--tokens", "32",
                  "--steps", "3", "--d-model", "16", "--layers", "1", "--heads", "2", "--profile",
-                 "--trace-steps", "2"])
+                 "--trace-steps", "2", "--repeats", "2"])
     data = json.loads((tmp_path / "t.json").read_text())
     (point,) = data["points"]
     assert point["seq_len"] == 16 and point["batch"] == 2
     assert point["flax_default_steps_per_s"] > 0 and point["jax_softmax_steps_per_s"] > 0
+    for key in ("flax_default", "jax_softmax"):
+        runs = point[key + "_runs"]
+        assert len(runs) == 2 and min(runs) > 0
+        assert point[key + "_steps_per_s"] == pytest.approx(sum(runs) / 2)  # the median of two
+        assert point[key + "_best_steps_per_s"] == max(runs)
+    assert point["speedup"] == pytest.approx(point["jax_softmax_steps_per_s"] / point["flax_default_steps_per_s"])
+    assert point["speedup_best"] == pytest.approx(
+        point["jax_softmax_best_steps_per_s"] / point["flax_default_best_steps_per_s"])
     assert isinstance(point["flax_default_timeline"], dict)
     assert isinstance(point["jax_softmax_timeline"], dict)
     assert isinstance(data["meta"]["jax_softmax_env"], dict)
