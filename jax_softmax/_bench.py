@@ -221,18 +221,28 @@ def resolve_api(standin: bool):
               f"STAND-IN (jax.nn) and is labelled {STANDIN_LABEL!r} ***", file=sys.stderr)
         return _StandIn, STANDIN_LABEL, True
     # Without a compiled kernel for this platform the package lowers its jnp reference formula:
-    # still runnable, but then these are not the kernel's numbers. Say so in the label.
+    # runnable, but these are then not the kernel's numbers. The sweep stops unless --standin
+    # asks for it (then the label says so). Session 48 lost a device call to this: run from the
+    # source tree, `python -m jax_softmax` imported the checkout (no kernels next to it) instead
+    # of the installed package, and the sweep timed the fallback against jax.nn.
     plat = {"gpu": "cuda", "cuda": "cuda", "cpu": "cpu"}.get(jax_platform(), jax_platform())
     try:
         built = tuple(api.available_platforms())
     except Exception:
         built = None
     if built is not None and plat not in built:
-        label = NO_KERNEL_LABEL
+        where = os.path.dirname(os.path.abspath(api.__file__))
+        if not standin:
+            raise SystemExit(
+                f"jax_softmax imported from {where} has no compiled kernel for platform {plat!r} "
+                f"(built: {built}): every call would time its jnp fallback.\n"
+                "Run from outside the source tree so the installed package is imported, or build "
+                "it (pip install .); --standin times the fallback anyway, labelled "
+                f"{NO_KERNEL_LABEL!r}.")
         print(f"*** WARNING: jax_softmax has no compiled kernel for platform {plat!r} (built: "
-              f"{built}); it falls back to its jnp formula, labelled {label!r} ***",
+              f"{built}); it falls back to its jnp formula, labelled {NO_KERNEL_LABEL!r} ***",
               file=sys.stderr)
-        return api, label, False
+        return api, NO_KERNEL_LABEL, False
     return api, "jax_softmax", False
 
 
@@ -1250,7 +1260,8 @@ def add_common_args(p: argparse.ArgumentParser, providers, modes):
     p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
     p.add_argument("--standin", action="store_true",
                    help="if jax_softmax's API does not import, time jax.nn in its place, labelled "
-                        "as a stand-in (developing the benchmark only)")
+                        "as a stand-in; if it has no compiled kernel for this platform, time its "
+                        "jnp fallback, labelled so (developing the benchmark only)")
 
 
 def resolve_common(args, providers, modes, quick_sizes_gpu=64, quick_sizes_cpu=4):

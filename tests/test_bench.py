@@ -4,6 +4,7 @@ the clock reads that bracket a chain of calls (they must not run together, nor o
 from __future__ import annotations
 
 import json
+import os
 import statistics
 
 import jax
@@ -111,3 +112,21 @@ def test_main_job_runs(tmp_path):
     how = "on the GPU's clock" if _bench.gpu_clock_available() else "from the host"
     assert f"chained in one jit, timed {how}" in r.stdout, r.stdout
     assert len([ln for ln in r.stdout.splitlines() if ln.split()[:1] in (["128"], ["32768"])]) == 2
+
+
+def test_sweep_refuses_a_package_without_kernels(monkeypatch, tmp_path):
+    """A jax_softmax with no compiled kernel for the backend (e.g. the source tree imported in
+    place of the installed package) stops the sweep with a message naming where it came from;
+    --standin times its fallback anyway, under a label that says so."""
+    import jax_softmax
+
+    monkeypatch.setattr(jax_softmax, "available_platforms", lambda: ())
+    with pytest.raises(SystemExit, match="no compiled kernel for platform") as info:
+        _bench.resolve_api(standin=False)
+    assert os.path.dirname(os.path.abspath(jax_softmax.__file__)) in str(info.value)
+    api, label, is_standin = _bench.resolve_api(standin=True)
+    assert api is jax_softmax and label == _bench.NO_KERNEL_LABEL and not is_standin
+    with pytest.raises(SystemExit, match="no compiled kernel for platform"):
+        _bench.run_softmax(["--quick", "--ns", "32", "--dtypes", "float32", "--modes", "fwd",
+                            "--no-plot", "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())  # stopped before writing anything
