@@ -10,12 +10,12 @@ so dispatch overlaps the previous step). Each variant runs --repeats times, the 
 a point holds every run (`<variant>_runs`), their median (`<variant>_steps_per_s`, and
 `speedup` from the medians) and their best (`<variant>_best_steps_per_s`, `speedup_best`).
 Why repeats: on the H200 (session 48, scripts/train_ab.py and this bench) the steps/s of short
-steps change from run to run of the same program: the plug-in at S = 1024 ran 131-133 or 96-97
-steps/s, Flax's default at S = 512 83-114, while the GPU's busy time per step (the traced
-timeline) is 7.3 and 8.7 ms. The slow runs take 10-12 ms a step; what sets them was not
+steps change from run to run of the same program: the plug-in at S = 1024 ran 96-133 steps/s,
+Flax's default at S = 512 83-114, while the GPU's busy time per step (the traced timeline) is
+7.3 and 8.7 ms. The slow runs take 10-12 ms a step; what sets them was not
 identified (the host's launches are the suspect). Flax's default from S = 1024 on, with 13 ms
 and more of GPU work a step, varied by 0.2%. One run of each, as before session 48, reads
-whichever mode came.
+whichever rate came.
 Writes train_step_<device>.{json,png} (or <tag>.{json,png}) and prints a table.
 
 --profile: after each timed run, a few more steps under jax.profiler; the point then also holds
