@@ -1,7 +1,8 @@
 """One training step of examples/train_lm.py (a Flax NNX causal transformer LM, bfloat16) with
 and without the jax_softmax attention plug-in, for sequence lengths 512 ... 4096.
 
-    python benchmarks/bench_train_step.py [--out DIR] [--seq-lens 512 1024 2048 4096] [--steps 30]
+    python benchmarks/bench_train_step.py [--out DIR] [--seq-lens 512 1024 2048 4096] [--steps 60]
+        [--repeats 3] [--profile] [--tag NAME]
 
 Tokens per step are held constant (batch = tokens // seq_len) so every point moves a similar
 amount of non-attention work; the attention scores grow with the sequence length. A run is the
@@ -38,18 +39,22 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
+# The model and the work per step (scripts/train_ab.py times the same step).
+STEP_DEFAULTS = {"tokens": 16384, "d_model": 512, "layers": 4, "heads": 8, "vocab": 512,
+                 "dtype": "bfloat16"}
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048, 4096])
-    p.add_argument("--tokens", type=int, default=16384, help="tokens per step (batch * seq_len)")
+    p.add_argument("--tokens", type=int, default=STEP_DEFAULTS["tokens"], help="tokens per step (batch * seq_len)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--repeats", type=int, default=3, help="runs of each variant, alternating")
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--d-model", type=int, default=STEP_DEFAULTS["d_model"])
+    p.add_argument("--layers", type=int, default=STEP_DEFAULTS["layers"])
+    p.add_argument("--heads", type=int, default=STEP_DEFAULTS["heads"])
+    p.add_argument("--dtype", default=STEP_DEFAULTS["dtype"])
     p.add_argument("--profile", action="store_true",
                    help="also record each run's GPU timeline per step (jax.profiler)")
     p.add_argument("--trace-steps", type=int, default=5, help="steps traced with --profile")
@@ -74,7 +79,7 @@ def main(argv=None):
                 # The trace (--profile) follows the last run's timed steps only.
                 trace_dir = tempfile.mkdtemp(prefix="train_step_trace_") if args.profile and last else None
                 r = train(steps=args.steps, seq_len=s, batch=batch, d_model=args.d_model,
-                          layers=args.layers, heads=args.heads, vocab=512, use_plugin=plugin,
+                          layers=args.layers, heads=args.heads, vocab=STEP_DEFAULTS["vocab"], use_plugin=plugin,
                           dtype=args.dtype, log_every=10**9, verbose=False, trace_dir=trace_dir,
                           trace_steps=args.trace_steps)
                 point.setdefault(key + "_runs", []).append(r["steps_per_sec"])

@@ -3,8 +3,8 @@
     PYTHONPATH=<site of a build> python3 scripts/train_ab.py --label NAME [--seq-lens 512 1024]
         [--steps 60] [--profile] [--dump-hlo DIR]
 
-Runs examples/train_lm.py's `train()` (the settings of benchmarks/bench_train_step.py: 16384
-tokens per step, d_model 512, 4 layers, 8 heads, bfloat16) with Flax's default attention and with
+Runs examples/train_lm.py's `train()` (the model and tokens per step of
+benchmarks/bench_train_step.py, its STEP_DEFAULTS) with Flax's default attention and with
 the plug-in, in this process, for the jax_softmax that comes first on the path, and prints one
 JSON line per sequence length (label, steps/s of both, their ratio, the package's location and
 revision). Flax's default is the control: it shares the process, so a machine that runs slower
@@ -33,8 +33,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
 
-def _load_bench_module():
-    spec = importlib.util.spec_from_file_location("_repo_bench", os.path.join(REPO, "jax_softmax", "_bench.py"))
+def _load(name: str, path: str):
+    """A module of this repository loaded from its file (not from the package on the path)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, path))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -44,12 +45,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--label", required=True)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024])
-    p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--tokens", type=int, default=None, help="tokens per step (default bench_train_step's)")
     p.add_argument("--profile", action="store_true", help="also print each run's GPU timeline per step")
     p.add_argument("--trace-steps", type=int, default=5)
     p.add_argument("--dump-hlo", default=None, help="keep the optimized HLO of the training steps here")
     args = p.parse_args(argv)
+    step = _load("bench_train_step", os.path.join("benchmarks", "bench_train_step.py")).STEP_DEFAULTS
 
     if args.dump_hlo:
         raw = tempfile.mkdtemp(prefix="train_ab_hlo_")
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
 
     import jax_softmax
 
-    bench = _load_bench_module() if args.profile else None
+    bench = _load("_repo_bench", os.path.join("jax_softmax", "_bench.py")) if args.profile else None
     revision = os.environ.get("JAX_SOFTMAX_GIT_REV", "")
     site = os.path.dirname(os.path.dirname(os.path.abspath(jax_softmax.__file__)))
     rev_file = os.path.join(os.path.dirname(site), "REVISION")
@@ -69,13 +71,14 @@ def main(argv=None) -> int:
             revision = f.read().strip()
     knobs = {k: v for k, v in os.environ.items() if k.startswith("JAX_SOFTMAX_")}
     for s in args.seq_lens:
-        batch = max(1, args.tokens // s)
+        batch = max(1, (args.tokens or step["tokens"]) // s)
         line = {"label": args.label, "revision": revision, "knobs": knobs, "seq_len": s, "batch": batch}
         for plugin in (False, True):
             key = "jax_softmax" if plugin else "flax_default"
             trace_dir = tempfile.mkdtemp(prefix="train_ab_trace_") if args.profile else None
-            r = train(steps=args.steps, seq_len=s, batch=batch, d_model=512, layers=4, heads=8, vocab=512,
-                      use_plugin=plugin, dtype="bfloat16", log_every=10**9, verbose=False,
+            r = train(steps=args.steps, seq_len=s, batch=batch, d_model=step["d_model"],
+                      layers=step["layers"], heads=step["heads"], vocab=step["vocab"],
+                      use_plugin=plugin, dtype=step["dtype"], log_every=10**9, verbose=False,
                       trace_dir=trace_dir, trace_steps=args.trace_steps)
             line[key + "_steps_per_s"] = round(r["steps_per_sec"], 2)
             line[key + "_compile_s"] = round(r["compile_s"], 1)

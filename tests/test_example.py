@@ -102,3 +102,27 @@ def test_train_step_bench_profile(tmp_path):
     assert isinstance(point["flax_default_timeline"], dict)
     assert isinstance(point["jax_softmax_timeline"], dict)
     assert isinstance(data["meta"]["jax_softmax_env"], dict)
+
+
+def test_train_ab_script(tmp_path):
+    """scripts/train_ab.py at a tiny size, in its own process (XLA_FLAGS for --dump-hlo must be
+    set before JAX starts): one JSON line per sequence length with both variants' steps/s and
+    their ratio, and each variant's optimized training-step HLO kept."""
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train_ab.py"
+    r = subprocess.run([sys.executable, str(script), "--label", "t", "--seq-lens", "16", "--tokens", "32",
+                        "--steps", "3", "--dump-hlo", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (line,) = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+    assert line["label"] == "t" and line["seq_len"] == 16 and line["batch"] == 2
+    assert line["flax_default_steps_per_s"] > 0 and line["jax_softmax_steps_per_s"] > 0
+    assert line["ratio"] == pytest.approx(line["jax_softmax_steps_per_s"] / line["flax_default_steps_per_s"],
+                                          rel=0.01)
+    for variant in ("flax_default", "jax_softmax"):
+        (hlo,) = (tmp_path / f"t_S16_{variant}").glob("*train_step*after_optimizations.txt")
+        text = hlo.read_text()
+        assert ("jax_softmax" in text) == (variant == "jax_softmax")
