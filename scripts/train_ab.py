@@ -72,7 +72,9 @@ def main(argv=None) -> int:
     knobs = {k: v for k, v in os.environ.items() if k.startswith("JAX_SOFTMAX_")}
     for s in args.seq_lens:
         batch = max(1, (args.tokens or step["tokens"]) // s)
-        line = {"label": args.label, "revision": revision, "knobs": knobs, "seq_len": s, "batch": batch}
+        line = {"label": args.label, "revision": revision, "package": site, "knobs": knobs, "seq_len": s,
+                "batch": batch}
+        rate = {}
         for plugin in (False, True):
             key = "jax_softmax" if plugin else "flax_default"
             trace_dir = tempfile.mkdtemp(prefix="train_ab_trace_") if args.profile else None
@@ -80,7 +82,8 @@ def main(argv=None) -> int:
                       layers=step["layers"], heads=step["heads"], vocab=step["vocab"],
                       use_plugin=plugin, dtype=step["dtype"], log_every=10**9, verbose=False,
                       trace_dir=trace_dir, trace_steps=args.trace_steps)
-            line[key + "_steps_per_s"] = round(r["steps_per_sec"], 2)
+            rate[key] = r["steps_per_sec"]
+            line[key + "_steps_per_s"] = round(rate[key], 2)
             line[key + "_compile_s"] = round(r["compile_s"], 1)
             if trace_dir is not None:
                 summary = bench.timeline_summary(bench.gpu_timeline(trace_dir), args.trace_steps, top=8)
@@ -91,10 +94,15 @@ def main(argv=None) -> int:
                 os.makedirs(dest, exist_ok=True)
                 for path in glob.glob(os.path.join(raw, "*train_step*after_optimizations.txt")):
                     shutil.copy(path, dest)
-                for path in glob.glob(os.path.join(raw, "*")):
-                    os.remove(path) if os.path.isfile(path) else shutil.rmtree(path, ignore_errors=True)
-        line["ratio"] = round(line["jax_softmax_steps_per_s"] / line["flax_default_steps_per_s"], 3)
+                for path in glob.glob(os.path.join(raw, "*")):  # the next run's dump starts empty
+                    if os.path.isfile(path):
+                        os.remove(path)
+                    else:
+                        shutil.rmtree(path, ignore_errors=True)
+        line["ratio"] = round(rate["jax_softmax"] / rate["flax_default"], 3)
         print(json.dumps(line), flush=True)
+    if args.dump_hlo:
+        shutil.rmtree(raw, ignore_errors=True)
     return 0
 
 

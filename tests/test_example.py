@@ -109,16 +109,22 @@ def test_train_ab_script(tmp_path):
     set before JAX starts): one JSON line per sequence length with both variants' steps/s and
     their ratio, and each variant's optimized training-step HLO kept."""
     import json
+    import os
     import subprocess
     import sys
 
+    import jax_softmax
+
     script = Path(__file__).resolve().parents[1] / "scripts" / "train_ab.py"
+    site = str(Path(jax_softmax.__file__).resolve().parents[1])  # the package these tests test
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))}
     r = subprocess.run([sys.executable, str(script), "--label", "t", "--seq-lens", "16", "--tokens", "32",
                         "--steps", "3", "--dump-hlo", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     (line,) = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
     assert line["label"] == "t" and line["seq_len"] == 16 and line["batch"] == 2
+    assert os.path.samefile(line["package"], site)
     assert line["flax_default_steps_per_s"] > 0 and line["jax_softmax_steps_per_s"] > 0
     assert line["ratio"] == pytest.approx(line["jax_softmax_steps_per_s"] / line["flax_default_steps_per_s"],
                                           rel=0.01)
