@@ -2,7 +2,7 @@
 and without the jax_softmax attention plug-in, for sequence lengths 512 ... 4096.
 
     python benchmarks/bench_train_step.py [--out DIR] [--seq-lens 512 1024 2048 4096] [--steps 60]
-        [--repeats 3] [--profile] [--tag NAME]
+        [--repeats 3] [--profile] [--tag NAME] [--dump-hlo DIR]
 
 Tokens per step are held constant (batch = tokens // seq_len) so every point moves a similar
 amount of non-attention work; the attention scores grow with the sequence length. A run is the
@@ -10,7 +10,7 @@ steady-state steps/s of `train()` (first, compiling step excluded; one device sy
 so dispatch overlaps the previous step). Each variant runs --repeats times, the two alternating;
 a point holds every run (`<variant>_runs`), their median (`<variant>_steps_per_s`, and
 `speedup` from the medians) and their best (`<variant>_best_steps_per_s`, `speedup_best`).
-Why repeats: on the H200 (session 48, scripts/train_ab.py and this bench) the steps/s of short
+Why repeats: on the H200 (session 48) the steps/s of short
 steps change from run to run of the same program: the plug-in at S = 1024 ran 96-133 steps/s,
 Flax's default at S = 512 83-114, while the GPU's busy time per step (the traced timeline) is
 7.3 and 8.7 ms. The slow runs take 10-12 ms a step; what sets them was not
@@ -24,11 +24,23 @@ the GPU timeline per step (`<variant>_timeline`: span, busy and idle time, time 
 kernels, the kernels that took the most time), and a second table shows it. That is the way to
 see where a step's time goes when the steps/s move but the softmax benchmarks do not. The meta's
 `jax_softmax_env` records the JAX_SOFTMAX_* knobs of the run (e.g. JAX_SOFTMAX_PDL=0).
+
+A/B between builds: the benchmark's helpers (meta, timeline) come from this source tree's
+jax_softmax/_bench.py, not from the package on the path, and the package needs nothing but
+`jax_softmax.flax.dot_product_attention`; so any build, an old revision's too, can be timed:
+`PYTHONPATH=<its site> JAX_SOFTMAX_GIT_REV=<its revision> python benchmarks/bench_train_step.py
+--repeats 1 --tag NAME`, alternating builds one process each (session 48 timed session 9's build
+so). The meta's `jax_softmax_path` says which package ran, its `git` the revision named.
+--dump-hlo DIR keeps each variant's optimized training-step HLO (DIR/<tag>_S<seq_len>_<variant>/),
+to diff the programs two builds give XLA; it sets XLA_FLAGS, which JAX reads when its backend
+starts, so it needs a process of its own (as from the command line).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import importlib.util
 import json
 import os
 import shutil
@@ -39,34 +51,64 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
-# The model and the work per step (scripts/train_ab.py times the same step).
-STEP_DEFAULTS = {"tokens": 16384, "d_model": 512, "layers": 4, "heads": 8, "vocab": 512,
-                 "dtype": "bfloat16"}
+
+
+def _source_bench():
+    """This source tree's jax_softmax/_bench.py as a module of its own (see the docstring: A/B)."""
+    spec = importlib.util.spec_from_file_location(
+        "_source_tree_bench", os.path.join(HERE, "..", "jax_softmax", "_bench.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _take_hlo(raw: str, dest: str | None) -> None:
+    """Empties XLA's dump directory `raw` for the next compile, first copying the training step's
+    optimized HLO to `dest` (None: nothing kept)."""
+    if dest is not None:
+        kept = glob.glob(os.path.join(raw, "*train_step*after_optimizations.txt"))
+        if not kept:
+            shutil.rmtree(raw)
+            raise SystemExit(f"--dump-hlo: XLA wrote no training-step HLO to {raw}; XLA_FLAGS is "
+                             "read when JAX's backend starts, so run the benchmark in a process of "
+                             "its own")
+        os.makedirs(dest, exist_ok=True)
+        for path in kept:
+            shutil.copy(path, dest)
+    shutil.rmtree(raw)
+    os.makedirs(raw)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048, 4096])
-    p.add_argument("--tokens", type=int, default=STEP_DEFAULTS["tokens"], help="tokens per step (batch * seq_len)")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per step (batch * seq_len)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--repeats", type=int, default=3, help="runs of each variant, alternating")
-    p.add_argument("--d-model", type=int, default=STEP_DEFAULTS["d_model"])
-    p.add_argument("--layers", type=int, default=STEP_DEFAULTS["layers"])
-    p.add_argument("--heads", type=int, default=STEP_DEFAULTS["heads"])
-    p.add_argument("--dtype", default=STEP_DEFAULTS["dtype"])
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--profile", action="store_true",
                    help="also record each run's GPU timeline per step (jax.profiler)")
     p.add_argument("--trace-steps", type=int, default=5, help="steps traced with --profile")
     p.add_argument("--tag", default=None, help="file name stem (default train_step_<device>)")
+    p.add_argument("--dump-hlo", default=None,
+                   help="keep each variant's optimized training-step HLO under this directory")
     args = p.parse_args(argv)
+
+    raw_hlo = None
+    if args.dump_hlo:
+        raw_hlo = tempfile.mkdtemp(prefix="train_step_hlo_")
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_dump_to={raw_hlo} --xla_dump_hlo_as_text").strip()
 
     from train_lm import train  # examples/train_lm.py
 
-    from jax_softmax._bench import collect_meta, device_kind, gpu_timeline, slug, timeline_summary
-
-    device = device_kind()
-    stem = args.tag or f"train_step_{slug(device)}"
+    bench = _source_bench()
+    device = bench.device_kind()
+    stem = args.tag or f"train_step_{bench.slug(device)}"
     rows = []
     for s in args.seq_lens:
         batch = max(1, args.tokens // s)
@@ -79,14 +121,17 @@ def main(argv=None):
                 # The trace (--profile) follows the last run's timed steps only.
                 trace_dir = tempfile.mkdtemp(prefix="train_step_trace_") if args.profile and last else None
                 r = train(steps=args.steps, seq_len=s, batch=batch, d_model=args.d_model,
-                          layers=args.layers, heads=args.heads, vocab=STEP_DEFAULTS["vocab"], use_plugin=plugin,
+                          layers=args.layers, heads=args.heads, vocab=512, use_plugin=plugin,
                           dtype=args.dtype, log_every=10**9, verbose=False, trace_dir=trace_dir,
                           trace_steps=args.trace_steps)
                 point.setdefault(key + "_runs", []).append(r["steps_per_sec"])
                 point[key + "_final_loss"] = r["losses"][-1]
                 if trace_dir is not None:
-                    point[key + "_timeline"] = timeline_summary(gpu_timeline(trace_dir), args.trace_steps)
+                    point[key + "_timeline"] = bench.timeline_summary(bench.gpu_timeline(trace_dir),
+                                                                      args.trace_steps)
                     shutil.rmtree(trace_dir, ignore_errors=True)
+                if raw_hlo is not None:  # every repeat compiles the same program: keep the first
+                    _take_hlo(raw_hlo, os.path.join(args.dump_hlo, f"{stem}_S{s}_{key}") if repeat == 0 else None)
         for key in keys.values():
             point[key + "_steps_per_s"] = statistics.median(point[key + "_runs"])
             point[key + "_best_steps_per_s"] = max(point[key + "_runs"])
@@ -100,7 +145,9 @@ def main(argv=None):
 
     os.makedirs(args.out, exist_ok=True)
     # The softmax benches' record of the machine: device, driver, versions, git revision.
-    meta = collect_meta("jax_softmax", standin=False)
+    if raw_hlo is not None:
+        shutil.rmtree(raw_hlo)
+    meta = bench.collect_meta("jax_softmax", standin=False)
     meta["settings"] = vars(args)
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump({"meta": meta, "points": rows}, f, indent=1)

@@ -104,10 +104,12 @@ def test_train_step_bench_profile(tmp_path):
     assert isinstance(data["meta"]["jax_softmax_env"], dict)
 
 
-def test_train_ab_script(tmp_path):
-    """scripts/train_ab.py at a tiny size, in its own process (XLA_FLAGS for --dump-hlo must be
-    set before JAX starts): one JSON line per sequence length with both variants' steps/s and
-    their ratio, and each variant's optimized training-step HLO kept."""
+def test_train_step_bench_ab_run(tmp_path):
+    """bench_train_step.py as an A/B run between builds uses it (session 48): in its own process
+    (XLA_FLAGS for --dump-hlo must be set before JAX starts), for the package first on
+    PYTHONPATH, one run of each variant: the point holds both steps/s and their ratio, the meta
+    the package that ran and the revision named, and each variant's optimized training-step HLO is
+    kept (our custom call in the plug-in's only)."""
     import json
     import os
     import subprocess
@@ -115,20 +117,42 @@ def test_train_ab_script(tmp_path):
 
     import jax_softmax
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "train_ab.py"
     site = str(Path(jax_softmax.__file__).resolve().parents[1])  # the package these tests test
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))}
-    r = subprocess.run([sys.executable, str(script), "--label", "t", "--seq-lens", "16", "--tokens", "32",
-                        "--steps", "3", "--dump-hlo", str(tmp_path)],
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")])),
+           "JAX_SOFTMAX_GIT_REV": "abc1234"}
+    hlo = tmp_path / "hlo"
+    r = subprocess.run([sys.executable, str(BENCH), "--out", str(tmp_path), "--tag", "t", "--repeats", "1",
+                        "--seq-lens", "16", "--tokens", "32", "--steps", "3", "--d-model", "16",
+                        "--layers", "1", "--heads", "2", "--dump-hlo", str(hlo)],
                        capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    (line,) = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
-    assert line["label"] == "t" and line["seq_len"] == 16 and line["batch"] == 2
-    assert os.path.samefile(line["package"], site)
-    assert line["flax_default_steps_per_s"] > 0 and line["jax_softmax_steps_per_s"] > 0
-    assert line["ratio"] == pytest.approx(line["jax_softmax_steps_per_s"] / line["flax_default_steps_per_s"],
-                                          rel=0.01)
+    data = json.loads((tmp_path / "t.json").read_text())
+    (point,) = data["points"]
+    assert point["seq_len"] == 16 and point["batch"] == 2
+    assert os.path.samefile(data["meta"]["jax_softmax_path"], os.path.join(site, "jax_softmax"))
+    assert data["meta"]["git"] == "abc1234"
+    assert point["flax_default_steps_per_s"] > 0 and point["jax_softmax_steps_per_s"] > 0
+    assert point["flax_default_runs"] == [point["flax_default_steps_per_s"]]
+    assert point["speedup"] == pytest.approx(point["jax_softmax_steps_per_s"] / point["flax_default_steps_per_s"])
     for variant in ("flax_default", "jax_softmax"):
-        (hlo,) = (tmp_path / f"t_S16_{variant}").glob("*train_step*after_optimizations.txt")
-        text = hlo.read_text()
+        (text,) = [f.read_text() for f in (hlo / f"t_S16_{variant}").glob("*train_step*after_optimizations.txt")]
         assert ("jax_softmax" in text) == (variant == "jax_softmax")
+
+
+def test_train_step_bench_dump_hlo_needs_own_process(tmp_path, monkeypatch):
+    """In a process whose JAX backend already started, --dump-hlo gets no HLO from XLA and says
+    why instead of leaving empty directories."""
+    import os
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored for later subprocesses
+    spec = importlib.util.spec_from_file_location("bench_train_step", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    import jax
+
+    jax.devices()  # the backend has started
+    with pytest.raises(SystemExit, match="process of its own"):
+        module.main(["--out", str(tmp_path), "--tag", "t", "--repeats", "1", "--seq-lens", "16",
+                     "--tokens", "32", "--steps", "2", "--d-model", "16", "--layers", "1",
+                     "--heads", "2", "--dump-hlo", str(tmp_path / "hlo")])
+    assert not (tmp_path / "hlo").exists()
