@@ -1315,7 +1315,6 @@ struct RawPacksHeld {
 
 template <typename Loader, int kPacks, int kVec>
 struct RawPacksStaged {
-  static_assert(!Loader::kWraps, "plain rows: no wrapped columns to fetch");
   const Loader& loader;  // reading from the stage (softmax_rows_staged_kernel's build_loader)
   int first_col;
   int stride;
@@ -1323,10 +1322,16 @@ struct RawPacksStaged {
   __device__ __forceinline__ Pairs<kVec> operator()(int k) const {
     const int w = first_col + k * stride;
     Pairs<kVec> x;
-    if (inside)
+    // Whole vectors up to the row's last one (the window's last, W - kVec, where a windowed row
+    // wraps): windowed rows read their partial end vectors whole too, from a stage whose slots
+    // outside the row hold -inf or the wrapped columns (softmax_rows_staged_kernel's kReread).
+    // -inf past the row's end.
+    if (inside || w - loader.shift <= loader.limit) {
       load_pairs(loader.in + w, x);
-    else
-      loader.fetch_raw(w, x);  // -inf past the row's end
+    } else {
+#pragma unroll
+      for (int i = 0; i < kVec / 2; ++i) x.w[i] = neg_inf_pair<typename Loader::Elem>();
+    }
     return x;
   }
 };
@@ -2224,10 +2229,11 @@ __device__ __forceinline__ StagedRange staged_wrap(const RowParams& p, int64_t r
   return staged_range<kVec>(p, window + width, window + width + kVec);
 }
 
-// kReread (16-bit plain rows kept as loaded, one row per CTA): every pass over the row (max, sum,
-// output) loads its pairs from the stage again (RawPacksStaged) instead of holding them in
-// registers, and the stage is refilled only after the row's outputs are stored; a thread can then
-// take more values (kElems) than registers would hold.
+// kReread (16-bit plain and windowed rows kept as loaded, one row per CTA): every pass over the row
+// (max, sum, output) loads its pairs from the stage again (RawPacksStaged) instead of holding them
+// in registers, and the stage is refilled only after the row's outputs are stored; a thread can
+// then take more values (kElems) than registers would hold. A windowed row's stage is made whole
+// vectors first, so that its passes read as a plain row's do (see the code after the wait).
 template <typename T, int kGroup, int kElems, int kVec, int kCluster, Access kAccess, int kRows = 1,
           bool kReread = false>
 __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGroup, kElems))
@@ -2247,9 +2253,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
   // loaders read them.
   constexpr bool kStagesWrap = kAccess == Access::kWindowed && kCluster > 1;
   using Loader = RowLoader<T, kVec, /*kBwd=*/false, kAccess, kStagesWrap ? int(kChunk) : 0>;
-  static_assert(!kReread || (Loader::kRawFwd && kAccess == Access::kPlain && kCluster == 1 &&
-                             kRows == 1 && kGroup > 32),
-                "reread rows: 16-bit plain rows, one per CTA");
+  static_assert(!kReread || (Loader::kRawFwd && kCluster == 1 && kRows == 1 && kGroup > 32),
+                "reread rows: 16-bit plain or windowed rows, one per CTA");
 
   extern __shared__ __align__(128) unsigned char staged_smem[];
   __shared__ uint64_t full[kMaxStages];
@@ -2362,6 +2367,20 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
       prepare();
       // kReread: nothing loaded here; each pass of finish_batch_raw_fwd reads the stage.
       if constexpr (kRaw) load_batch_raw(loaders, first_col, stride, xs);
+      // Reread windowed rows: the stage's window made whole vectors that the passes read as
+      // they are (RawPacksStaged): the first vector's slots before the row take the wrapped
+      // columns (as the loader reads them, from window offset W on) or -inf, and where the row
+      // ends before W the slots after it take -inf. (The tile is this one row's window: those
+      // slots are this CTA's own.)
+      if constexpr (kReread && Loader::kWraps) {
+        const Loader& l = loaders[0];
+        T* window = const_cast<T*>(l.in);
+        const int width = Loader::window_width(l.cols), end = l.shift + l.cols;
+        const int t = static_cast<int>(threadIdx.x);
+        if (t < l.shift) window[t] = t < l.nwrap() ? window[width + t] : from_acc<T>(neg_inf<A>());
+        if (t < kVec && end + t < width) window[end + t] = from_acc<T>(neg_inf<A>());
+        __syncthreads();
+      }
     } else if constexpr (Loader::kPlain || Ops::kSplit) {
       if constexpr (!Ops::kAhead) prepare();
       load_batch_fwd<false>(loaders, first_col, stride, ops, v, any, false);

@@ -61,13 +61,13 @@
 // clusters as above, but 16-bit rows of
 // 8 * 512 * E + 1 to 16 * 512 * E on 8 x 1024 threads, and on GPUs with less DRAM bandwidth per
 // SM cycle than the H200 (the H100) those of 6 * 256 * E + 1 to 7 * 256 * E and 6 * 512 * E + 1
-// to 7 * 512 * E on 2 and 4 x 1024 (WideClusterMode, AmpleDramPerSm), and odd
-// 16-bit rows of 512 * E + 1 to 1024 * E on one block of up to 1024 threads, two per SM where they
-// fit, else (not on the H200: AmpleDramPerSm) one with a ring of three or two tiles (WideBlocks,
-// session 44), float32 plain and windowed rows of those lengths on one such block with two tiles
-// per CTA (WideBlocks, session 42), and plain 16-bit rows of those lengths on one block of up to
-// 512 threads of 2E values that reads the row from the stage in each of its passes and holds none
-// of it in registers (RereadBlocks, softmax_rows_staged_kernel's kReread).
+// to 7 * 512 * E on 2 and 4 x 1024 (WideClusterMode, AmpleDramPerSm), float32 plain and windowed
+// rows of 512 * E + 1 to 1024 * E on one block of up to 1024 threads with two tiles per CTA
+// (WideBlocks, session 42), and 16-bit rows of those lengths, plain (session 34) and odd (session
+// 49), on one block of up to 512 threads of 2E values that reads the row from the stage in each
+// of its passes and holds none of it in registers (RereadBlocks, softmax_rows_staged_kernel's
+// kReread; before session 49 the odd ones took the wide blocks of up to 1024 threads, now only
+// under JAX_SOFTMAX_REREAD_BLOCKS=2).
 // (Float32 rows of up to 32 V measured 1.0-1.15x faster there than on the register lane groups
 // once each CTA takes one tile.) Where no tile fits, the register tiers run; the other plain
 // 16-bit rows of 2049-65536 columns take the register tiers too (faster there,
@@ -467,7 +467,8 @@ inline int WideClusterMode() {
 }
 inline bool WideClusters() { return WideClusterMode() == 2; }
 // JAX_SOFTMAX_WIDE_BLOCKS (read once): 1 (default) lets LaunchStagedTier put 16-bit odd rows of
-// 512 E + 1 to 1024 E columns on one staged CTA of up to 1024 threads (two per SM where they fit,
+// 512 E + 1 to 1024 E columns (since session 49 only those that the reread blocks leave, under
+// JAX_SOFTMAX_REREAD_BLOCKS=2 or 0) on one staged CTA of up to 1024 threads (two per SM where they fit,
 // else, but for GPUs with the H200's DRAM bandwidth per SM cycle, one with a ring of tiles,
 // session 44), and float32 plain and windowed rows of those lengths on one such CTA (session
 // 42); 2 the 16-bit rows only where two such CTAs fit an SM (sessions 33-43); 0 keeps them all on
@@ -477,13 +478,18 @@ inline int WideBlockMode() {
   return mode;
 }
 inline bool WideBlocks() { return WideBlockMode() != 0; }
-// JAX_SOFTMAX_REREAD_BLOCKS (read once): 1 (default) puts plain 16-bit rows of 512 E + 1 to
-// 1024 E columns on one staged CTA of up to 512 threads of 2 E values that reads its row from the
-// stage in each pass (softmax_rows_staged_kernel's kReread; LaunchStagedTier); 0 leaves them on
-// the register tiers, for A/B runs.
-inline bool RereadBlocks() {
-  static const bool enabled = EnvKnob("JAX_SOFTMAX_REREAD_BLOCKS", 1) == 1;
-  return enabled;
+// JAX_SOFTMAX_REREAD_BLOCKS (read once): 1 (default) puts 16-bit rows of 512 E + 1 to 1024 E
+// columns (W, plain and odd) on one staged CTA of up to 512 threads of 2 E values that reads its
+// row from the stage in each pass (softmax_rows_staged_kernel's kReread; LaunchStagedTier); for
+// A/B runs, 2 keeps the odd rows on the wide blocks and clusters (as before session 49), and 0
+// the plain rows on the register tiers too (as before session 34).
+inline long RereadBlockMode() {
+  static const long mode = EnvKnob("JAX_SOFTMAX_REREAD_BLOCKS", 1);
+  return mode;
+}
+inline bool RereadBlocks(bool odd_rows) {
+  const long mode = RereadBlockMode();
+  return odd_rows ? mode == 1 : mode != 0;
 }
 
 // JAX_SOFTMAX_ODD_TIERS (read once): 1 (default) gives 16-bit odd rows (windowed) the staged row
@@ -1008,14 +1014,37 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // per SM at 32768 columns (64 KiB of stage each), where the register tiers ran them on clusters of
   // up to 4 CTAs of 256 threads (NarrowClusters). Measured (H100, session 34, us per call at 256
   // MiB, register tiers / reread block): bfloat16 20480 189 / 182, 24576 197 / 182, 32768 196 / 183;
-  // float16 24576 197 / 182, 32768 196 / 183. Not taken (branch exp/reread-blocks): odd rows, whose
-  // windowed passes spilled and lost (bfloat16 16385 197 / 237, 24577 212 / 234, 32767 202 / 215;
-  // float16 16385 224 / 235), and clusters of such CTAs for longer plain rows (bfloat16 40960 194 /
-  // 216, 65536 194 / 207, 131072 209 / 203, 262144 195 / 200). JAX_SOFTMAX_REREAD_BLOCKS=0 turns
-  // them off.
-  // Where no stage fits (nullopt), the register tiers take the row, as with the knob off.
+  // float16 24576 197 / 182, 32768 196 / 183. Not taken: clusters of such CTAs for longer plain
+  // rows (bfloat16 40960 194 / 216, 65536 194 / 207, 131072 209 / 203, 262144 195 / 200).
+  // Since session 49 the 16-bit odd rows of those widths (W = 512 E + 8 to 1024 E) take them too,
+  // in place of the wide blocks and clusters below. Session 34 had tried them there (branch
+  // exp/reread-blocks) and lost 5-20%, each pass reading its vectors through the windowed fetch,
+  // element by element at the row's ends (20-52 bytes spilled); and session 49's first try, whose
+  // threads with a vector past the row's end took that fetch for all their vectors, ran 30-47%
+  // slower (H200, bfloat16 16385 148 -> 218 us, 24577 162 -> 217). Now the kernel makes the
+  // stage's window whole vectors first (-inf around the row, the wrapped columns moved into the
+  // first vector's free slots: softmax_rows_staged_kernel's kReread), so that the passes read
+  // every vector as plain rows do (RawPacksStaged). Measured (H200, session 49, us per call at 256
+  // MiB, two rounds each, wide blocks or clusters / reread block; 125 us moves the bytes at the
+  // copy's rate): bfloat16 16385 148 / 138, 18001 141 / 139, 20001 139 / 138, 22001 140 / 138,
+  // 24575 140 / 138, 24577 162-163 / 138, 26001 160 / 138, 28673 158 / 139, 30001 157 / 140,
+  // 32759 155-156 / 140, 32761 154 / 140, 32767 155-156 / 140; float16 16385 148 / 138, 24577
+  // 162-163 / 138, 32759 155 / 140, 32767 155-156 / 140; the plain rows' 24576 and 32768 133-134
+  // either way. H100 (wide blocks of two CTAs per SM to W = 24576, one with a ring beyond / reread
+  // block): bfloat16 16385 193 / 187, 18001 189 / 188, 20001 185 / 187, 24575 184 / 188, 24577
+  // 194-195 / 187, 26001 192 / 187, 28673 196 / 188, 30001 192 / 188, 32767 190 / 188-189;
+  // float16 16385 192 / 187, 24577 194-195 / 187. One rule for both GPUs: the H100's two losses
+  // (20001, 24575: 1-2%) against its gains of up to 4%.
+  // JAX_SOFTMAX_REREAD_BLOCKS=2 keeps the odd rows where they were, =0 the plain rows too.
+  // Where no stage fits (nullopt), the register tiers take a plain row, as with the knob off, and
+  // the wide blocks below an odd one.
+  if constexpr (kOdd16Rows<T, kAccess>) {
+    if (RereadBlocks(/*odd_rows=*/true) && n > 512 * kE && n <= 1024 * kE)
+      if (Launched launched = LaunchStagedRows<T, 512, 2 * kE, kVec, kAccess, 1, true>(c))
+        return launched;
+  }
   if constexpr (sizeof(T) == 2 && kAccess == Access::kPlain) {
-    if (RereadBlocks() && n > 512 * kE && n <= 1024 * kE)
+    if (RereadBlocks(/*odd_rows=*/false) && n > 512 * kE && n <= 1024 * kE)
       return LaunchStagedRows<T, 512, 2 * kE, kVec, kAccess, 1, /*kReread=*/true>(c);
     // Since session 41 those of 64 E + 1 to GapTierRanges' threads64_40 E stay staged (below).
     const int64_t register_from = std::max<int64_t>(64, tops.threads64_40);
@@ -1039,8 +1068,9 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // warps as the row needs (RowThreads, up to 1024 threads of E values) instead of clusters, where
   // a row just past 512 E left its second CTA nearly empty and every row waited at the cluster's
   // barriers. Where the block declines (nullopt), the rules below take the row as before.
-  // - 16-bit odd rows (session 33), two such CTAs per SM where they fit (before session 44 the
-  //   staged clusters of 3-4 x 256 threads below took the others), OddRowTilesPerCta tiles per
+  // - 16-bit odd rows (session 33; since session 49 only under JAX_SOFTMAX_REREAD_BLOCKS=2 or 0,
+  //   the reread blocks above take them), two such CTAs per SM where they fit (before session 44
+  //   the staged clusters of 3-4 x 256 threads below took the others), OddRowTilesPerCta tiles per
   //   CTA (two on the H200). At 40 registers (kRawRows) the occupancy calculator fits two CTAs of
   //   up to 24 warps (W = 24576; 48 warps of 40 registers per SM); float16 at 64 registers (before
   //   session 35) fitted one.

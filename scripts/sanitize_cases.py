@@ -62,9 +62,13 @@ CASES = [  # (rows, cols, dtype)
     # first row and end past their last; the last tile ends inside x's last vector, whose
     # elements the kernel must not read past (the platform allocator puts nothing after x).
     (37, 50257, jnp.bfloat16),  # staged cluster of 8 x 256 threads, ring refilled
-    # one staged CTA of 800 threads per SM (25 warps) with a ring of three tiles, the last CTA
-    # with one tile (and backward: two CTAs of a 4 x 512 x 32 cluster, the row in shared memory)
+    # a reread block of 13 warps (since session 49; before, one staged CTA of 800 threads per SM
+    # with a ring of three tiles), whose stage's window is made whole vectors before its passes
+    # (and backward: two CTAs of a 4 x 512 x 32 cluster, the row in shared memory); and rows that
+    # wrap (cols % 8 == 7), whose last columns the reread block moves into the window's first
+    # vector
     (7, 24577, jnp.bfloat16),
+    (9, 28671, jnp.bfloat16),
     (301, 1001, jnp.float32),  # register warp tier (windowed float32 rows stage beyond 2^16)
     # Forward rows of 2^k - 1 wrap their last columns into their first vector: a staged block
     # (16383: 512 x 32) and a staged cluster of 16 x 512, whose first CTA stages them in a slot.
@@ -79,8 +83,9 @@ CASES = [  # (rows, cols, dtype)
     # Staged bfloat16 forward rows kept as loaded (kRawRows): a 256-thread block (6 of its 8
     # warps); 1001 (32 lanes) and 16383 (512 threads) above.
     (5, 6143, jnp.bfloat16),
-    # float16 odd rows of 16385-24576 kept as loaded in one CTA of up to 1024 threads (the
-    # wide-block rule), since the max pass takes the max of the packed pairs (max_pair).
+    # float16 odd rows of 16385-24576 kept as loaded, since the max pass takes the max of the
+    # packed pairs (max_pair): in one CTA of up to 1024 threads (the wide-block rule) until
+    # session 49, now a reread block.
     (5, 20001, jnp.float16),
     # 16-bit odd rows on the tiers between the power-of-two ones (GapTierRanges), four rows per
     # CTA and two tiles per CTA on 32 lanes (OddRowTilesPerCta): an odd row count leaves the last

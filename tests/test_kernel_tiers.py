@@ -234,18 +234,25 @@ def test_seven_chunk_rows(backend, device, rng, dtype):
 
 # Row lengths of the wide blocks (ffi/softmax_launch.cuh, LaunchStagedTier: rows of 512 * 32 + 1 ..
 # 1024 * 32 columns on one staged CTA of as many warps as the row needs, up to 1024 threads of 32
-# values; clusters under JAX_SOFTMAX_WIDE_BLOCKS=0, which scripts/gpu_check.sh also runs). 16-bit:
-# odd rows, two such CTAs per SM up to 24 warps (W = 24576), beyond one per SM with three tiles per
-# CTA up to 28 warps (W = 28672) and two past it (staged clusters of 256 threads under
-# JAX_SOFTMAX_WIDE_BLOCKS=2 and on the H200): both ends of the range and one past each, warp counts
-# between, and both sides of 24 and of 28 warps (plain 16-bit rows of these lengths take the reread
-# blocks: test_reread_block_rows).
+# values; clusters under JAX_SOFTMAX_WIDE_BLOCKS=0, which scripts/gpu_check.sh also runs).
+# 16-bit: odd rows, since session 49 on the reread blocks (up to 512 threads of 64 values, the row
+# read from the stage in each pass, the stage's window made whole vectors first: -inf around the
+# row, a wrapping row's last columns moved into its first vector); the wide blocks under
+# JAX_SOFTMAX_REREAD_BLOCKS=2: two such CTAs per SM up to 24 warps (W = 24576), beyond one per SM
+# with three tiles per CTA up to 28 warps (W = 28672) and two past it (staged clusters of 256
+# threads under JAX_SOFTMAX_WIDE_BLOCKS=2 and on the H200). Both ends of the range and one past
+# each, warp counts between, both sides of 24 and of 28 warps, and the last widths of the reread
+# blocks, 32759 (W = 32760), 32761 and 32767 (W = 32768, 16 warps). Rows of cols % 8 == 7 (16391,
+# 24575, 28671, 32759, 32767) wrap wherever their window starts 2-7 elements before them; rows of
+# cols % 8 == 1 never do.
+# (Plain 16-bit rows of these lengths: test_reread_block_rows.)
 # Float32: plain and odd rows, two tiles per CTA (one under JAX_SOFTMAX_TILES_PER_CTA=1), before
 # them clusters of 2 x 512 threads, staged (plain) or on the register tiers (odd): the 512-thread
 # block below (16384, 16383) and the clusters above (32769, 32772), the first widths (16385 with
 # W = 16388, 16388: 17 warps, the last one's packs mostly past the row's end), warp counts
 # between, and the last width (32767 wraps into the row's first vector; 32768).
-WIDE_BLOCK_SIZES_16 = [16383, 16385, 16391, 20001, 24575, 24577, 28671, 28673, 32767, 32769]
+WIDE_BLOCK_SIZES_16 = [16383, 16385, 16391, 20001, 24575, 24577, 28671, 28673, 32759, 32761, 32767,
+                       32769]
 WIDE_BLOCK_SIZES = {
     jnp.float16: WIDE_BLOCK_SIZES_16,
     jnp.bfloat16: WIDE_BLOCK_SIZES_16,
@@ -266,7 +273,7 @@ def test_odd_row_rings(backend, device, rng, dtype):
     # 16-bit odd rows on the staged tiers that take OddRowTilesPerCta tiles per CTA (two on the
     # H200, and on the H100 up to W = 3072; ffi/softmax_launch.cuh, LaunchStagedTier): 16-32 lanes
     # (W = 520-1536; GapTierRanges, the H100's to 1280), blocks of 64 and 128 threads (to 4096) and
-    # the wide blocks (16392-24576).
+    # the reread blocks (16392-24576; the wide blocks under JAX_SOFTMAX_REREAD_BLOCKS=2).
     # Both ends of each tier, both sides of the H100's 3072, in an odd number of rows
     # (rows_past_one_wave), so that a CTA's second tile is the partial last one or missing;
     # gpu_check.sh runs it again under JAX_SOFTMAX_TILES_PER_CTA=1 and =3 (rings of three stages).
