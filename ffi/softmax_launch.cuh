@@ -1038,14 +1038,15 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // JAX_SOFTMAX_REREAD_BLOCKS=2 keeps the odd rows where they were, =0 the plain rows too.
   // Where no stage fits (nullopt), the register tiers take a plain row, as with the knob off, and
   // the wide blocks below an odd one.
-  if constexpr (kOdd16Rows<T, kAccess>) {
-    if (RereadBlocks(/*odd_rows=*/true) && n > 512 * kE && n <= 1024 * kE)
-      if (Launched launched = LaunchStagedRows<T, 512, 2 * kE, kVec, kAccess, 1, true>(c))
-        return launched;
+  constexpr bool kPlain16 = sizeof(T) == 2 && kAccess == Access::kPlain;
+  if constexpr (kPlain16 || kOdd16Rows<T, kAccess>) {
+    if (RereadBlocks(/*odd_rows=*/!kPlain16) && n > 512 * kE && n <= 1024 * kE) {
+      const Launched launched =
+          LaunchStagedRows<T, 512, 2 * kE, kVec, kAccess, 1, /*kReread=*/true>(c);
+      if (launched || kPlain16) return launched;
+    }
   }
-  if constexpr (sizeof(T) == 2 && kAccess == Access::kPlain) {
-    if (RereadBlocks(/*odd_rows=*/false) && n > 512 * kE && n <= 1024 * kE)
-      return LaunchStagedRows<T, 512, 2 * kE, kVec, kAccess, 1, /*kReread=*/true>(c);
+  if constexpr (kPlain16) {
     // Since session 41 those of 64 E + 1 to GapTierRanges' threads64_40 E stay staged (below).
     const int64_t register_from = std::max<int64_t>(64, tops.threads64_40);
     if (n > register_from * kE && n <= 4 * 512 * kE) return std::nullopt;
