@@ -466,13 +466,13 @@ inline int WideClusterMode() {
   return mode;
 }
 inline bool WideClusters() { return WideClusterMode() == 2; }
-// JAX_SOFTMAX_WIDE_BLOCKS (read once): 1 (default) lets LaunchStagedTier put 16-bit odd rows of
-// 512 E + 1 to 1024 E columns (since session 49 only those that the reread blocks leave, under
-// JAX_SOFTMAX_REREAD_BLOCKS=2 or 0) on one staged CTA of up to 1024 threads (two per SM where they fit,
-// else, but for GPUs with the H200's DRAM bandwidth per SM cycle, one with a ring of tiles,
-// session 44), and float32 plain and windowed rows of those lengths on one such CTA (session
-// 42); 2 the 16-bit rows only where two such CTAs fit an SM (sessions 33-43); 0 keeps them all on
-// clusters (float32 windowed rows: the register tiers' clusters).
+// JAX_SOFTMAX_WIDE_BLOCKS (read once): 1 (default) lets LaunchStagedTier put 16-bit odd rows
+// of 512 E + 1 to 1024 E columns (since session 49 only those that the reread blocks leave,
+// under JAX_SOFTMAX_REREAD_BLOCKS=2 or 0) on one staged CTA of up to 1024 threads (two per SM
+// where they fit, else, but for GPUs with the H200's DRAM bandwidth per SM cycle, one with a ring
+// of tiles, session 44), and float32 plain and windowed rows of those lengths on one such CTA
+// (session 42); 2 the 16-bit rows only where two such CTAs fit an SM (sessions 33-43); 0 keeps
+// them all on clusters (float32 windowed rows: the register tiers' clusters).
 inline int WideBlockMode() {
   static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_WIDE_BLOCKS", 1));
   return mode;
