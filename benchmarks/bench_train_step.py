@@ -52,7 +52,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
 
-
 def _source_bench():
     """This source tree's jax_softmax/_bench.py as a module of its own (see the docstring: A/B)."""
     spec = importlib.util.spec_from_file_location(

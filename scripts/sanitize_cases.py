@@ -64,9 +64,9 @@ CASES = [  # (rows, cols, dtype)
     (37, 50257, jnp.bfloat16),  # staged cluster of 8 x 256 threads, ring refilled
     # a reread block of 13 warps (since session 49; before, one staged CTA of 800 threads per SM
     # with a ring of three tiles), whose stage's window is made whole vectors before its passes
-    # (and backward: two CTAs of a 4 x 512 x 32 cluster, the row in shared memory); and rows that
-    # wrap (cols % 8 == 7), whose last columns the reread block moves into the window's first
-    # vector
+    # (and backward: two CTAs of a 4 x 512 x 32 cluster, the row in shared memory); and rows of
+    # cols % 8 == 7, which wrap where their window starts 2-7 elements before them: the reread
+    # block moves their last columns into the window's first vector
     (7, 24577, jnp.bfloat16),
     (9, 28671, jnp.bfloat16),
     (301, 1001, jnp.float32),  # register warp tier (windowed float32 rows stage beyond 2^16)
