@@ -142,24 +142,35 @@ __device__ __forceinline__ void store_vec(T* dst, const T (&src)[N]) {
 
 // N 16-bit values kept as loaded, two per 32-bit word (value 2i in the low half of word i). An
 // array of 16-bit elements takes a register per element once the compiler splits it; this keeps
-// a 16-byte vector in four registers.
-template <int N>
+// a 16-byte vector in four registers. The reread blocks also read float32 rows as pairs
+// (PairsOf<float, N>: a float2 per pair), so that their three passes are written once for both
+// (finish_batch_raw_fwd); the pair helpers below take either word.
+template <int N, typename W = uint32_t>
 struct Pairs {
   static_assert(N % 2 == 0, "whole words");
-  uint32_t w[N / 2];
+  W w[N / 2];
 };
+// The word that holds a pair of values of T: two 16-bit values in 32 bits, or two floats.
+template <typename T>
+using PairWord = std::conditional_t<std::is_same_v<T, float>, float2, uint32_t>;
+template <typename T, int N>
+using PairsOf = Pairs<N, PairWord<T>>;
 
 template <int N, typename T>
-__device__ __forceinline__ void load_pairs(const T* src, Pairs<N>& dst) {
-  static_assert(sizeof(T) == 2, "16-bit values");
-  load_vec<N / 2>(reinterpret_cast<const uint32_t*>(src), dst.w);
+__device__ __forceinline__ void load_pairs(const T* src, PairsOf<T, N>& dst) {
+  static_assert(sizeof(T) == 2 || std::is_same_v<T, float>, "16-bit or float values");
+  load_vec<N / 2>(reinterpret_cast<const PairWord<T>*>(src), dst.w);
 }
 
-// Both halves of a word hold -inf of the 16-bit type T.
+// Both values of a pair hold -inf of T.
 template <typename T>
-__device__ __forceinline__ constexpr uint32_t neg_inf_pair() {
-  static_assert(sizeof(T) == 2, "16-bit values");
-  return std::is_same_v<T, __half> ? 0xfc00fc00u : 0xff80ff80u;
+__device__ __forceinline__ constexpr PairWord<T> neg_inf_pair() {
+  if constexpr (std::is_same_v<T, float>) {
+    return float2{-__builtin_huge_valf(), -__builtin_huge_valf()};
+  } else {
+    static_assert(sizeof(T) == 2, "16-bit values");
+    return std::is_same_v<T, __half> ? 0xfc00fc00u : 0xff80ff80u;
+  }
 }
 
 // Replaces value e of a Pairs, whatever it held.
@@ -173,26 +184,35 @@ __device__ __forceinline__ void replace_pair_value(Pairs<N>& dst, int e, T value
 
 // Value e of a Pairs, as T.
 template <typename T, int N>
-__device__ __forceinline__ T pair_value(const Pairs<N>& src, int e) {
-  const uint16_t bits = static_cast<uint16_t>(src.w[e / 2] >> (16 * (e % 2)));
-  T value;
-  memcpy(&value, &bits, sizeof(value));
-  return value;
+__device__ __forceinline__ T pair_value(const PairsOf<T, N>& src, int e) {
+  if constexpr (std::is_same_v<T, float>) {
+    return e % 2 ? src.w[e / 2].y : src.w[e / 2].x;
+  } else {
+    const uint16_t bits = static_cast<uint16_t>(src.w[e / 2] >> (16 * (e % 2)));
+    T value;
+    memcpy(&value, &bits, sizeof(value));
+    return value;
+  }
 }
 
-// Two float values rounded to the 16-bit type T, as one word (a in the low half).
+// Two float values rounded to the 16-bit type T, as one word (a in the low half); float pairs as
+// they are.
 template <typename T>
-__device__ __forceinline__ uint32_t pack_pair(float a, float b) {
-  static_assert(sizeof(T) == 2, "16-bit values");
-  uint32_t w;
-  if constexpr (std::is_same_v<T, __half>) {
-    const __half2 h = __floats2half2_rn(a, b);
-    memcpy(&w, &h, sizeof(w));
+__device__ __forceinline__ PairWord<T> pack_pair(float a, float b) {
+  if constexpr (std::is_same_v<T, float>) {
+    return make_float2(a, b);
   } else {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    memcpy(&w, &h, sizeof(w));
+    static_assert(sizeof(T) == 2, "16-bit values");
+    uint32_t w;
+    if constexpr (std::is_same_v<T, __half>) {
+      const __half2 h = __floats2half2_rn(a, b);
+      memcpy(&w, &h, sizeof(w));
+    } else {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+      memcpy(&w, &h, sizeof(w));
+    }
+    return w;
   }
-  return w;
 }
 
 // Sets value e of a zeroed Pairs.
@@ -205,8 +225,10 @@ __device__ __forceinline__ void set_pair_value(Pairs<N>& dst, int e, T value) {
 
 // The two values of a word, in float (bfloat16: one shift or mask each).
 template <typename T>
-__device__ __forceinline__ float2 unpack_pair(uint32_t w) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+__device__ __forceinline__ float2 unpack_pair(PairWord<T> w) {
+  if constexpr (std::is_same_v<T, float>) {
+    return w;
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
   } else {
     __half2 h;
@@ -216,18 +238,23 @@ __device__ __forceinline__ float2 unpack_pair(uint32_t w) {
 }
 
 // The larger value of each position of two words of 16-bit type T, as stored (max.f16x2 /
-// max.bf16x2 from sm_80: exact, and where one value is NaN the other, as fmaxf and row_max).
+// max.bf16x2 from sm_80: exact, and where one value is NaN the other, as fmaxf and row_max);
+// float pairs through fmaxf.
 template <typename T>
-__device__ __forceinline__ uint32_t max_pair(uint32_t a, uint32_t b) {
-  static_assert(sizeof(T) == 2, "16-bit values");
-  using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
-  T2 x, y;
-  memcpy(&x, &a, sizeof(x));
-  memcpy(&y, &b, sizeof(y));
-  const T2 m = __hmax2(x, y);
-  uint32_t w;
-  memcpy(&w, &m, sizeof(w));
-  return w;
+__device__ __forceinline__ PairWord<T> max_pair(PairWord<T> a, PairWord<T> b) {
+  if constexpr (std::is_same_v<T, float>) {
+    return make_float2(fmaxf(a.x, b.x), fmaxf(a.y, b.y));
+  } else {
+    static_assert(sizeof(T) == 2, "16-bit values");
+    using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+    T2 x, y;
+    memcpy(&x, &a, sizeof(x));
+    memcpy(&y, &b, sizeof(y));
+    const T2 m = __hmax2(x, y);
+    uint32_t w;
+    memcpy(&w, &m, sizeof(w));
+    return w;
+  }
 }
 
 // Keeps the values of `pairs` at the positions whose byte of `bytes` is nonzero (byte e, from the
@@ -274,9 +301,9 @@ __device__ __forceinline__ Pairs<N> pack_pairs(const float (&src)[N]) {
 }
 
 template <bool kAsmStore = false, int N, typename T>
-__device__ __forceinline__ void store_pairs(T* dst, const Pairs<N>& src) {
-  static_assert(sizeof(T) == 2, "16-bit values");
-  store_vec<N / 2, kAsmStore>(reinterpret_cast<uint32_t*>(dst), src.w);
+__device__ __forceinline__ void store_pairs(T* dst, const PairsOf<T, N>& src) {
+  static_assert(sizeof(T) == 2 || std::is_same_v<T, float>, "16-bit or float values");
+  store_vec<N / 2, kAsmStore>(reinterpret_cast<PairWord<T>*>(dst), src.w);
 }
 
 // Zeros N consecutive elements as one word (a bfloat16 T(0) per element compiles to a convert and

@@ -147,6 +147,11 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
   // (kRawRows; fetch_raw, finish_batch_raw_fwd). Positions outside the row hold -inf as loaded,
   // which stays -inf times the scale: LaunchSoftmax sends such rows here only with a scale > 0.
   static constexpr bool kRawFwd = !kBwd && sizeof(T) == 2 && kVec > 1 && kPlain;
+  // Forward rows that the reread blocks can take (softmax_rows_staged_kernel's kReread): the
+  // 16-bit ones above and float32 plain and windowed rows of 16-byte vectors, whose passes read
+  // the stage as pairs of floats (PairsOf; finish_batch_raw_fwd). The same rule on the scale.
+  static constexpr bool kPairFwd =
+      kRawFwd || (!kBwd && std::is_same_v<T, float> && kVec > 1 && kPlain);
   // Windowed rows wrap their last columns into their first vector (see Access).
   static constexpr bool kWraps = kAccess == Access::kWindowed;
   // One byte per position of a vector, byte e (from the least significant) for column c + e:
@@ -733,8 +738,8 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
 
   // store() for a vector already rounded to T, two values per word (finish_batch_raw_fwd).
   template <bool kAsmStore = false>
-  __device__ __forceinline__ void store_raw(T* dst, int w, const Pairs<kVec>& o) const {
-    static_assert(kRawFwd, "16-bit plain forward rows");
+  __device__ __forceinline__ void store_raw(T* dst, int w, const PairsOf<T, kVec>& o) const {
+    static_assert(kPairFwd, "16-bit or float32 plain forward rows");
     const int c = w - shift;
     if constexpr (kWraps) {
       if (c >= end()) return;
@@ -1301,7 +1306,9 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
 //   registers through the row's reduction, which is what this path exists to save.
 // - RawPacksStaged (the staged tiers' reread blocks, softmax_rows_staged_kernel's kReread): the
 //   pairs loaded again from the CTA's stage in every pass, so that no value of the row stays in a
-//   register through its reduction and a thread can take more of a row than it could hold.
+//   register through its reduction and a thread can take more of a row than it could hold. The
+//   reread blocks take float32 rows too (session 50), as pairs of floats (PairsOf): the passes
+//   are the same, with float conversions that are copies.
 template <int kPacks, int kVec>
 struct RawPacksHeld {
   const Pairs<kVec> (&xs)[kPacks];
@@ -1319,9 +1326,9 @@ struct RawPacksStaged {
   int first_col;
   int stride;
   bool inside;  // every pack of the thread lies inside the row (Loader::holds)
-  __device__ __forceinline__ Pairs<kVec> operator()(int k) const {
+  __device__ __forceinline__ PairsOf<typename Loader::Elem, kVec> operator()(int k) const {
     const int w = first_col + k * stride;
-    Pairs<kVec> x;
+    PairsOf<typename Loader::Elem, kVec> x;
     // Whole vectors up to the row's last one (the window's last, W - kVec, where a windowed row
     // wraps): windowed rows read their partial end vectors whole too, from a stage whose slots
     // outside the row hold -inf or the wrapped columns (softmax_rows_staged_kernel's kReread).
@@ -1342,10 +1349,10 @@ struct RawPacksStaged {
 // blocks spilled 92-112 bytes at 40 registers, bfloat16 ones 16-36 (sm_90a, nvcc 13.0); none now.
 template <typename T, int kPacks, int kVec, typename Packs>
 __device__ __forceinline__ float raw_max(const Packs& pack) {
-  uint32_t m2 = neg_inf_pair<T>();
+  PairWord<T> m2 = neg_inf_pair<T>();
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
-    const Pairs<kVec> xs = pack(k);
+    const PairsOf<T, kVec> xs = pack(k);
 #pragma unroll
     for (int i = 0; i < kVec / 2; ++i) m2 = max_pair<T>(m2, xs.w[i]);
   }
@@ -1359,7 +1366,7 @@ __device__ __forceinline__ float raw_exp_sum(const Packs& pack, float scale, flo
   float s = 0.f;
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
-    const Pairs<kVec> xs = pack(k);
+    const PairsOf<T, kVec> xs = pack(k);
 #pragma unroll
     for (int i = 0; i < kVec / 2; ++i) {
       const float2 x = unpack_pair<T>(xs.w[i]);
@@ -1383,8 +1390,8 @@ __device__ __forceinline__ void store_raw_fwd(const RowParams& p, const Loader& 
   if constexpr (kPacks > 1) inside = loader.holds(first_col, first_col + (kPacks - 1) * stride);
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
-    const Pairs<kVec> xs = pack(k);
-    Pairs<kVec> o;  // each pair rounded as soon as it is computed
+    const PairsOf<T, kVec> xs = pack(k);
+    PairsOf<T, kVec> o;  // each pair rounded as soon as it is computed
 #pragma unroll
     for (int i = 0; i < kVec / 2; ++i) {
       const float2 x = unpack_pair<T>(xs.w[i]);
@@ -1413,7 +1420,7 @@ __device__ __forceinline__ void finish_batch_raw_fwd(const RowParams& p,
                                                      ClusterSlots<S> cluster) {
   using T = typename Loader::Elem;
   using A = float;
-  static_assert(Loader::kRawFwd, "16-bit plain forward rows");
+  static_assert(Loader::kPairFwd, "16-bit plain forward rows, or float32 ones on reread blocks");
   constexpr int kBlock = BlockThreads(kGroup);
   constexpr int kLanes = kGroup < 32 ? kGroup : 32;  // the group, or the warp of a wider tier
   const int stride = pack_stride<Loader, kGroup, kPacks * kVec, kCluster>();
@@ -2229,16 +2236,18 @@ __device__ __forceinline__ StagedRange staged_wrap(const RowParams& p, int64_t r
   return staged_range<kVec>(p, window + width, window + width + kVec);
 }
 
-// kReread (16-bit plain and windowed rows kept as loaded, one row per CTA): every pass over the row
-// (max, sum, output) loads its pairs from the stage again (RawPacksStaged) instead of holding them
-// in registers, and the stage is refilled only after the row's outputs are stored; a thread can
-// then take more values (kElems) than registers would hold. A windowed row's stage is made whole
-// vectors first, so that its passes read as a plain row's do (see the code after the wait).
+// kReread (16-bit plain and windowed rows kept as loaded, and float32 ones, one row per CTA): every
+// pass over the row (max, sum, output) loads its pairs from the stage again (RawPacksStaged)
+// instead of holding them in registers, and the stage is refilled only after the row's outputs are
+// stored; a thread can then take more values (kElems) than registers would hold. A windowed row's
+// stage is made whole vectors first, so that its passes read as a plain row's do (see the code
+// after the wait). 16-bit ones are held to 40 registers (as kRawRows); float32 ones, whose 64
+// values per thread take twice the registers, to 64 (two CTAs of 512 threads per SM).
 template <typename T, int kGroup, int kElems, int kVec, int kCluster, Access kAccess, int kRows = 1,
           bool kReread = false>
 __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGroup, kElems))
     __maxnreg__(MaxRegisters((kRawRows<RowLoader<T, kVec, false, kAccess>, kGroup, kCluster> &&
-                              kGroup > 32) || kReread))
+                              kGroup > 32) || (kReread && sizeof(T) == 2)))
     softmax_rows_staged_kernel(const RowParams p, const StagedTiles tiles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;
@@ -2253,8 +2262,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
   // loaders read them.
   constexpr bool kStagesWrap = kAccess == Access::kWindowed && kCluster > 1;
   using Loader = RowLoader<T, kVec, /*kBwd=*/false, kAccess, kStagesWrap ? int(kChunk) : 0>;
-  static_assert(!kReread || (Loader::kRawFwd && kCluster == 1 && kRows == 1 && kGroup > 32),
-                "reread rows: 16-bit plain or windowed rows, one per CTA");
+  static_assert(!kReread || (Loader::kPairFwd && kCluster == 1 && kRows == 1 && kGroup > 32),
+                "reread rows: 16-bit or float32 plain or windowed rows, one per CTA");
 
   extern __shared__ __align__(128) unsigned char staged_smem[];
   __shared__ uint64_t full[kMaxStages];

@@ -491,6 +491,13 @@ inline bool RereadBlocks(bool odd_rows) {
   const long mode = RereadBlockMode();
   return odd_rows ? mode == 1 : mode != 0;
 }
+// JAX_SOFTMAX_REREAD_FLOAT (read once; session 50's experiment): 1 puts float32 plain and windowed
+// rows of 512 E + 1 to 1024 E columns on the reread blocks where two CTAs fit an SM; 0 keeps them
+// on the wide blocks.
+inline bool RereadFloatRows() {
+  static const bool on = EnvKnob("JAX_SOFTMAX_REREAD_FLOAT", 1) != 0;
+  return on;
+}
 
 // JAX_SOFTMAX_ODD_TIERS (read once): 1 (default) gives 16-bit odd rows (windowed) the staged row
 // tiers of 5/4 E, 3/2 E, 7/4 E and 3/4 E values per thread (GapTierRanges), and stages those of
@@ -1044,6 +1051,24 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
       const Launched launched =
           LaunchStagedRows<T, 512, 2 * kE, kVec, kAccess, 1, /*kReread=*/true>(c);
       if (launched || kPlain16) return launched;
+    }
+  }
+  // Float32 plain and windowed rows of 512 E + 1 to 1024 E columns (session 50, the experiment
+  // knob JAX_SOFTMAX_REREAD_FLOAT): the reread blocks too, where two such CTAs fit an SM (W up to
+  // about 28672: a stage of up to 112 KiB each), the row read as pairs of floats; else the wide
+  // blocks below. The passes take the max of x times the scale, which needs a finite scale > 0
+  // (the 16-bit rows' rule, LaunchSoftmax); other scales keep the wide blocks. Plain rows take the
+  // windowed kernel (a plain row is a window of shift 0 that never wraps): the plain
+  // instantiation spilled 48 bytes at any register bound from 40 to 64 (ptxas sm_90a), the
+  // windowed one none at 64.
+  if constexpr (std::is_same_v<T, float> && kAccess != Access::kGeneral) {
+    const float scale = static_cast<float>(c.p.scale);
+    if (RereadFloatRows() && scale > 0.f && std::isfinite(scale) && n > 512 * kE &&
+        n <= 1024 * kE) {
+      const Launched launched =
+          LaunchStagedRows<T, 512, 2 * kE, kVec, Access::kWindowed, 1, /*kReread=*/true>(
+              c, /*min_ctas_per_sm=*/2);
+      if (launched) return launched;
     }
   }
   if constexpr (kPlain16) {
