@@ -63,11 +63,13 @@
 // SM cycle than the H200 (the H100) those of 6 * 256 * E + 1 to 7 * 256 * E and 6 * 512 * E + 1
 // to 7 * 512 * E on 2 and 4 x 1024 (WideClusterMode, AmpleDramPerSm), float32 plain and windowed
 // rows of 512 * E + 1 to 1024 * E on one block of up to 1024 threads with two tiles per CTA
-// (WideBlocks, session 42), and 16-bit rows of those lengths, plain (session 34) and odd (session
-// 49), on one block of up to 512 threads of 2E values that reads the row from the stage in each
-// of its passes and holds none of it in registers (RereadBlocks, softmax_rows_staged_kernel's
-// kReread; before session 49 the odd ones took the wide blocks of up to 1024 threads, now only
-// under JAX_SOFTMAX_REREAD_BLOCKS=2).
+// (WideBlocks, session 42; since session 50 only those that the reread blocks leave), and 16-bit
+// rows of those lengths, plain (session 34) and odd (session 49), and float32 ones where two such
+// CTAs fit an SM (W to about 28672, session 50), on one block of up to 512 threads of 2E values
+// that reads the row from the stage in each of its passes and holds none of it in registers
+// (RereadBlocks, RereadFloatRows, softmax_rows_staged_kernel's kReread; before session 49 the odd
+// 16-bit ones took the wide blocks of up to 1024 threads, now only under
+// JAX_SOFTMAX_REREAD_BLOCKS=2).
 // (Float32 rows of up to 32 V measured 1.0-1.15x faster there than on the register lane groups
 // once each CTA takes one tile.) Where no tile fits, the register tiers run; the other plain
 // 16-bit rows of 2049-65536 columns take the register tiers too (faster there,
@@ -491,9 +493,9 @@ inline bool RereadBlocks(bool odd_rows) {
   const long mode = RereadBlockMode();
   return odd_rows ? mode == 1 : mode != 0;
 }
-// JAX_SOFTMAX_REREAD_FLOAT (read once; session 50's experiment): 1 puts float32 plain and windowed
+// JAX_SOFTMAX_REREAD_FLOAT (read once): 1 (default, session 50) puts float32 plain and windowed
 // rows of 512 E + 1 to 1024 E columns on the reread blocks where two CTAs fit an SM; 0 keeps them
-// on the wide blocks.
+// on the wide blocks, for A/B runs.
 inline bool RereadFloatRows() {
   static const bool on = EnvKnob("JAX_SOFTMAX_REREAD_FLOAT", 1) != 0;
   return on;
@@ -1053,14 +1055,19 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
       if (launched || kPlain16) return launched;
     }
   }
-  // Float32 plain and windowed rows of 512 E + 1 to 1024 E columns (session 50, the experiment
-  // knob JAX_SOFTMAX_REREAD_FLOAT): the reread blocks too, where two such CTAs fit an SM (W up to
-  // about 28672: a stage of up to 112 KiB each), the row read as pairs of floats; else the wide
-  // blocks below. The passes take the max of x times the scale, which needs a finite scale > 0
-  // (the 16-bit rows' rule, LaunchSoftmax); other scales keep the wide blocks. Plain rows take the
-  // windowed kernel (a plain row is a window of shift 0 that never wraps): the plain
-  // instantiation spilled 48 bytes at any register bound from 40 to 64 (ptxas sm_90a), the
-  // windowed one none at 64.
+  // Float32 plain and windowed rows of 512 E + 1 to 1024 E columns (session 50): the reread
+  // blocks too, where two such CTAs fit an SM (W up to about 28672: a stage of up to 112 KiB
+  // each), the row read as pairs of floats, 64 registers; else (and under
+  // JAX_SOFTMAX_REREAD_FLOAT=0) the wide blocks below. The passes take the max of x times the
+  // scale, which needs a finite scale > 0 (the 16-bit rows' rule, LaunchSoftmax); other scales
+  // keep the wide blocks. Plain rows take the windowed kernel (a plain row is a window of shift 0
+  // that never wraps): the plain instantiation spilled 32-48 bytes at every register bound from
+  // 40 to 64 (ptxas sm_90a), the windowed one none at 64. Measured (us per call at 256 MiB, wide
+  // blocks of two tiles / reread block, two rounds each): H200 16385 147 / 139, 16388 141 / 139,
+  // 18001 142 / 141, 20001 142 / 139, 20480 135 / 134, 24576 136 / 135, 24577 142 / 140, 26001
+  // 142-143 / 141; H100 16385 187 / 187-188, 16388 186 / 187, 18001 187 / 189, 20001 188 / 187,
+  // 20480 184 / 182, 24576 185 / 183, 24577 190 / 188, 26001 191 / 189. One rule for both: the
+  // H100's 1-2 us at 16388-18001 against its 2 us elsewhere and the H200's 1-8.
   if constexpr (std::is_same_v<T, float> && kAccess != Access::kGeneral) {
     const float scale = static_cast<float>(c.p.scale);
     if (RereadFloatRows() && scale > 0.f && std::isfinite(scale) && n > 512 * kE &&
@@ -1118,7 +1125,8 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   //   clusters: bfloat16 24577 176 / 163, 26001 168 / 160, 28673 178 / 158, 30001 172 / 157,
   //   32767 166 / 155; float16 24577 176 / 162). JAX_SOFTMAX_WIDE_BLOCKS=2 keeps the clusters
   //   for them on every GPU.
-  // - Float32 plain and windowed rows (session 42; 64 registers, no spill), one CTA per SM from
+  // - Float32 plain and windowed rows (session 42; 64 registers, no spill; since session 50 those
+  //   that the reread blocks above leave: W past about 28672, or a scale <= 0), one CTA per SM from
   //   17 warps on, with two tiles per CTA so that the next row's copy is in flight while one is
   //   reduced; before, clusters of 2 x 512 threads (plain rows staged, windowed ones on the
   //   register tiers). Measured (H100, us per call at 256 MiB, clusters / this block): windowed

@@ -198,20 +198,25 @@ if want test; then
   # The 16-bit odd rows of 16385-32768 on the staged clusters that one CTA of up to 1024 threads
   # replaced (to 24576 in session 33, beyond in 44; since session 49 the reread blocks take them,
   # JAX_SOFTMAX_REREAD_BLOCKS=2 keeps them off those), and the float32 rows of 16385-32768 on the
-  # clusters that such a CTA replaced in session 42 (JAX_SOFTMAX_WIDE_BLOCKS=0;
-  # test_wide_block_rows, every dtype).
+  # clusters that such a CTA replaced in session 42 (JAX_SOFTMAX_WIDE_BLOCKS=0, and
+  # JAX_SOFTMAX_REREAD_FLOAT=0 past the reread blocks of session 50; test_wide_block_rows, every
+  # dtype).
   test_job wide_blocks_off JAX_SOFTMAX_WIDE_BLOCKS=0 JAX_SOFTMAX_REREAD_BLOCKS=2 \
+    JAX_SOFTMAX_REREAD_FLOAT=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (wide_block_rows or cluster_ctas)")"
   # The 16-bit odd rows of 16385-32768 on the wide blocks that the reread blocks replaced in
   # session 49: two CTAs per SM to W = 24576, beyond the H100's one CTA with a ring and the H200's
-  # staged clusters (JAX_SOFTMAX_REREAD_BLOCKS=2).
-  test_job odd_wide_blocks JAX_SOFTMAX_REREAD_BLOCKS=2 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and wide_block_rows and not float32")"
+  # staged clusters (JAX_SOFTMAX_REREAD_BLOCKS=2); and the float32 rows of 16385-28672 on the
+  # wide blocks of two tiles that the reread blocks replaced in session 50
+  # (JAX_SOFTMAX_REREAD_FLOAT=0).
+  test_job odd_wide_blocks JAX_SOFTMAX_REREAD_BLOCKS=2 JAX_SOFTMAX_REREAD_FLOAT=0 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and wide_block_rows")"
   # The 16-bit odd rows whose staged tiers take OddRowTilesPerCta tiles per CTA (two on the H200,
   # and on the H100 up to 3072 columns) at one tile per CTA, the H100's default beyond, the
   # wide blocks among them (JAX_SOFTMAX_REREAD_BLOCKS=2), and the float32 wide blocks (two by
-  # default).
+  # default; JAX_SOFTMAX_REREAD_FLOAT=0 for all their rows).
   test_job odd_rows_one_tile JAX_SOFTMAX_TILES_PER_CTA=1 JAX_SOFTMAX_REREAD_BLOCKS=2 \
+    JAX_SOFTMAX_REREAD_FLOAT=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_rings or wide_block_rows)")"
   # The 16-bit odd rows that the tiers of 5/4 E, 3/2 E and 3/4 E values per thread (sessions
   # 38-39) and the staged 5-warp block took over, the plain rows in the same gaps (session 40),

@@ -69,6 +69,11 @@ CASES = [  # (rows, cols, dtype)
     # block moves their last columns into the window's first vector
     (7, 24577, jnp.bfloat16),
     (9, 28671, jnp.bfloat16),
+    # float32 rows of 16385-28672 on the reread blocks (session 50; plain rows through the windowed
+    # kernel too): an odd row of 10 warps that wraps where its window starts 2-3 elements before
+    # it, and a plain row of 12 warps
+    (7, 20003, jnp.float32),
+    (5, 24576, jnp.float32),
     (301, 1001, jnp.float32),  # register warp tier (windowed float32 rows stage beyond 2^16)
     # Forward rows of 2^k - 1 wrap their last columns into their first vector: a staged block
     # (16383: 512 x 32) and a staged cluster of 16 x 512, whose first CTA stages them in a slot.

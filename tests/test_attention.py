@@ -320,8 +320,10 @@ def test_scale_without_mask_or_bias(backend, device, rng, dtype, scale):
     # window: its positions outside the row must stay out under any scale (-inf times a scale
     # <= 0 is not -inf). bfloat16 rows of 1001 and 8193 columns take, on the GPU, staged tiers
     # that keep x as loaded, with -inf outside the row, for a scale > 0; other scales take the
-    # kernels of masked rows.
-    for k in (5, 7, 37, 1001, 8193):
+    # kernels of masked rows. Rows of 20001 and 20480 columns take the reread blocks for a scale
+    # > 0 (their stage padded with -inf; float32 since session 50), the wide blocks (float32) or
+    # the kernels of masked rows (bfloat16) for other scales.
+    for k in (5, 7, 37, 1001, 8193, 20001, 20480):
         s = rounded(rng.standard_normal((3, k)), dtype)
         y = run(device, lambda s: js.attention_softmax(s, scale=scale), s)
         assert_close(y, np_attention(s, scale, None, None, False), dtype, what=f"Sk={k}")
