@@ -2166,6 +2166,10 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
 struct StagedTiles {
   int stages;            // 1 .. kMaxStages buffers in the ring
   uint32_t stage_bytes;  // distance between stages in dynamic shared memory (multiple of 128)
+  // Row tiers' plain and windowed tiles: the copy starts at x's element index rounded down to a
+  // multiple of this (a power of two, in elements; 0 or kVec: the tile's own 16-byte start), so
+  // that it reads whole 32-byte sectors from its first (staged_tile; CopyAlignBytes says why).
+  int copy_align = 0;
 };
 constexpr int kMaxStages = 4;
 
@@ -2198,12 +2202,19 @@ __device__ __forceinline__ StagedRange staged_range(const RowParams& p, int64_t 
 // col_base of the row's window). Windowed rows: from the first row's window start to the end of
 // the last row's last vector (a cluster CTA: its chunk of the row's W window offsets; the first
 // CTA's wrapped columns come through staged_wrap).
+// copy_align (StagedTiles): one CTA's tiles of plain and windowed rows start at x's element index
+// rounded down to it, a few elements of the row before them staged too (LaunchStagedRows leaves
+// room for them).
 template <typename T, int kVec, int kRowsPerBlock, int kCluster, Access kAccess>
 __device__ __forceinline__ StagedRange staged_tile(const RowParams& p, int64_t row0, int64_t col_base,
-                                                   int64_t chunk) {
+                                                   int64_t chunk, int copy_align = 0) {
   const int64_t start = row0 * p.cols;
   const int64_t nrows = p.rows - row0 < kRowsPerBlock ? p.rows - row0 : kRowsPerBlock;
-  if constexpr (kAccess == Access::kWindowed) {
+  if constexpr (kCluster == 1 && kAccess != Access::kGeneral) {
+    int64_t first = round_down_vec<kVec>(start);
+    if (copy_align > kVec) first &= -int64_t(copy_align);
+    return staged_range<kVec>(p, first, round_up_vec<kVec>(start + nrows * p.cols));
+  } else if constexpr (kAccess == Access::kWindowed) {
     const int64_t window = round_down_vec<kVec>(start);
     const int64_t first = window + col_base;
     int64_t stop = round_up_vec<kVec>(start + nrows * p.cols);
@@ -2287,7 +2298,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
   // the arrival, which releases them to the waiting threads with the bulk copy.
   auto fill = [&](int stage, int64_t row0) {
     T* dst = reinterpret_cast<T*>(staged_smem + size_t(stage) * tiles.stage_bytes);
-    const StagedRange t = staged_tile<T, kVec, kRowsPerBlock, kCluster, kAccess>(p, row0, col_base, kChunk);
+    const StagedRange t = staged_tile<T, kVec, kRowsPerBlock, kCluster, kAccess>(
+        p, row0, col_base, kChunk, tiles.copy_align);
     const T* src = static_cast<const T*>(p.in) + t.first;
     StagedRange wrap{0, 0, 0};
     if constexpr (kStagesWrap)
@@ -2347,7 +2359,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
     Loader loaders[kRows];
     BatchOperands<Loader, kRows, kPacks, false> ops;
     const int64_t tile_first =
-        staged_tile<T, kVec, kRowsPerBlock, kCluster, kAccess>(p, row0, col_base, kChunk).first;
+        staged_tile<T, kVec, kRowsPerBlock, kCluster, kAccess>(p, row0, col_base, kChunk,
+                                                               tiles.copy_align)
+            .first;
     auto build_loader = [&](int r) {
       const int local = r * (kBlock / kGroup) + group;
       const int64_t row = row0 + local;
