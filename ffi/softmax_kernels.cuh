@@ -2166,9 +2166,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
 struct StagedTiles {
   int stages;            // 1 .. kMaxStages buffers in the ring
   uint32_t stage_bytes;  // distance between stages in dynamic shared memory (multiple of 128)
-  // Row tiers' plain and windowed tiles: the copy starts at x's element index rounded down to a
-  // multiple of this (a power of two, in elements; 0 or kVec: the tile's own 16-byte start), so
-  // that it reads whole 32-byte sectors from its first (staged_tile; CopyAlignBytes says why).
+  // Row tiers' windowed tiles: the copy starts at x's element index rounded down to a multiple of
+  // this (a power of two, in elements; 0 or kVec: the tile's own 16-byte start), so that it reads
+  // whole 32-byte sectors from its first (staged_tile; CopyAlignBytes says why).
   int copy_align = 0;
 };
 constexpr int kMaxStages = 4;
@@ -2202,15 +2202,16 @@ __device__ __forceinline__ StagedRange staged_range(const RowParams& p, int64_t 
 // col_base of the row's window). Windowed rows: from the first row's window start to the end of
 // the last row's last vector (a cluster CTA: its chunk of the row's W window offsets; the first
 // CTA's wrapped columns come through staged_wrap).
-// copy_align (StagedTiles): one CTA's tiles of plain and windowed rows start at x's element index
-// rounded down to it, a few elements of the row before them staged too (LaunchStagedRows leaves
-// room for them).
+// copy_align (StagedTiles): one CTA's tiles of windowed rows start at x's element index rounded
+// down to it, a few elements of the row before them staged too (LaunchStagedRows leaves room for
+// them). Not plain rows: the run-time rounding cost the 16-bit plain reread blocks 8 bytes of
+// spills (ptxas sm_90a); float32 plain rows there take the windowed kernel anyway.
 template <typename T, int kVec, int kRowsPerBlock, int kCluster, Access kAccess>
 __device__ __forceinline__ StagedRange staged_tile(const RowParams& p, int64_t row0, int64_t col_base,
                                                    int64_t chunk, int copy_align = 0) {
   const int64_t start = row0 * p.cols;
   const int64_t nrows = p.rows - row0 < kRowsPerBlock ? p.rows - row0 : kRowsPerBlock;
-  if constexpr (kCluster == 1 && kAccess != Access::kGeneral) {
+  if constexpr (kCluster == 1 && kAccess == Access::kWindowed) {
     int64_t first = round_down_vec<kVec>(start);
     if (copy_align > kVec) first &= -int64_t(copy_align);
     return staged_range<kVec>(p, first, round_up_vec<kVec>(start + nrows * p.cols));

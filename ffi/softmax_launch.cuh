@@ -494,7 +494,7 @@ inline bool RereadBlocks(bool odd_rows) {
   return odd_rows ? mode == 1 : mode != 0;
 }
 // JAX_SOFTMAX_COPY_ALIGN (read once; session 50's experiment): the bytes that a row tier's copy of
-// a tile of plain or windowed rows starts on (16, 32, 64 or 128; staged_tile). 16, the tile's own
+// a tile of windowed rows starts on (16, 32, 64 or 128; staged_tile). 16, the tile's own
 // start, reads the first of a row's 32-byte sectors in part where the row starts 16 bytes into
 // one; measured (H200, session 50, us per call at 256 MiB): plain bfloat16 rows of cols % 16 == 8
 // ran 4 us slower than their neighbours (24576 133, 24584 137, 24592 134; 32760 138, 32768
@@ -960,12 +960,10 @@ Launched LaunchStagedRows(const LaunchCtx& c, int min_ctas_per_sm = 1,
   auto reg = BlocksPerSm<kernel, Tier::kBlock>(c.device, block);
   if (reg.has_error()) return reg.error();
   // A windowed tile also holds the few elements before its first row and after its last that
-  // share their vectors (staged_tile), and plain and windowed tiles up to copy_align - 16 bytes
-  // before that (CopyAlignBytes), but where every tile starts on such a boundary (the stage sizes
-  // of before, e.g. for rows of a power of two).
+  // share their vectors (staged_tile), and up to copy_align - 16 bytes before that
+  // (CopyAlignBytes).
   const uint64_t tile_elems = uint64_t(kRowsPerBlock) * uint64_t(c.p.cols);
-  int align_bytes = kAccess == Access::kGeneral ? 16 : CopyAlignBytes();
-  if (tile_elems * sizeof(T) % align_bytes == 0) align_bytes = 16;
+  const int align_bytes = kAccess == Access::kWindowed ? CopyAlignBytes() : 16;
   const uint64_t tile = (tile_elems + (kAccess == Access::kWindowed ? 2 * kVec : 0)) * sizeof(T) +
                         (align_bytes - 16);
   StagePlan plan = PlanStages(tile, *reg, c.dev, tiles_per_cta);
