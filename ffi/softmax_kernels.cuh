@@ -2166,9 +2166,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
 struct StagedTiles {
   int stages;            // 1 .. kMaxStages buffers in the ring
   uint32_t stage_bytes;  // distance between stages in dynamic shared memory (multiple of 128)
-  // Row tiers' windowed tiles: the copy starts at x's element index rounded down to a multiple of
-  // this (a power of two, in elements; 0 or kVec: the tile's own 16-byte start), so that it reads
-  // whole 32-byte sectors from its first (staged_tile; CopyAlignBytes says why).
+  // The reread blocks' windowed tiles: the copy starts at x's element index rounded down to a
+  // multiple of this (a power of two, in elements; 0 or kVec: the tile's own 16-byte start), so
+  // that it reads whole 32-byte sectors from its first (staged_tile; CopyAlignBytes says why).
   int copy_align = 0;
 };
 constexpr int kMaxStages = 4;
@@ -2293,6 +2293,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
   const int64_t num_ctas = kCluster > 1 ? grid.count : gridDim.x;
   const int64_t num_tiles = (p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   const int stages = tiles.stages;
+  // The reread blocks' windowed tiles only (StagedTiles::copy_align): the other windowed row
+  // tiers compiled with it took 1-6 more registers (lane groups of 8-32 lanes, ptxas sm_90a).
+  const int copy_align = kReread ? tiles.copy_align : 0;
 
   // Thread 0 only: fill `stage` with the tile of rows from row0 (kRowsPerBlock rows, fewer at the
   // end). The ordinary loads of x's last elements (a windowed tile at the end of x) land before
@@ -2300,7 +2303,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
   auto fill = [&](int stage, int64_t row0) {
     T* dst = reinterpret_cast<T*>(staged_smem + size_t(stage) * tiles.stage_bytes);
     const StagedRange t = staged_tile<T, kVec, kRowsPerBlock, kCluster, kAccess>(
-        p, row0, col_base, kChunk, tiles.copy_align);
+        p, row0, col_base, kChunk, copy_align);
     const T* src = static_cast<const T*>(p.in) + t.first;
     StagedRange wrap{0, 0, 0};
     if constexpr (kStagesWrap)
@@ -2361,7 +2364,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
     BatchOperands<Loader, kRows, kPacks, false> ops;
     const int64_t tile_first =
         staged_tile<T, kVec, kRowsPerBlock, kCluster, kAccess>(p, row0, col_base, kChunk,
-                                                               tiles.copy_align)
+                                                               copy_align)
             .first;
     auto build_loader = [&](int r) {
       const int local = r * (kBlock / kGroup) + group;

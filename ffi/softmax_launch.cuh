@@ -493,8 +493,8 @@ inline bool RereadBlocks(bool odd_rows) {
   const long mode = RereadBlockMode();
   return odd_rows ? mode == 1 : mode != 0;
 }
-// JAX_SOFTMAX_COPY_ALIGN (read once; session 50's experiment): the bytes that a row tier's copy of
-// a tile of windowed rows starts on (16, 32, 64 or 128; staged_tile). 16, the tile's own
+// JAX_SOFTMAX_COPY_ALIGN (read once; session 50's experiment): the bytes that a reread block's copy
+// of a windowed row starts on (16, 32, 64 or 128; staged_tile). 16, the tile's own
 // start, reads the first of a row's 32-byte sectors in part where the row starts 16 bytes into
 // one; measured (H200, session 50, us per call at 256 MiB): plain bfloat16 rows of cols % 16 == 8
 // ran 4 us slower than their neighbours (24576 133, 24584 137, 24592 134; 32760 138, 32768
@@ -963,7 +963,7 @@ Launched LaunchStagedRows(const LaunchCtx& c, int min_ctas_per_sm = 1,
   // share their vectors (staged_tile), and up to copy_align - 16 bytes before that
   // (CopyAlignBytes).
   const uint64_t tile_elems = uint64_t(kRowsPerBlock) * uint64_t(c.p.cols);
-  const int align_bytes = kAccess == Access::kWindowed ? CopyAlignBytes() : 16;
+  const int align_bytes = kAccess == Access::kWindowed && kReread ? CopyAlignBytes() : 16;
   const uint64_t tile = (tile_elems + (kAccess == Access::kWindowed ? 2 * kVec : 0)) * sizeof(T) +
                         (align_bytes - 16);
   StagePlan plan = PlanStages(tile, *reg, c.dev, tiles_per_cta);
