@@ -2158,9 +2158,10 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
 // suffices for that; a CTA with a single tile has no refill at all).
 // Shared memory per stage: the tile of x, kRowsPerBlock rows of cols elements, or kChunk for a
 // cluster CTA. Windowed rows (cols % kVec != 0) are staged too: a tile then starts at its first
-// row's 16-byte window (a few elements of the row before it) and ends at the vector holding its
-// last element, so that the copy and the stage's vector reads stay 16-byte aligned; each loader
-// reads its row's window at the offset its window start has from the tile's start (staged_tile).
+// row's 16-byte window (a few elements of the row before it; the reread blocks' from the 128-byte
+// boundary before that, StagedTiles::copy_align) and ends at the vector holding its last element,
+// so that the copy and the stage's vector reads stay 16-byte aligned; each loader reads its row's
+// window at the offset its window start has from the tile's start (staged_tile).
 // Forward only: a backward variant with y and dy in each stage measured 0-20% slower than the
 // register kernel (TUNING.md).
 struct StagedTiles {
@@ -2168,7 +2169,7 @@ struct StagedTiles {
   uint32_t stage_bytes;  // distance between stages in dynamic shared memory (multiple of 128)
   // The reread blocks' windowed tiles: the copy starts at x's element index rounded down to a
   // multiple of this (a power of two, in elements; 0 or kVec: the tile's own 16-byte start), so
-  // that it reads whole 32-byte sectors from its first (staged_tile; CopyAlignBytes says why).
+  // that it reads whole sectors from its first (staged_tile; CopyAlignBytes says why).
   int copy_align = 0;
 };
 constexpr int kMaxStages = 4;

@@ -65,7 +65,7 @@
 // rows of 512 * E + 1 to 1024 * E on one block of up to 1024 threads with two tiles per CTA
 // (WideBlocks, session 42; since session 50 only those that the reread blocks leave), and 16-bit
 // rows of those lengths, plain (session 34) and odd (session 49), and float32 ones where two such
-// CTAs fit an SM (W to about 28672, session 50), on one block of up to 512 threads of 2E values
+// CTAs fit an SM (W to about 28600, session 50), on one block of up to 512 threads of 2E values
 // that reads the row from the stage in each of its passes and holds none of it in registers
 // (RereadBlocks, RereadFloatRows, softmax_rows_staged_kernel's kReread; before session 49 the odd
 // 16-bit ones took the wide blocks of up to 1024 threads, now only under
@@ -493,17 +493,24 @@ inline bool RereadBlocks(bool odd_rows) {
   const long mode = RereadBlockMode();
   return odd_rows ? mode == 1 : mode != 0;
 }
-// JAX_SOFTMAX_COPY_ALIGN (read once; session 50's experiment): the bytes that a reread block's copy
-// of a windowed row starts on (16, 32, 64 or 128; staged_tile). 16, the tile's own
-// start, reads the first of a row's 32-byte sectors in part where the row starts 16 bytes into
-// one; measured (H200, session 50, us per call at 256 MiB): plain bfloat16 rows of cols % 16 == 8
-// ran 4 us slower than their neighbours (24576 133, 24584 137, 24592 134; 32760 138, 32768
-// 134), and so did the odd rows (24577 137, 24639 138) and float32 rows of cols % 8 == 4 (24576
-// 134, 24580 139).
+// JAX_SOFTMAX_COPY_ALIGN (read once): the bytes that a reread block's copy of a windowed row (odd
+// 16-bit and float32 rows, plain float32 ones too) starts on: 128 by default (session 50), 16,
+// 32 or 64 for A/B runs (staged_tile). With 16, the tile's own start, a row that starts 16
+// bytes into a 32-byte sector ran 4 us slower than its neighbours; that held for plain rows too
+// (H200, session 50, us per call at 256 MiB: plain bfloat16 24576 133, 24584 137, 24592 134;
+// 32760 138, 32768 134; float32 24576 134, 24580 139), so the cost is the copy's start, not the
+// windowed passes. Measured (H200, us per call at 256 MiB, two rounds each, 16 / 32 / 128):
+// bfloat16 16385 137 / 135 / 134, 20001 137 / 135 / 134, 24577 138 / 135 / 134, 24639 138 /
+// 135-136 / 134-135, 28673 138 / 136 / 135, 32767 140 / 137 / 136; float16 24577 138 / 135 /
+// 134; float32 20001 138 / 136 / 136, 24577 139 / 137 / 137, 24580 139 / 137 / 137; the plain
+// bfloat16 24576 (not rounded: its copy starts on 128 bytes) 133 throughout. Not measured on the
+// H100, whose odd rows there read 187-188 us against the plain rows' 182-183 (session 49), the
+// same gap. Plain 16-bit rows keep 16: the run-time rounding cost their reread blocks 8 bytes of
+// spills (ptxas sm_90a); the other windowed row tiers keep it too (1-6 more registers).
 inline int CopyAlignBytes() {
   static const int bytes = [] {
-    const long knob = EnvKnob("JAX_SOFTMAX_COPY_ALIGN", 32);
-    return knob == 32 || knob == 64 || knob == 128 ? static_cast<int>(knob) : 16;
+    const long knob = EnvKnob("JAX_SOFTMAX_COPY_ALIGN", 128);
+    return knob == 16 || knob == 32 || knob == 64 ? static_cast<int>(knob) : 128;
   }();
   return bytes;
 }
@@ -1074,7 +1081,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     }
   }
   // Float32 plain and windowed rows of 512 E + 1 to 1024 E columns (session 50): the reread
-  // blocks too, where two such CTAs fit an SM (W up to about 28672: a stage of up to 112 KiB
+  // blocks too, where two such CTAs fit an SM (W up to about 28600: a stage of up to 112 KiB
   // each), the row read as pairs of floats, 64 registers; else (and under
   // JAX_SOFTMAX_REREAD_FLOAT=0) the wide blocks below. The passes take the max of x times the
   // scale, which needs a finite scale > 0 (the 16-bit rows' rule, LaunchSoftmax); other scales
@@ -1144,7 +1151,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   //   32767 166 / 155; float16 24577 176 / 162). JAX_SOFTMAX_WIDE_BLOCKS=2 keeps the clusters
   //   for them on every GPU.
   // - Float32 plain and windowed rows (session 42; 64 registers, no spill; since session 50 those
-  //   that the reread blocks above leave: W past about 28672, or a scale <= 0), one CTA per SM from
+  //   that the reread blocks above leave: W past about 28600, or a scale <= 0), one CTA per SM from
   //   17 warps on, with two tiles per CTA so that the next row's copy is in flight while one is
   //   reduced; before, clusters of 2 x 512 threads (plain rows staged, windowed ones on the
   //   register tiers). Measured (H100, us per call at 256 MiB, clusters / this block): windowed

@@ -206,7 +206,7 @@ if want test; then
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (wide_block_rows or cluster_ctas)")"
   # The 16-bit odd rows of 16385-32768 on the wide blocks that the reread blocks replaced in
   # session 49: two CTAs per SM to W = 24576, beyond the H100's one CTA with a ring and the H200's
-  # staged clusters (JAX_SOFTMAX_REREAD_BLOCKS=2); and the float32 rows of 16385-28672 on the
+  # staged clusters (JAX_SOFTMAX_REREAD_BLOCKS=2); and the float32 rows of 16385-28636 on the
   # wide blocks of two tiles that the reread blocks replaced in session 50
   # (JAX_SOFTMAX_REREAD_FLOAT=0).
   test_job odd_wide_blocks JAX_SOFTMAX_REREAD_BLOCKS=2 JAX_SOFTMAX_REREAD_FLOAT=0 \

@@ -69,7 +69,7 @@ CASES = [  # (rows, cols, dtype)
     # block moves their last columns into the window's first vector
     (7, 24577, jnp.bfloat16),
     (9, 28671, jnp.bfloat16),
-    # float32 rows of 16385-28672 on the reread blocks (session 50; plain rows through the windowed
+    # float32 rows of 16385-28636 on the reread blocks (session 50; plain rows through the windowed
     # kernel too): an odd row of 10 warps that wraps where its window starts 2-3 elements before
     # it, and a plain row of 12 warps
     (7, 20003, jnp.float32),

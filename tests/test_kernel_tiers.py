@@ -247,21 +247,22 @@ def test_seven_chunk_rows(backend, device, rng, dtype):
 # cols % 8 == 1 never do.
 # (Plain 16-bit rows of these lengths: test_reread_block_rows.)
 # Float32: plain and odd rows, since session 50 on the reread blocks (512 threads of 64 values,
-# the windowed kernel for both) where two such CTAs fit an SM (W to about 28672), on the wide
-# blocks beyond (and under JAX_SOFTMAX_REREAD_FLOAT=0, which scripts/gpu_check.sh also runs),
-# two tiles per CTA (one under JAX_SOFTMAX_TILES_PER_CTA=1); before them clusters of 2 x 512
-# threads, staged (plain) or on the register tiers (odd): the 512-thread block below (16384,
-# 16383) and the clusters above (32769, 32772), the first widths (16385 with W = 16388, 16388:
-# 9 warps of 64 values or 17 of 32, the last one's packs mostly past the row's end), warp counts
-# between, both sides of the reread blocks' last width (28672, 28673), and the last width (32767
-# wraps into the row's first vector; 32768).
+# the windowed kernel for both, its copy from 128-byte boundaries) where two such CTAs fit an SM
+# (W to 28636 on 228 KiB of shared memory per SM), on the wide blocks beyond (and under
+# JAX_SOFTMAX_REREAD_FLOAT=0, which scripts/gpu_check.sh also runs), two tiles per CTA (one
+# under JAX_SOFTMAX_TILES_PER_CTA=1); before them clusters of 2 x 512 threads, staged (plain) or
+# on the register tiers (odd): the 512-thread block below (16384, 16383) and the clusters above
+# (32769, 32772), the first widths (16385 with W = 16388, 16388: 9 warps of 64 values or 17 of
+# 32, the last one's packs mostly past the row's end), warp counts between, both sides of the
+# reread blocks' last width (28635 and 28636, W = 28636; 28637, W = 28640), rows past it
+# (28671-28673), and the last width (32767 wraps into the row's first vector; 32768).
 WIDE_BLOCK_SIZES_16 = [16383, 16385, 16391, 20001, 24575, 24577, 28671, 28673, 32759, 32761, 32767,
                        32769]
 WIDE_BLOCK_SIZES = {
     jnp.float16: WIDE_BLOCK_SIZES_16,
     jnp.bfloat16: WIDE_BLOCK_SIZES_16,
-    jnp.float32: [16383, 16384, 16385, 16388, 16391, 18432, 20001, 24577, 24580, 28671, 28672,
-                  28673, 32767, 32768, 32769, 32772],
+    jnp.float32: [16383, 16384, 16385, 16388, 16391, 18432, 20001, 24577, 24580, 28635, 28636,
+                  28637, 28671, 28672, 28673, 32767, 32768, 32769, 32772],
 }
 
 
