@@ -211,6 +211,10 @@ if want test; then
   # (JAX_SOFTMAX_REREAD_FLOAT=0).
   test_job odd_wide_blocks JAX_SOFTMAX_REREAD_BLOCKS=2 JAX_SOFTMAX_REREAD_FLOAT=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and wide_block_rows")"
+  # The reread blocks' odd rows (and float32 plain ones) copied from their own 16-byte window
+  # start, as before session 50 (JAX_SOFTMAX_COPY_ALIGN=16; default: from 128-byte boundaries).
+  test_job copy_align_16 JAX_SOFTMAX_COPY_ALIGN=16 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and (wide_block_rows or windowed_row_neighbours)")"
   # The 16-bit odd rows whose staged tiers take OddRowTilesPerCta tiles per CTA (two on the H200,
   # and on the H100 up to 3072 columns) at one tile per CTA, the H100's default beyond, the
   # wide blocks among them (JAX_SOFTMAX_REREAD_BLOCKS=2), and the float32 wide blocks (two by
