@@ -65,10 +65,10 @@
 // rows of 512 * E + 1 to 1024 * E on one block of up to 1024 threads with two tiles per CTA
 // (WideBlocks, session 42; since session 50 only those that the reread blocks leave), and 16-bit
 // rows of those lengths, plain (session 34) and odd (session 49), and float32 ones where two such
-// CTAs fit an SM (W to about 28600, session 50), on one block of up to 512 threads of 2E values
-// that reads the row from the stage in each of its passes and holds none of it in registers
-// (RereadBlocks, RereadFloatRows, softmax_rows_staged_kernel's kReread; before session 49 the odd
-// 16-bit ones took the wide blocks of up to 1024 threads, now only under
+// CTAs fit an SM (W to 28636 on 228 KiB per SM, session 50), on one block of up to 512 threads of
+// 2E values that reads the row from the stage in each of its passes and holds none of it in
+// registers (RereadBlocks, RereadFloatRows, softmax_rows_staged_kernel's kReread; before session
+// 49 the odd 16-bit ones took the wide blocks of up to 1024 threads, now only under
 // JAX_SOFTMAX_REREAD_BLOCKS=2).
 // (Float32 rows of up to 32 V measured 1.0-1.15x faster there than on the register lane groups
 // once each CTA takes one tile.) Where no tile fits, the register tiers run; the other plain
@@ -1081,9 +1081,10 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     }
   }
   // Float32 plain and windowed rows of 512 E + 1 to 1024 E columns (session 50): the reread
-  // blocks too, where two such CTAs fit an SM (W up to about 28600: a stage of up to 112 KiB
-  // each), the row read as pairs of floats, 64 registers; else (and under
-  // JAX_SOFTMAX_REREAD_FLOAT=0) the wide blocks below. The passes take the max of x times the
+  // blocks too, where two such CTAs fit an SM (W up to 28636 on the H100's and H200's 228 KiB:
+  // a stage of up to 112 KiB each, the copy's 112 bytes of slack included, CopyAlignBytes), the
+  // row read as pairs of floats, 64 registers; else (and under JAX_SOFTMAX_REREAD_FLOAT=0) the
+  // wide blocks below. The passes take the max of x times the
   // scale, which needs a finite scale > 0 (the 16-bit rows' rule, LaunchSoftmax); other scales
   // keep the wide blocks. Plain rows take the windowed kernel (a plain row is a window of shift 0
   // that never wraps): the plain instantiation spilled 32-48 bytes at every register bound from
@@ -1151,7 +1152,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   //   32767 166 / 155; float16 24577 176 / 162). JAX_SOFTMAX_WIDE_BLOCKS=2 keeps the clusters
   //   for them on every GPU.
   // - Float32 plain and windowed rows (session 42; 64 registers, no spill; since session 50 those
-  //   that the reread blocks above leave: W past about 28600, or a scale <= 0), one CTA per SM from
+  //   that the reread blocks above leave: W past 28636, or a scale <= 0), one CTA per SM from
   //   17 warps on, with two tiles per CTA so that the next row's copy is in flight while one is
   //   reduced; before, clusters of 2 x 512 threads (plain rows staged, windowed ones on the
   //   register tiers). Measured (H100, us per call at 256 MiB, clusters / this block): windowed
