@@ -514,6 +514,17 @@ inline int CopyAlignBytes() {
   }();
   return bytes;
 }
+// JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS (read once; session 50's experiment, off by default and not
+// yet measured): 1 puts plain 16-bit forward rows of 256 E + 1 to 512 E columns on the staged
+// 512 x E block (held to 40 registers, kRawRows) instead of the register tier's. There a row of
+// 8200 columns takes 9 warps at 63 registers: 3 CTAs, 3 rows of 16 KiB per SM, against 4 for
+// 8192 on the 256 x E block; measured (H200, session 50) 172-173 us for 8200 and 8256 against
+// 130 for 8192. At 40 registers, 5 such CTAs fit. (Session 18 measured the staged 512 x E block
+// at 16384 slower, 147 against 132 us, before the staged blocks were held to 40 registers.)
+inline bool PlainStagedBlocks() {
+  static const bool on = EnvKnob("JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS", 0) != 0;
+  return on;
+}
 // JAX_SOFTMAX_REREAD_FLOAT (read once): 1 (default, session 50) puts float32 plain and windowed
 // rows of 512 E + 1 to 1024 E columns on the reread blocks where two CTAs fit an SM; 0 keeps them
 // on the wide blocks, for A/B runs.
@@ -1106,8 +1117,11 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   }
   if constexpr (kPlain16) {
     // Since session 41 those of 64 E + 1 to GapTierRanges' threads64_40 E stay staged (below).
+    // JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=1 (session 50's experiment, not yet measured) stages
+    // those of 256 E + 1 to 512 E too (PlainStagedBlocks).
     const int64_t register_from = std::max<int64_t>(64, tops.threads64_40);
-    if (n > register_from * kE && n <= 4 * 512 * kE) return std::nullopt;
+    const bool staged_block = PlainStagedBlocks() && n > 256 * kE && n <= 512 * kE;
+    if (n > register_from * kE && n <= 4 * 512 * kE && !staged_block) return std::nullopt;
   }
   // Windowed rows (odd lengths; n = W, cols rounded up to whole vectors) measured (H200, session
   // 19, us per call at 256 MiB, staged / register tiers): float32 255 161 / 140, 1001 137 / 135,
