@@ -10,13 +10,12 @@ steady-state steps/s of `train()` (first, compiling step excluded; one device sy
 so dispatch overlaps the previous step). Each variant runs --repeats times, the two alternating;
 a point holds every run (`<variant>_runs`), their median (`<variant>_steps_per_s`, and
 `speedup` from the medians) and their best (`<variant>_best_steps_per_s`, `speedup_best`).
-Why repeats: on the H200 (session 48) the steps/s of short
-steps change from run to run of the same program: the plug-in at S = 1024 ran 96-133 steps/s,
-Flax's default at S = 512 83-114, while the GPU's busy time per step (the traced timeline) is
-7.3 and 8.7 ms. The slow runs take 10-12 ms a step; what sets them was not
-identified (the host's launches are the suspect). Flax's default from S = 1024 on, with 13 ms
-and more of GPU work a step, varied by 0.2%. One run of each, as before session 48, reads
-whichever rate came.
+Why repeats: on the H200 (session 48) the steps/s of short steps change from run to run of the
+same program: the plug-in at S = 1024 ran 96-133 steps/s, Flax's default at S = 512 83-114,
+while the GPU's busy time per step (the traced timeline) is 7.3 and 8.7 ms. The slow runs take
+10-12 ms a step; what sets them was not identified (the host's launches are the suspect). Flax's
+default from S = 1024 on, with 13 ms and more of GPU work a step, varied by 0.2%. One run of
+each, as before session 48, reads whichever rate came.
 Writes train_step_<device>.{json,png} (or <tag>.{json,png}) and prints a table.
 
 --profile: after each timed run, a few more steps under jax.profiler; the point then also holds

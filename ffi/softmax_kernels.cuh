@@ -2203,22 +2203,20 @@ __device__ __forceinline__ StagedRange staged_range(const RowParams& p, int64_t 
 // col_base of the row's window). Windowed rows: from the first row's window start to the end of
 // the last row's last vector (a cluster CTA: its chunk of the row's W window offsets; the first
 // CTA's wrapped columns come through staged_wrap).
-// copy_align (StagedTiles): one CTA's tiles of windowed rows start at x's element index rounded
-// down to it, a few elements of the row before them staged too (LaunchStagedRows leaves room for
-// them). Not plain rows: the run-time rounding cost the 16-bit plain reread blocks 8 bytes of
-// spills (ptxas sm_90a); float32 plain rows there take the windowed kernel anyway.
+// copy_align (StagedTiles): a CTA's tiles of windowed rows (not a cluster's chunks) start at x's
+// element index rounded down to it, a few elements of the row before them staged too
+// (LaunchStagedRows leaves room for them). Not plain rows: the run-time rounding cost the 16-bit
+// plain reread blocks 8 bytes of spills (ptxas sm_90a); float32 plain rows there take the
+// windowed kernel anyway.
 template <typename T, int kVec, int kRowsPerBlock, int kCluster, Access kAccess>
 __device__ __forceinline__ StagedRange staged_tile(const RowParams& p, int64_t row0, int64_t col_base,
                                                    int64_t chunk, int copy_align = 0) {
   const int64_t start = row0 * p.cols;
   const int64_t nrows = p.rows - row0 < kRowsPerBlock ? p.rows - row0 : kRowsPerBlock;
-  if constexpr (kCluster == 1 && kAccess == Access::kWindowed) {
-    int64_t first = round_down_vec<kVec>(start);
-    if (copy_align > kVec) first &= -int64_t(copy_align);
-    return staged_range<kVec>(p, first, round_up_vec<kVec>(start + nrows * p.cols));
-  } else if constexpr (kAccess == Access::kWindowed) {
+  if constexpr (kAccess == Access::kWindowed) {
     const int64_t window = round_down_vec<kVec>(start);
-    const int64_t first = window + col_base;
+    int64_t first = window + col_base;
+    if (kCluster == 1 && copy_align > kVec) first &= -int64_t(copy_align);
     int64_t stop = round_up_vec<kVec>(start + nrows * p.cols);
     if (kCluster > 1) stop = std::min(window + round_up_vec<kVec>(p.cols), first + chunk);
     return staged_range<kVec>(p, first, stop);

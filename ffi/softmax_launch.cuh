@@ -532,6 +532,13 @@ inline bool RereadFloatRows() {
   static const bool on = EnvKnob("JAX_SOFTMAX_REREAD_FLOAT", 1) != 0;
   return on;
 }
+// Whether rows whose outside positions hold -inf as loaded can take a scale: finite and > 0 in
+// float, so that -inf stays -inf and the max of x times the scale is the max of the scaled values
+// (the 16-bit rows kept as loaded, kRawRows; the reread blocks' float32 rows).
+inline bool RawScale(double scale) {
+  const float s = static_cast<float>(scale);
+  return s > 0.f && std::isfinite(s);
+}
 
 // JAX_SOFTMAX_ODD_TIERS (read once): 1 (default) gives 16-bit odd rows (windowed) the staged row
 // tiers of 5/4 E, 3/2 E, 7/4 E and 3/4 E values per thread (GapTierRanges), and stages those of
@@ -1083,36 +1090,33 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // JAX_SOFTMAX_REREAD_BLOCKS=2 keeps the odd rows where they were, =0 the plain rows too.
   // Where no stage fits (nullopt), the register tiers take a plain row, as with the knob off, and
   // the wide blocks below an odd one.
-  constexpr bool kPlain16 = sizeof(T) == 2 && kAccess == Access::kPlain;
-  if constexpr (kPlain16 || kOdd16Rows<T, kAccess>) {
-    if (RereadBlocks(/*odd_rows=*/!kPlain16) && n > 512 * kE && n <= 1024 * kE) {
-      const Launched launched =
-          LaunchStagedRows<T, 512, 2 * kE, kVec, kAccess, 1, /*kReread=*/true>(c);
-      if (launched || kPlain16) return launched;
-    }
-  }
   // Float32 plain and windowed rows of 512 E + 1 to 1024 E columns (session 50): the reread
   // blocks too, where two such CTAs fit an SM (W up to 28636 on the H100's and H200's 228 KiB:
   // a stage of up to 112 KiB each, the copy's 112 bytes of slack included, CopyAlignBytes), the
   // row read as pairs of floats, 64 registers; else (and under JAX_SOFTMAX_REREAD_FLOAT=0) the
-  // wide blocks below. The passes take the max of x times the
-  // scale, which needs a finite scale > 0 (the 16-bit rows' rule, LaunchSoftmax); other scales
-  // keep the wide blocks. Plain rows take the windowed kernel (a plain row is a window of shift 0
-  // that never wraps): the plain instantiation spilled 32-48 bytes at every register bound from
-  // 40 to 64 (ptxas sm_90a), the windowed one none at 64. Measured (us per call at 256 MiB, wide
+  // wide blocks below. The passes take the max of x times the scale, which needs a finite scale
+  // > 0 (RawScale, the 16-bit rows' rule); other scales keep the wide blocks. Plain rows take the
+  // windowed kernel (a plain row is a window of shift 0 that never wraps): the plain
+  // instantiation spilled 32-48 bytes at every register bound from 40 to 64 (ptxas sm_90a), the
+  // windowed one none at 64. Measured (us per call at 256 MiB, wide
   // blocks of two tiles / reread block, two rounds each): H200 16385 147 / 139, 16388 141 / 139,
   // 18001 142 / 141, 20001 142 / 139, 20480 135 / 134, 24576 136 / 135, 24577 142 / 140, 26001
   // 142-143 / 141; H100 16385 187 / 187-188, 16388 186 / 187, 18001 187 / 189, 20001 188 / 187,
   // 20480 184 / 182, 24576 185 / 183, 24577 190 / 188, 26001 191 / 189. One rule for both: the
   // H100's 1-2 us at 16388-18001 against its 2 us elsewhere and the H200's 1-8.
-  if constexpr (std::is_same_v<T, float> && kAccess != Access::kGeneral) {
-    const float scale = static_cast<float>(c.p.scale);
-    if (RereadFloatRows() && scale > 0.f && std::isfinite(scale) && n > 512 * kE &&
-        n <= 1024 * kE) {
+  // One call site for the 16-bit and the float32 rows (these on the windowed kernel, at two CTAs
+  // per SM).
+  constexpr bool kPlain16 = sizeof(T) == 2 && kAccess == Access::kPlain;
+  constexpr bool kFloatRows = std::is_same_v<T, float> && kAccess != Access::kGeneral;
+  if constexpr (kPlain16 || kOdd16Rows<T, kAccess> || kFloatRows) {
+    const bool reread = kFloatRows ? RereadFloatRows() && RawScale(c.p.scale)
+                                   : RereadBlocks(/*odd_rows=*/!kPlain16);
+    if (reread && n > 512 * kE && n <= 1024 * kE) {
+      constexpr Access kRereadAccess = kFloatRows ? Access::kWindowed : kAccess;
       const Launched launched =
-          LaunchStagedRows<T, 512, 2 * kE, kVec, Access::kWindowed, 1, /*kReread=*/true>(
-              c, /*min_ctas_per_sm=*/2);
-      if (launched) return launched;
+          LaunchStagedRows<T, 512, 2 * kE, kVec, kRereadAccess, 1, /*kReread=*/true>(
+              c, /*min_ctas_per_sm=*/kFloatRows ? 2 : 1);
+      if (launched || kPlain16) return launched;
     }
   }
   if constexpr (kPlain16) {
@@ -1548,8 +1552,7 @@ ffi::Error LaunchSoftmax(const RowParams& p, cudaStream_t stream) {
   // finite scale > 0 in float; with any other scale (attention_softmax's scale, rare) 16-bit
   // forward rows take the kernels of rows with a mask, bias or causal limit (with none of them),
   // which select -inf after the scale.
-  const float scale = static_cast<float>(p.scale);
-  const bool raw_scale = kBwd || sizeof(T) != 2 || (scale > 0.f && std::isfinite(scale));
+  const bool raw_scale = kBwd || sizeof(T) != 2 || RawScale(p.scale);
   const bool plain = (kBwd || !p.bias.data) && !p.mask.data && p.causal.d == 0 && raw_scale;
   if (ptrs_aligned && plain) {
     return whole_vectors ? LaunchTier<T, kVec, kBwd, Access::kPlain>(ctx)

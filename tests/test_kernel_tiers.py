@@ -395,9 +395,10 @@ def test_windowed_row_neighbours(backend, device, rng, dtype):
     # (255: two rows per group backward), blocks (4097; 8193, whose 512-thread block of 32 values
     # reads element by element), clusters (32767 and 65535 wrap, 50257 never does; 262143, whose
     # 16-bit backward rows go through shared memory, kSmemRowBwd) and the staged forward tiers'
-    # windows in shared memory: 16-bit 24577 and 32767 on the reread blocks (since session 49),
-    # whose stage's end vectors hold -inf in place of the neighbours' columns (24577 never wraps,
-    # 32767 does where its window starts 2-7 elements before it).
+    # windows in shared memory: 16-bit 24577 and 32767 on the reread blocks (since session 49;
+    # float32 24577 since session 50), whose stage's end vectors hold -inf in place of the
+    # neighbours' columns (16-bit 24577 never wraps, 32767 does where its window starts 2-7
+    # elements before it).
     cases = []
     for n in (255, 1001, 4097, 8193, 24577, 32767, 50257, 65535, 262143):
         x = rng.standard_normal((11, n)) * 3.0
