@@ -514,15 +514,21 @@ inline int CopyAlignBytes() {
   }();
   return bytes;
 }
-// JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS (read once; session 50's experiment, off by default and not
-// yet measured): 1 puts plain 16-bit forward rows of 256 E + 1 to 512 E columns on the staged
-// 512 x E block (held to 40 registers, kRawRows) instead of the register tier's. There a row of
-// 8200 columns takes 9 warps at 63 registers: 3 CTAs, 3 rows of 16 KiB per SM, against 4 for
-// 8192 on the 256 x E block; measured (H200, session 50) 172-173 us for 8200 and 8256 against
-// 130 for 8192. At 40 registers, 5 such CTAs fit. (Session 18 measured the staged 512 x E block
-// at 16384 slower, 147 against 132 us, before the staged blocks were held to 40 registers.)
+// JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS (read once): 1 (default, session 51) puts plain 16-bit
+// forward rows of 256 E + 1 to 512 E - 1 columns on the staged 512 x E block (held to 40
+// registers, kRawRows) instead of the register tier's (63 registers); 0 keeps the register tier,
+// for A/B runs. Measured (us per call at 256 MiB, two rounds each, register / staged): H200
+// bfloat16 8192 (the 256 x E register block, control) 131 / 131, 8200 173-174 / 136-137, 8256 171
+// / 134, 9216 133 / 130, 10240 130 / 130, 12288 153 / 131-132, 14336 139 / 132, 16376 163-164 /
+// 135, 16384 132 / 132; float16 8200 174 / 136, 12288 153 / 132. H100: bfloat16 8192 179 / 179,
+// 8200 207 / 182, 8256 205 / 181, 9216 178 / 180, 10240 179 / 180, 12288 182 / 180, 14336 179 /
+// 180, 16376 192 / 183, 16384 179 / 181; float16 8200 207 / 182, 12288 182 / 180-181. One rule
+// for both GPUs (the H100's 1-2 us at 9216-14336 against its 9-12% at 8200, 8256 and 16376 and
+// the H200's up to 21%), except 512 E itself (16384), a whole block that the register tier runs
+// at its best (H100 2 us faster, H200 even). (Session 18 had measured the staged 512 x E block at
+// 16384 slower, 147 against 132 us, before the staged blocks were held to 40 registers.)
 inline bool PlainStagedBlocks() {
-  static const bool on = EnvKnob("JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS", 0) != 0;
+  static const bool on = EnvKnob("JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS", 1) != 0;
   return on;
 }
 // JAX_SOFTMAX_REREAD_FLOAT (read once): 1 (default, session 50) puts float32 plain and windowed
@@ -1121,10 +1127,9 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   }
   if constexpr (kPlain16) {
     // Since session 41 those of 64 E + 1 to GapTierRanges' threads64_40 E stay staged (below).
-    // JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=1 (session 50's experiment, not yet measured) stages
-    // those of 256 E + 1 to 512 E too (PlainStagedBlocks).
+    // Since session 51 those of 256 E + 1 to 512 E - 1 too (PlainStagedBlocks).
     const int64_t register_from = std::max<int64_t>(64, tops.threads64_40);
-    const bool staged_block = PlainStagedBlocks() && n > 256 * kE && n <= 512 * kE;
+    const bool staged_block = PlainStagedBlocks() && n > 256 * kE && n < 512 * kE;
     if (n > register_from * kE && n <= 4 * 512 * kE && !staged_block) return std::nullopt;
   }
   // Windowed rows (odd lengths; n = W, cols rounded up to whole vectors) measured (H200, session

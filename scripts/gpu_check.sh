@@ -215,9 +215,9 @@ if want test; then
   # start, as before session 50 (JAX_SOFTMAX_COPY_ALIGN=16; default: from 128-byte boundaries).
   test_job copy_align_16 JAX_SOFTMAX_COPY_ALIGN=16 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (wide_block_rows or windowed_row_neighbours)")"
-  # Plain 16-bit rows of 8193-16384 on the staged 512 x 32 block (session 51's experiment,
-  # JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=1; default: the register tier).
-  test_job plain16_staged_blocks JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=1 \
+  # Plain 16-bit rows of 8193-16383 on the register tier's 512 x 32 block, which the staged one
+  # replaced in session 51 (JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=0).
+  test_job plain16_register_blocks JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and plain_block_rows")"
   # The 16-bit odd rows whose staged tiers take OddRowTilesPerCta tiles per CTA (two on the H200,
   # and on the H100 up to 3072 columns) at one tile per CTA, the H100's default beyond, the

@@ -85,9 +85,8 @@ CASES = [  # (rows, cols, dtype)
     # on the staged 256-thread block with 5 warps (an odd count: OddRowTiers, RowThreads).
     (7, 4097, jnp.bfloat16),
     (5, 8193, jnp.float32),
-    # A plain 16-bit row just past the 256 x 32 register block: 9 warps of the 512 x 32 block,
-    # most of the ninth's values past the row's end (staged under
-    # JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=1).
+    # A plain 16-bit row just past the 256 x 32 register block: 9 warps of the staged 512 x 32
+    # block (since session 51), most of the ninth's values past the row's end.
     (7, 8200, jnp.bfloat16),
     # Staged bfloat16 forward rows kept as loaded (kRawRows): a 256-thread block (6 of its 8
     # warps); 1001 (32 lanes) and 16383 (512 threads) above.

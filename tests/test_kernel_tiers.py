@@ -347,11 +347,12 @@ def test_reread_block_rows(backend, device, rng, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_plain_block_rows(backend, device, rng, dtype):
-    # 16-bit plain rows of N = 256 * 32 + 8 .. 512 * 32 columns, past the 256 x 32 register
-    # block: the 512 x 32 block with as many warps as the row needs (9 at 8200 and 8448, with
-    # most of the ninth warp's values past the row's end; 10, 12, 13, 16), on the register tier
-    # or staged (JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS, ffi/softmax_launch.cuh; scripts/gpu_check.sh
-    # runs both); the tiers on either side (8192, 16392).
+    # 16-bit plain rows of N = 256 * 32 + 8 .. 512 * 32 - 8 columns, past the 256 x 32 register
+    # block: the staged 512 x 32 block with as many warps as the row needs (9 at 8200 and 8448,
+    # with most of the ninth warp's values past the row's end; 10, 12, 13, 16), since session 51
+    # (ffi/softmax_launch.cuh, PlainStagedBlocks; the register tier's block under
+    # JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=0, which scripts/gpu_check.sh also runs); the register
+    # tiers on either side (8192, 16384) and the reread block past it (16392).
     sizes = [8184, 8192, 8200, 8256, 8448, 9216, 10240, 12288, 12296, 16376, 16384, 16392]
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
 
