@@ -1119,9 +1119,16 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
                                    : RereadBlocks(/*odd_rows=*/!kPlain16);
     if (reread && n > 512 * kE && n <= 1024 * kE) {
       constexpr Access kRereadAccess = kFloatRows ? Access::kWindowed : kAccess;
+      // Plain 16-bit rows of an odd number of 16-byte vectors (cols % 16 == 8), half of whose
+      // copies would start 16 bytes into a 32-byte sector, take the odd rows' windowed kernel,
+      // whose copies start on CopyAlignBytes (session 51; the plain kernel's own rounding spilled,
+      // see CopyAlignBytes): no new kernel. JAX_SOFTMAX_COPY_ALIGN=16 keeps them plain.
+      const bool rounded_copy = kPlain16 && c.p.cols % (2 * kVec) != 0 && CopyAlignBytes() > 16;
       const Launched launched =
-          LaunchStagedRows<T, 512, 2 * kE, kVec, kRereadAccess, 1, /*kReread=*/true>(
-              c, /*min_ctas_per_sm=*/kFloatRows ? 2 : 1);
+          rounded_copy
+              ? LaunchStagedRows<T, 512, 2 * kE, kVec, Access::kWindowed, 1, /*kReread=*/true>(c)
+              : LaunchStagedRows<T, 512, 2 * kE, kVec, kRereadAccess, 1, /*kReread=*/true>(
+                    c, /*min_ctas_per_sm=*/kFloatRows ? 2 : 1);
       if (launched || kPlain16) return launched;
     }
   }
