@@ -503,10 +503,14 @@ inline bool RereadBlocks(bool odd_rows) {
 // bfloat16 16385 137 / 135 / 134, 20001 137 / 135 / 134, 24577 138 / 135 / 134, 24639 138 /
 // 135-136 / 134-135, 28673 138 / 136 / 135, 32767 140 / 137 / 136; float16 24577 138 / 135 /
 // 134; float32 20001 138 / 136 / 136, 24577 139 / 137 / 137, 24580 139 / 137 / 137; the plain
-// bfloat16 24576 (not rounded: its copy starts on 128 bytes) 133 throughout. Not measured on the
-// H100, whose odd rows there read 187-188 us against the plain rows' 182-183 (session 49), the
-// same gap. Plain 16-bit rows keep 16: the run-time rounding cost their reread blocks 8 bytes of
-// spills (ptxas sm_90a); the other windowed row tiers keep it too (1-6 more registers).
+// bfloat16 24576 (not rounded: its copy starts on 128 bytes) 133 throughout. H100 (session 51,
+// 16 / 128): bfloat16 16385 187-188 / 184, 20001 187 / 184, 24577 187 / 185, 28673 188 / 185,
+// 32767 189 / 185; float16 24577 187 / 184; float32 20001 187 / 185, 24577 188 / 186, 24580 188 /
+// 186; plain bfloat16 24576 181 / 181. The plain 16-bit reread kernel keeps 16: the run-time
+// rounding cost it 8 bytes of spills (ptxas sm_90a); since session 51 its rows of cols % 16 == 8
+// take the windowed kernel instead (LaunchStagedTier; H200, 16 / 128: bfloat16 16392 138 / 134,
+// 20488 138 / 134, 24584 138 / 134, 32760 139 / 136; float16 24584 138 / 134; the control 24576
+// 133-134 / 133-134). The other windowed row tiers keep 16 (1-6 more registers).
 inline int CopyAlignBytes() {
   static const int bytes = [] {
     const long knob = EnvKnob("JAX_SOFTMAX_COPY_ALIGN", 128);

@@ -212,9 +212,11 @@ if want test; then
   test_job odd_wide_blocks JAX_SOFTMAX_REREAD_BLOCKS=2 JAX_SOFTMAX_REREAD_FLOAT=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and wide_block_rows")"
   # The reread blocks' odd rows (and float32 plain ones) copied from their own 16-byte window
-  # start, as before session 50 (JAX_SOFTMAX_COPY_ALIGN=16; default: from 128-byte boundaries).
+  # start, as before session 50 (JAX_SOFTMAX_COPY_ALIGN=16; default: from 128-byte boundaries),
+  # and the plain 16-bit rows of cols % 16 == 8 on the plain reread kernel, as before session 51
+  # (default: the windowed one).
   test_job copy_align_16 JAX_SOFTMAX_COPY_ALIGN=16 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and (wide_block_rows or windowed_row_neighbours)")"
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and (wide_block_rows or windowed_row_neighbours or reread_block_rows)")"
   # Plain 16-bit rows of 8193-16383 on the register tier's 512 x 32 block, which the staged one
   # replaced in session 51 (JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=0).
   test_job plain16_register_blocks JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=0 \

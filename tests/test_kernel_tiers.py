@@ -338,8 +338,10 @@ def test_reread_block_rows(backend, device, rng, dtype):
     # each pass (ffi/softmax_launch.cuh, LaunchStagedTier; the register tiers under
     # JAX_SOFTMAX_REREAD_BLOCKS=0, which scripts/gpu_check.sh also runs). The register tiers on
     # either side (16384, 32776), the first and last widths, and warp counts between: 9 warps
-    # with most of the last one's packs past the row's end (16392, read through fetch_raw) and
-    # with all packs inside (18432), 10, 12, 15 (28680) and 16.
+    # with most of the last one's packs past the row's end (16392) and with all packs inside
+    # (18432), 10, 12, 15 (28680) and 16. The rows of cols % 16 == 8 (16392, 28680, 32760) take
+    # the windowed kernel since session 51, its copies from 128-byte boundaries (the plain one
+    # under JAX_SOFTMAX_COPY_ALIGN=16, which scripts/gpu_check.sh also runs).
     sizes = [16384, 16392, 18432, 20480, 24576, 28680, 32760, 32768, 32776]
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
 
