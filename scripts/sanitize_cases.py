@@ -69,6 +69,9 @@ CASES = [  # (rows, cols, dtype)
     # block moves their last columns into the window's first vector
     (7, 24577, jnp.bfloat16),
     (9, 28671, jnp.bfloat16),
+    # a plain row of cols % 16 == 8 on the same windowed kernel (session 51), every other row's
+    # copy rounded down to 128 bytes into the row before
+    (5, 24584, jnp.float16),
     # float32 rows of 16385-28636 on the reread blocks (session 50; plain rows through the windowed
     # kernel too): an odd row of 10 warps that wraps where its window starts 2-3 elements before
     # it, and a plain row of 12 warps
