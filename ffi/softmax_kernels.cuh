@@ -2174,6 +2174,13 @@ struct StagedTiles {
 };
 constexpr int kMaxStages = 4;
 
+// The staged kernels whose windowed tiles start at StagedTiles::copy_align: one row per tile on
+// one CTA (the reread blocks, and since session 51 the staged blocks). The lane groups compiled
+// with it took 1-6 more registers (8-32 lanes, ptxas sm_90a), and a cluster CTA's chunk starts
+// where the chunk before it ends.
+template <Access kAccess, int kCluster, int kRowsPerBlock>
+constexpr bool kCopyAligned = kAccess == Access::kWindowed && kCluster == 1 && kRowsPerBlock == 1;
+
 // A range of x that a stage holds: elements [first, first + bulk) copied by cp.async.bulk, then
 // [first + bulk, first + elems) by ordinary loads. A windowed range rounded up to whole vectors
 // can reach up to kVec - 1 elements past the end of x at the last row: x's last elements (fewer
@@ -2292,9 +2299,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
   const int64_t num_ctas = kCluster > 1 ? grid.count : gridDim.x;
   const int64_t num_tiles = (p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   const int stages = tiles.stages;
-  // The reread blocks' windowed tiles only (StagedTiles::copy_align): the other windowed row
-  // tiers compiled with it took 1-6 more registers (lane groups of 8-32 lanes, ptxas sm_90a).
-  const int copy_align = kReread ? tiles.copy_align : 0;
+  const int copy_align = kCopyAligned<kAccess, kCluster, kRowsPerBlock> ? tiles.copy_align : 0;
 
   // Thread 0 only: fill `stage` with the tile of rows from row0 (kRowsPerBlock rows, fewer at the
   // end). The ordinary loads of x's last elements (a windowed tile at the end of x) land before

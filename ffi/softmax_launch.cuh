@@ -518,6 +518,14 @@ inline int CopyAlignBytes() {
   }();
   return bytes;
 }
+// JAX_SOFTMAX_BLOCK_COPY_ALIGN (read once; session 51's experiment, off by default and not yet
+// measured): 1 has the staged blocks' windowed tiles (one row per CTA, not reread: 16-bit odd rows
+// of 4097-16384 on 256 x 32 and 512 x 32 threads) start on CopyAlignBytes too, as the reread
+// blocks' do since session 50 (3% there on the H200, 1-2% on the H100).
+inline bool BlockCopyAlign() {
+  static const bool on = EnvKnob("JAX_SOFTMAX_BLOCK_COPY_ALIGN", 0) != 0;
+  return on;
+}
 // JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS (read once): 1 (default, session 51) puts plain 16-bit
 // forward rows of 256 E + 1 to 512 E - 1 columns on the staged 512 x E block (held to 40
 // registers, kRawRows) instead of the register tier's (63 registers); 0 keeps the register tier,
@@ -998,7 +1006,9 @@ Launched LaunchStagedRows(const LaunchCtx& c, int min_ctas_per_sm = 1,
   // share their vectors (staged_tile), and up to copy_align - 16 bytes before that
   // (CopyAlignBytes).
   const uint64_t tile_elems = uint64_t(kRowsPerBlock) * uint64_t(c.p.cols);
-  const int align_bytes = kAccess == Access::kWindowed && kReread ? CopyAlignBytes() : 16;
+  const int align_bytes = !kCopyAligned<kAccess, 1, kRowsPerBlock> ? 16
+                          : kReread || BlockCopyAlign()    ? CopyAlignBytes()
+                                                           : 16;
   const uint64_t tile = (tile_elems + (kAccess == Access::kWindowed ? 2 * kVec : 0)) * sizeof(T) +
                         (align_bytes - 16);
   StagePlan plan = PlanStages(tile, *reg, c.dev, tiles_per_cta);
