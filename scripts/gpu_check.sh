@@ -217,6 +217,11 @@ if want test; then
   # (default: the windowed one).
   test_job copy_align_16 JAX_SOFTMAX_COPY_ALIGN=16 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (wide_block_rows or windowed_row_neighbours or reread_block_rows)")"
+  # Session 51's experiment (off by default, JAX_SOFTMAX_BLOCK_COPY_ALIGN=1): the staged blocks'
+  # windowed one-row tiles (16-bit odd rows of 2049-16384, float32 odd rows on the wide blocks)
+  # copied from 128-byte boundaries.
+  test_job block_copy_align JAX_SOFTMAX_BLOCK_COPY_ALIGN=1 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_rings or odd_row_tiers or windowed_row_neighbours or block_warps or wide_block_rows)")"
   # Plain 16-bit rows of 8193-16383 on the register tier's 512 x 32 block, which the staged one
   # replaced in session 51 (JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=0).
   test_job plain16_register_blocks JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=0 \
