@@ -519,9 +519,13 @@ inline int CopyAlignBytes() {
   return bytes;
 }
 // JAX_SOFTMAX_BLOCK_COPY_ALIGN (read once; session 51's experiment, off by default and not yet
-// measured): 1 has the staged blocks' windowed tiles (one row per CTA, not reread: 16-bit odd rows
-// of 4097-16384 on 256 x 32 and 512 x 32 threads) start on CopyAlignBytes too, as the reread
-// blocks' do since session 50 (3% there on the H200, 1-2% on the H100).
+// measured): 1 has the staged tiers' windowed one-row tiles (kCopyAligned: blocks of 64-512
+// threads, 16-bit odd rows of 2049-16384; the wide blocks, float32 odd rows of 28637-32768) start
+// on CopyAlignBytes too, as the reread blocks' do since session 50 (3% there on the H200, 1-2% on
+// the H100), and plain 16-bit rows of cols % 16 == 8 on those tiers take their windowed kernel
+// (LaunchStagedTier). Plain rows whose copies start 16 bytes into a sector read 3% slower there
+// too (H200, session 41's sweep, us per call at 256 MiB: bfloat16 2056 137, 2112 133; session 51:
+// 8200 135, 8256 133).
 inline bool BlockCopyAlign() {
   static const bool on = EnvKnob("JAX_SOFTMAX_BLOCK_COPY_ALIGN", 0) != 0;
   return on;
@@ -1235,8 +1239,25 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // 1024 180 / 181, 1400 183 / 184, 2048 180 / 181; 640 185 / 181 was the one gain).
   const int gap_tiles = kGap16 ? OddRowTilesPerCta<kE>(c.dev, n) : TilesPerCta();
   const int tiles = kOdd16 ? gap_tiles : TilesPerCta();
-#define JS_STAGED(G, E, R) return LaunchStagedRows<T, G, E, kVec, kAccess, R>(c, 1, tiles)
-#define JS_GAP(G, E) return LaunchStagedRows<T, G, E, kVec, kAccess, 1>(c, 1, gap_tiles)
+  // Experiment (JAX_SOFTMAX_BLOCK_COPY_ALIGN=1, session 51, BlockCopyAlign): plain 16-bit rows
+  // of cols % 16 == 8 on the one-row tiers (G > 32), half of whose copies would start 16 bytes
+  // into a sector, take the odd rows' windowed kernel of the same shape, whose copies start on
+  // CopyAlignBytes, as the reread blocks' rows do (above): no new kernel.
+  const bool plain_rounded = kPlain16 && BlockCopyAlign() && c.p.cols % (2 * kVec) != 0;
+  const auto staged = [&](auto group, auto elems, auto rows, int tile_count) -> Launched {
+    constexpr int kG = decltype(group)::value, kEl = decltype(elems)::value;
+    constexpr int kR = decltype(rows)::value;
+    if constexpr (kPlain16 && kG > 32)
+      if (plain_rounded)
+        return LaunchStagedRows<T, kG, kEl, kVec, Access::kWindowed, kR>(c, 1, tile_count);
+    return LaunchStagedRows<T, kG, kEl, kVec, kAccess, kR>(c, 1, tile_count);
+  };
+#define JS_STAGED(G, E, R)                                                                     \
+  return staged(std::integral_constant<int, (G)>{}, std::integral_constant<int, (E)>{},       \
+                std::integral_constant<int, (R)>{}, tiles)
+#define JS_GAP(G, E)                                                                           \
+  return staged(std::integral_constant<int, (G)>{}, std::integral_constant<int, (E)>{},       \
+                std::integral_constant<int, 1>{}, gap_tiles)
   if constexpr (!kWindowedF32) {
     if constexpr (kAccess != Access::kWindowed) {
       if (n <= 1 * kVec) JS_STAGED(1, kVec, kEB / kVec);
