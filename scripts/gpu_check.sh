@@ -219,9 +219,11 @@ if want test; then
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (wide_block_rows or windowed_row_neighbours or reread_block_rows)")"
   # Session 51's experiment (off by default, JAX_SOFTMAX_BLOCK_COPY_ALIGN=1): the staged blocks'
   # windowed one-row tiles (16-bit odd rows of 2049-16384, float32 odd rows on the wide blocks)
-  # copied from 128-byte boundaries.
+  # copied from 128-byte boundaries, and plain 16-bit rows of cols % 16 == 8 on those tiers
+  # through the windowed kernel (plain_block_rows: 8184, 8200, 12296, 16376; past_top_rows: 2056,
+  # 2312, 2568).
   test_job block_copy_align JAX_SOFTMAX_BLOCK_COPY_ALIGN=1 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_rings or odd_row_tiers or windowed_row_neighbours or block_warps or wide_block_rows)")"
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_rings or odd_row_tiers or windowed_row_neighbours or block_warps or wide_block_rows or plain_block_rows or past_top_rows)")"
   # Plain 16-bit rows of 8193-16383 on the register tier's 512 x 32 block, which the staged one
   # replaced in session 51 (JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=0).
   test_job plain16_register_blocks JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=0 \
