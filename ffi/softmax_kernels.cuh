@@ -2167,15 +2167,16 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
 struct StagedTiles {
   int stages;            // 1 .. kMaxStages buffers in the ring
   uint32_t stage_bytes;  // distance between stages in dynamic shared memory (multiple of 128)
-  // The reread blocks' windowed tiles: the copy starts at x's element index rounded down to a
-  // multiple of this (a power of two, in elements; 0 or kVec: the tile's own 16-byte start), so
+  // The windowed tiles of kCopyAligned kernels: the copy starts at x's element index rounded
+  // down to a multiple of this (a power of two, in elements; 0 or kVec: the tile's own 16-byte start), so
   // that it reads whole sectors from its first (staged_tile; CopyAlignBytes says why).
   int copy_align = 0;
 };
 constexpr int kMaxStages = 4;
 
 // The staged kernels whose windowed tiles start at StagedTiles::copy_align: one row per tile on
-// one CTA (the reread blocks, and since session 51 the staged blocks). The lane groups compiled
+// one CTA (the reread blocks; under JAX_SOFTMAX_BLOCK_COPY_ALIGN=1, session 51's experiment, the
+// other staged blocks too: the launch sets copy_align, BlockCopyAlign). The lane groups compiled
 // with it took 1-6 more registers (8-32 lanes, ptxas sm_90a), and a cluster CTA's chunk starts
 // where the chunk before it ends.
 template <Access kAccess, int kCluster, int kRowsPerBlock>
@@ -2213,8 +2214,9 @@ __device__ __forceinline__ StagedRange staged_range(const RowParams& p, int64_t 
 // copy_align (StagedTiles): a CTA's tiles of windowed rows (not a cluster's chunks) start at x's
 // element index rounded down to it, a few elements of the row before them staged too
 // (LaunchStagedRows leaves room for them). Not plain rows: the run-time rounding cost the 16-bit
-// plain reread blocks 8 bytes of spills (ptxas sm_90a); float32 plain rows there take the
-// windowed kernel anyway.
+// plain reread blocks 8 bytes of spills (ptxas sm_90a); the plain rows that gain from it take
+// the windowed kernel instead (float32 rows on the reread blocks, 16-bit rows of cols % 16 == 8,
+// LaunchStagedTier).
 template <typename T, int kVec, int kRowsPerBlock, int kCluster, Access kAccess>
 __device__ __forceinline__ StagedRange staged_tile(const RowParams& p, int64_t row0, int64_t col_base,
                                                    int64_t chunk, int copy_align = 0) {

@@ -526,6 +526,12 @@ inline int CopyAlignBytes() {
 // (LaunchStagedTier). Plain rows whose copies start 16 bytes into a sector read 3% slower there
 // too (H200, session 41's sweep, us per call at 256 MiB: bfloat16 2056 137, 2112 133; session 51:
 // 8200 135, 8256 133).
+// Plain rows of an odd number of 16-byte vectors: every other row starts 16 bytes into a
+// 32-byte sector.
+template <int kVec>
+constexpr bool SectorSplitRows(int64_t cols) {
+  return cols % (2 * kVec) != 0;
+}
 inline bool BlockCopyAlign() {
   static const bool on = EnvKnob("JAX_SOFTMAX_BLOCK_COPY_ALIGN", 0) != 0;
   return on;
@@ -1010,9 +1016,8 @@ Launched LaunchStagedRows(const LaunchCtx& c, int min_ctas_per_sm = 1,
   // share their vectors (staged_tile), and up to copy_align - 16 bytes before that
   // (CopyAlignBytes).
   const uint64_t tile_elems = uint64_t(kRowsPerBlock) * uint64_t(c.p.cols);
-  const int align_bytes = !kCopyAligned<kAccess, 1, kRowsPerBlock> ? 16
-                          : kReread || BlockCopyAlign()    ? CopyAlignBytes()
-                                                           : 16;
+  const bool aligned = kCopyAligned<kAccess, 1, kRowsPerBlock> && (kReread || BlockCopyAlign());
+  const int align_bytes = aligned ? CopyAlignBytes() : 16;
   const uint64_t tile = (tile_elems + (kAccess == Access::kWindowed ? 2 * kVec : 0)) * sizeof(T) +
                         (align_bytes - 16);
   StagePlan plan = PlanStages(tile, *reg, c.dev, tiles_per_cta);
@@ -1141,7 +1146,8 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
       // copies would start 16 bytes into a 32-byte sector, take the odd rows' windowed kernel,
       // whose copies start on CopyAlignBytes (session 51; the plain kernel's own rounding spilled,
       // see CopyAlignBytes): no new kernel. JAX_SOFTMAX_COPY_ALIGN=16 keeps them plain.
-      const bool rounded_copy = kPlain16 && c.p.cols % (2 * kVec) != 0 && CopyAlignBytes() > 16;
+      const bool rounded_copy =
+          kPlain16 && SectorSplitRows<kVec>(c.p.cols) && CopyAlignBytes() > 16;
       const Launched launched =
           rounded_copy
               ? LaunchStagedRows<T, 512, 2 * kE, kVec, Access::kWindowed, 1, /*kReread=*/true>(c)
@@ -1243,7 +1249,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // of cols % 16 == 8 on the one-row tiers (G > 32), half of whose copies would start 16 bytes
   // into a sector, take the odd rows' windowed kernel of the same shape, whose copies start on
   // CopyAlignBytes, as the reread blocks' rows do (above): no new kernel.
-  const bool plain_rounded = kPlain16 && BlockCopyAlign() && c.p.cols % (2 * kVec) != 0;
+  const bool plain_rounded = kPlain16 && BlockCopyAlign() && SectorSplitRows<kVec>(c.p.cols);
   const auto staged = [&](auto group, auto elems, auto rows, int tile_count) -> Launched {
     constexpr int kG = decltype(group)::value, kEl = decltype(elems)::value;
     constexpr int kR = decltype(rows)::value;
