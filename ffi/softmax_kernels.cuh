@@ -2470,6 +2470,165 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
 #endif
 }
 
+// --- staged backward rows (sm_90+; session 51's experiment, JAX_SOFTMAX_BWD_STAGED=1) ------------
+// 16-bit plain and windowed backward rows of up to kGroup x kElems columns, one per CTA of as many
+// warps as the row needs: thread 0 copies the row's y and dy into one stage (cp.async.bulk; y's
+// copy, then dy's at half the stage), and both passes read them from there, the dot product and,
+// after the row's reduction, the output, as the forward's reread blocks read x
+// (softmax_rows_staged_kernel's kReread). So y and dy are read once from device memory, where the
+// register tiers hold 16 values per thread on clusters (8 x 256 x E, five CTAs at 16385-20480
+// columns on the H200) or read them a second time from L2 (the 512-thread blocks of 5/2 E and 3E).
+// Session 4's staged backward, slower by 0-20%, held the values through the reduction (TUNING.md).
+// A windowed row's stage is made whole vectors first, as the forward's: zeros around the row (they
+// add nothing to the dot product and are never stored), its wrapped columns moved into the first
+// vector's free slots.
+template <typename T, int kGroup, int kElems, int kVec, Access kAccess>
+__global__ void __launch_bounds__(kGroup, 1) __maxnreg__(64)
+    softmax_bwd_staged_kernel(const RowParams p, const StagedTiles tiles) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using A = float;
+  using S = Sum<A>;
+  using Loader = RowLoader<T, kVec, /*kBwd=*/true, kAccess>;
+  static_assert(Loader::kRawBwd && Loader::kPlain && kGroup > 32 && kElems % kVec == 0,
+                "16-bit plain or windowed backward rows on one CTA");
+  constexpr int kPacks = kElems / kVec;
+
+  extern __shared__ __align__(128) unsigned char staged_smem[];
+  __shared__ uint64_t full[kMaxStages];
+  __shared__ S block_slots[2][32];
+  wait_prior_grids_release_next();
+
+  const int stages = tiles.stages;
+  const uint32_t dy_offset = tiles.stage_bytes / 2;  // LaunchBwdStagedRows: two equal halves
+  const int copy_align = kCopyAligned<kAccess, 1, 1> ? tiles.copy_align : 0;
+  const int64_t num_ctas = gridDim.x;
+  // As many warps as the row needs (RowThreads): packs lie blockDim.x vectors apart.
+  const int first_col = static_cast<int>(threadIdx.x) * kVec;
+  const int stride = static_cast<int>(blockDim.x) * kVec;
+  const bool log = p.log;
+  const A scale = static_cast<A>(p.scale);
+
+  // Thread 0 only: y's and dy's range of `row` into `stage` (their last elements at the end of x
+  // by ordinary loads, which the arrival releases with the copies, as the forward's fill).
+  auto fill = [&](int stage, int64_t row) {
+    unsigned char* base = staged_smem + size_t(stage) * tiles.stage_bytes;
+    T* dst_y = reinterpret_cast<T*>(base);
+    T* dst_g = reinterpret_cast<T*>(base + dy_offset);
+    const StagedRange t = staged_tile<T, kVec, 1, 1, kAccess>(p, row, 0, 0, copy_align);
+    const T* src_y = static_cast<const T*>(p.in) + t.first;
+    const T* src_g = static_cast<const T*>(p.grad_in) + t.first;
+    if constexpr (kAccess == Access::kWindowed)
+      for (int64_t i = t.bulk; i < t.elems; ++i) dst_y[i] = src_y[i], dst_g[i] = src_g[i];
+    const uint32_t bytes = static_cast<uint32_t>(t.bulk * sizeof(T));
+    mbarrier_arrive_expect_tx(&full[stage], 2 * bytes);
+    if (bytes) {
+      bulk_load_shared(dst_y, src_y, bytes, &full[stage]);
+      bulk_load_shared(dst_g, src_g, bytes, &full[stage]);
+    }
+  };
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) mbarrier_init(&full[s], 1);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s)
+      if (blockIdx.x + s * num_ctas < p.rows) fill(s, blockIdx.x + s * num_ctas);
+  }
+
+  int stage = 0;
+  uint32_t phase = 0;
+  uint32_t use = 0;  // rows this CTA has reduced: picks the reduction buffer
+  for (int64_t row = blockIdx.x; row < p.rows; row += num_ctas, ++use) {
+    const unsigned char* base = staged_smem + size_t(stage) * tiles.stage_bytes;
+    const int64_t tile_first =
+        staged_tile<T, kVec, 1, 1, kAccess>(p, row, 0, 0, copy_align).first;
+    // The loader reads y and dy from the stage: its window starts as far into each half as into
+    // the tile in y and dy. Stores still go to dx (out_row).
+    Loader loader(p, row, true);
+    loader.in = reinterpret_cast<const T*>(base) +
+                (loader.in - static_cast<const T*>(p.in) - tile_first);
+    loader.grad = reinterpret_cast<const T*>(base + dy_offset) +
+                  (loader.grad - static_cast<const T*>(p.grad_in) - tile_first);
+    mbarrier_wait(&full[stage], phase);
+    if constexpr (Loader::kWraps) {
+      // The window made whole vectors (this row's own slots of the stage): the first vector's
+      // slots before the row take the wrapped columns (window offset W on) or zeros, and where
+      // the row ends before W the slots after it take zeros.
+      T* wy = const_cast<T*>(loader.in);
+      T* wg = const_cast<T*>(loader.grad);
+      const int width = Loader::window_width(loader.cols), end = loader.shift + loader.cols;
+      const int t = static_cast<int>(threadIdx.x);
+      const T zero = from_acc<T>(A(0));
+      if (t < loader.shift) {
+        const bool wrapped = t < loader.nwrap();
+        wy[t] = wrapped ? wy[width + t] : zero;
+        wg[t] = wrapped ? wg[width + t] : zero;
+      }
+      if (t < kVec && end + t < width) wy[end + t] = zero, wg[end + t] = zero;
+      __syncthreads();
+    }
+    // Whole vectors up to the row's last one (the window's last where a windowed row wraps).
+    const bool inside = loader.holds(first_col, first_col + (kPacks - 1) * stride);
+    const auto read = [&](int k, Pairs<kVec>& ys, Pairs<kVec>& gs) {
+      const int w = first_col + k * stride;
+      const bool live = inside || w - loader.shift <= loader.limit;
+      ys = gs = Pairs<kVec>{};
+      if (live) {
+        load_pairs(loader.in + w, ys);
+        load_pairs(loader.grad + w, gs);
+      }
+      return live;
+    };
+    A partial = A(0);
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      Pairs<kVec> ys, gs;
+      read(k, ys, gs);
+#pragma unroll
+      for (int i = 0; i < kVec / 2; ++i) {
+        const float2 y = unpack_pair<T>(ys.w[i]), g = unpack_pair<T>(gs.w[i]);
+        partial += bwd_term(y.x, g.x, log);
+        partial += bwd_term(y.y, g.y, log);
+      }
+    }
+    const A dot = block_allreduce<kGroup, false, /*kRuntimeWarps=*/true>(S{partial},
+                                                                          block_slots[use & 1])
+                      .s;
+    T* dst = loader.out_row(p, row);
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      Pairs<kVec> ys, gs;
+      if (!read(k, ys, gs)) continue;
+      A out[kVec];
+#pragma unroll
+      for (int i = 0; i < kVec / 2; ++i) {
+        const float2 y = unpack_pair<T>(ys.w[i]), g = unpack_pair<T>(gs.w[i]);
+        out[2 * i] = bwd_output(y.x, g.x, true, dot, scale, log);
+        out[2 * i + 1] = bwd_output(y.y, g.y, true, dot, scale, log);
+      }
+      const int w = first_col + k * stride;
+      if (inside)
+        store_vec_acc<kVec, true>(dst + w, out);
+      else
+        loader.template store<true>(dst, w, out);
+    }
+    // Every thread has read the stage: it can take the row `stages` iterations ahead.
+    if (row + stages * num_ctas < p.rows) {
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        fence_proxy_async_shared();
+        fill(stage, row + stages * num_ctas);
+      }
+    }
+    if (++stage == stages) stage = 0, phase ^= 1;
+  }
+#else
+  __trap();  // launched on sm_90+ only
+#endif
+}
+
 // --- streaming tier: any row length, x read twice ------------------------------------------------
 // For rows longer than the register tiers hold (or GPUs without clusters). Pass 1 reduces the row
 // (online max/sum, or the backward's dot product) tile by tile; pass 2 reads it again and writes.

@@ -526,6 +526,16 @@ inline int CopyAlignBytes() {
 // (LaunchStagedTier). Plain rows whose copies start 16 bytes into a sector read 3% slower there
 // too (H200, session 41's sweep, us per call at 256 MiB: bfloat16 2056 137, 2112 133; session 51:
 // 8200 135, 8256 133).
+// JAX_SOFTMAX_BWD_STAGED (read once; session 51's experiment, off by default and not yet run): 1
+// sends 16-bit plain and windowed backward rows of 512 x 2E + 1 to 512 x 4E columns (16385-32768)
+// to the staged backward block (softmax_bwd_staged_kernel, LaunchBwdStagedRows), y and dy read
+// once into shared memory and both passes reading them there. Candidates: the H200's windowed
+// rows of 16385-20480 on the 8 x 256 x E clusters (80-85% of the copy, session 45's and 47's
+// sweeps) and its plain rows of 16392-18000 on the 512 x 5/2 E block (88-89%).
+inline bool BwdStagedRows() {
+  static const bool on = EnvKnob("JAX_SOFTMAX_BWD_STAGED", 0) != 0;
+  return on;
+}
 // Plain rows of an odd number of 16-byte vectors: every other row starts 16 bytes into a
 // 32-byte sector.
 template <int kVec>
@@ -1034,6 +1044,40 @@ Launched LaunchStagedRows(const LaunchCtx& c, int min_ctas_per_sm = 1,
                 "softmax staged kernel", c.p, plan.tiles);
 }
 
+// The staged backward block (softmax_bwd_staged_kernel): up to 512 threads of 64 values (16-bit
+// rows of up to 32768 columns), as many warps as the row needs, one row per tile and
+// TilesPerCta() tiles per CTA (one by default, as the forward's reread blocks: the other CTAs on
+// the SM keep the copies in flight). A stage holds the row's y and then its dy, each in a half of
+// 128-byte multiples with the windowed rows' slack (LaunchStagedRows'). nullopt where no stage
+// fits.
+template <typename T, int kVec, Access kAccess>
+Launched LaunchBwdStagedRows(const LaunchCtx& c) {
+  constexpr int kGroup = 512, kElems = 64;
+  constexpr auto kernel = softmax_bwd_staged_kernel<T, kGroup, kElems, kVec, kAccess>;
+  const int64_t n = WindowWidth<kVec, kAccess>(c.p.cols);
+  if (n > int64_t(kGroup) * kElems) return std::nullopt;
+  const int block = RowThreads(n, kGroup, kElems, /*keep_filled=*/false);
+  auto reg = BlocksPerSm<kernel, kGroup>(c.device, block);
+  if (reg.has_error()) return reg.error();
+  const int align_bytes = kCopyAligned<kAccess, 1, 1> ? CopyAlignBytes() : 16;
+  const uint64_t tensor =
+      (uint64_t(c.p.cols) + (kAccess == Access::kWindowed ? 2 * kVec : 0)) * sizeof(T) +
+      (align_bytes - 16);
+  const uint64_t half = (tensor + 127) / 128 * 128;
+  const int tiles_per_cta = TilesPerCta();
+  StagePlan plan = PlanStages(2 * half, *reg, c.dev, tiles_per_cta);
+  plan.tiles.copy_align = align_bytes / static_cast<int>(sizeof(T));
+  if (plan.tiles.stages == 0 || plan.tiles.stage_bytes != 2 * half ||
+      !AllowDynamicSmem<kernel>(c.device, c.dev))
+    return std::nullopt;
+  const int grid =
+      tiles_per_cta > 0
+          ? static_cast<int>(std::min<int64_t>((c.p.rows + tiles_per_cta - 1) / tiles_per_cta, INT_MAX))
+          : GridUnits(c.p.rows, int64_t(plan.ctas_per_sm) * c.dev.sm_count, kPersistentWaves);
+  return Launch(KernelLaunch(grid, block, plan.smem, c.stream, 1, c.dependent), kernel,
+                "softmax staged backward kernel", c.p, plan.tiles);
+}
+
 template <typename T, int kBlock, int kElems, int kVec, int kCluster, Access kAccess>
 Launched LaunchStagedCluster(const LaunchCtx& c) {
   constexpr auto kernel = softmax_rows_staged_kernel<T, kBlock, kElems, kVec, kCluster, kAccess>;
@@ -1474,6 +1518,12 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // (52 bytes spilled) 24584 312 / 303 but 26000 296 / 305, 4 E (104 bytes) 28680-32760 306 /
   // 376. H200 (session 45): bfloat16 16400 230 / 215, 20488 228 / 206, 22000 200 / 202, 24568
   // 234 / 198. JAX_SOFTMAX_BWD_BLOCKS=0 keeps the clusters (A/B runs).
+  // Experiment (JAX_SOFTMAX_BWD_STAGED=1, session 51, BwdStagedRows): plain and windowed rows of
+  // 512 x 2E + 1 to 512 x 4E columns on the staged backward block, where a stage fits.
+  if constexpr (kRawWide && kAccess != Access::kGeneral) {
+    if (c.dev.cc_major >= 9 && BwdStagedRows() && n > 512 * 2 * kE && n <= 512 * 4 * kE)
+      if (Launched launched = LaunchBwdStagedRows<T, kVec, kAccess>(c)) return *launched;
+  }
   if constexpr (kRawWide && kAccess == Access::kPlain) {
     if (n % (256 * kE) != 0 && BackwardWideBlocks()) {
       if (n <= 512 * (5 * kE / 2)) JS_ROWS(512, 5 * kE / 2, 1);
