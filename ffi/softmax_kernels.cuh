@@ -2483,7 +2483,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
 // add nothing to the dot product and are never stored), its wrapped columns moved into the first
 // vector's free slots.
 template <typename T, int kGroup, int kElems, int kVec, Access kAccess>
-__global__ void __launch_bounds__(kGroup, 1) __maxnreg__(64)
+__global__ void __launch_bounds__(kGroup, MinBlocksPerSm(kGroup))  // 64 registers at 512
     softmax_bwd_staged_kernel(const RowParams p, const StagedTiles tiles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = float;
