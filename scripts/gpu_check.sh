@@ -224,6 +224,12 @@ if want test; then
   # 2312, 2568).
   test_job block_copy_align JAX_SOFTMAX_BLOCK_COPY_ALIGN=1 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_rings or odd_row_tiers or windowed_row_neighbours or block_warps or wide_block_rows or plain_block_rows or past_top_rows)")"
+  # Session 51's experiment (off by default, JAX_SOFTMAX_BWD_STAGED=1): 16-bit plain and windowed
+  # backward rows of 16385-32768 on the staged backward block (softmax_bwd_staged_kernel), y and
+  # dy read into shared memory once; windowed_row_neighbours' NaN neighbours catch a stage whose
+  # slots around the row leak into it.
+  test_job bwd_staged JAX_SOFTMAX_BWD_STAGED=1 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and (mid_backward_rows or windowed_row_neighbours or reread_block_rows or wide_block_rows)")"
   # Plain 16-bit rows of 8193-16383 on the register tier's 512 x 32 block, which the staged one
   # replaced in session 51 (JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=0).
   test_job plain16_register_blocks JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=0 \
