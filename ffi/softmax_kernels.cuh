@@ -2256,6 +2256,20 @@ __device__ __forceinline__ StagedRange staged_wrap(const RowParams& p, int64_t r
   return staged_range<kVec>(p, window + width, window + width + kVec);
 }
 
+// A windowed row's window in a stage made whole vectors, so that a pass reads every vector as a
+// plain row's (the reread blocks, forward and backward): the first vector's slots before the row
+// take the wrapped columns (window offset W on) or `outside`, and where the row ends before W the
+// slots after it take `outside`. These slots are the row's own (its tile's copy); the caller
+// syncs the block before the stage is read.
+template <typename Loader>
+__device__ __forceinline__ void whole_window(typename Loader::Elem* window, const Loader& l,
+                                             typename Loader::Elem outside) {
+  const int width = Loader::window_width(l.cols), end = l.shift + l.cols;
+  const int t = static_cast<int>(threadIdx.x);
+  if (t < l.shift) window[t] = t < l.nwrap() ? window[width + t] : outside;
+  if (t < Loader::kVecWidth && end + t < width) window[end + t] = outside;
+}
+
 // kReread (16-bit plain and windowed rows kept as loaded, and float32 ones, one row per CTA): every
 // pass over the row (max, sum, output) loads its pairs from the stage again (RawPacksStaged)
 // instead of holding them in registers, and the stage is refilled only after the row's outputs are
@@ -2401,17 +2415,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
       // kReread: nothing loaded here; each pass of finish_batch_raw_fwd reads the stage.
       if constexpr (kRaw) load_batch_raw(loaders, first_col, stride, xs);
       // Reread windowed rows: the stage's window made whole vectors that the passes read as
-      // they are (RawPacksStaged): the first vector's slots before the row take the wrapped
-      // columns (as the loader reads them, from window offset W on) or -inf, and where the row
-      // ends before W the slots after it take -inf. (The tile is this one row's window: those
-      // slots are this CTA's own.)
+      // they are (RawPacksStaged), -inf around the row (whole_window).
       if constexpr (kReread && Loader::kWraps) {
-        const Loader& l = loaders[0];
-        T* window = const_cast<T*>(l.in);
-        const int width = Loader::window_width(l.cols), end = l.shift + l.cols;
-        const int t = static_cast<int>(threadIdx.x);
-        if (t < l.shift) window[t] = t < l.nwrap() ? window[width + t] : from_acc<T>(neg_inf<A>());
-        if (t < kVec && end + t < width) window[end + t] = from_acc<T>(neg_inf<A>());
+        whole_window(const_cast<T*>(loaders[0].in), loaders[0], from_acc<T>(neg_inf<A>()));
         __syncthreads();
       }
     } else if constexpr (Loader::kPlain || Ops::kSplit) {
@@ -2553,20 +2559,9 @@ __global__ void __launch_bounds__(kGroup, MinBlocksPerSm(kGroup))  // 64 registe
                   (loader.grad - static_cast<const T*>(p.grad_in) - tile_first);
     mbarrier_wait(&full[stage], phase);
     if constexpr (Loader::kWraps) {
-      // The window made whole vectors (this row's own slots of the stage): the first vector's
-      // slots before the row take the wrapped columns (window offset W on) or zeros, and where
-      // the row ends before W the slots after it take zeros.
-      T* wy = const_cast<T*>(loader.in);
-      T* wg = const_cast<T*>(loader.grad);
-      const int width = Loader::window_width(loader.cols), end = loader.shift + loader.cols;
-      const int t = static_cast<int>(threadIdx.x);
-      const T zero = from_acc<T>(A(0));
-      if (t < loader.shift) {
-        const bool wrapped = t < loader.nwrap();
-        wy[t] = wrapped ? wy[width + t] : zero;
-        wg[t] = wrapped ? wg[width + t] : zero;
-      }
-      if (t < kVec && end + t < width) wy[end + t] = zero, wg[end + t] = zero;
+      // Zeros around the row: they add nothing to the dot product and are never stored.
+      whole_window(const_cast<T*>(loader.in), loader, from_acc<T>(A(0)));
+      whole_window(const_cast<T*>(loader.grad), loader, from_acc<T>(A(0)));
       __syncthreads();
     }
     // Whole vectors up to the row's last one (the window's last where a windowed row wraps).
