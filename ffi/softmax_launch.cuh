@@ -1519,10 +1519,17 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // 376. H200 (session 45): bfloat16 16400 230 / 215, 20488 228 / 206, 22000 200 / 202, 24568
   // 234 / 198. JAX_SOFTMAX_BWD_BLOCKS=0 keeps the clusters (A/B runs).
   // Experiment (JAX_SOFTMAX_BWD_STAGED=1, session 51, BwdStagedRows): plain and windowed rows of
-  // 512 x 2E + 1 to 512 x 4E columns on the staged backward block, where a stage fits.
+  // 512 x 2E + 1 to 512 x 4E columns on the staged backward block, where a stage fits; plain rows
+  // of cols % 16 == 8 on its windowed kernel, whose copies start on CopyAlignBytes (as the
+  // forward's reread blocks' rows, LaunchStagedTier).
   if constexpr (kRawWide && kAccess != Access::kGeneral) {
-    if (c.dev.cc_major >= 9 && BwdStagedRows() && n > 512 * 2 * kE && n <= 512 * 4 * kE)
-      if (Launched launched = LaunchBwdStagedRows<T, kVec, kAccess>(c)) return *launched;
+    if (c.dev.cc_major >= 9 && BwdStagedRows() && n > 512 * 2 * kE && n <= 512 * 4 * kE) {
+      const Launched launched =
+          kAccess == Access::kPlain && SectorSplitRows<kVec>(c.p.cols) && CopyAlignBytes() > 16
+              ? LaunchBwdStagedRows<T, kVec, Access::kWindowed>(c)
+              : LaunchBwdStagedRows<T, kVec, kAccess>(c);
+      if (launched) return *launched;
+    }
   }
   if constexpr (kRawWide && kAccess == Access::kPlain) {
     if (n % (256 * kE) != 0 && BackwardWideBlocks()) {
