@@ -542,6 +542,13 @@ template <int kVec>
 constexpr bool SectorSplitRows(int64_t cols) {
   return cols % (2 * kVec) != 0;
 }
+// The plain rows that a staged kernel copies through its windowed instantiation, whose copies
+// start on CopyAlignBytes (the plain one's own rounding spilled, see CopyAlignBytes): a plain row
+// is a window of shift 0 that never wraps, so no kernel is added for them.
+template <int kVec>
+bool RoundedCopyRows(int64_t cols) {
+  return SectorSplitRows<kVec>(cols) && CopyAlignBytes() > 16;
+}
 inline bool BlockCopyAlign() {
   static const bool on = EnvKnob("JAX_SOFTMAX_BLOCK_COPY_ALIGN", 0) != 0;
   return on;
@@ -1190,8 +1197,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
       // copies would start 16 bytes into a 32-byte sector, take the odd rows' windowed kernel,
       // whose copies start on CopyAlignBytes (session 51; the plain kernel's own rounding spilled,
       // see CopyAlignBytes): no new kernel. JAX_SOFTMAX_COPY_ALIGN=16 keeps them plain.
-      const bool rounded_copy =
-          kPlain16 && SectorSplitRows<kVec>(c.p.cols) && CopyAlignBytes() > 16;
+      const bool rounded_copy = kPlain16 && RoundedCopyRows<kVec>(c.p.cols);
       const Launched launched =
           rounded_copy
               ? LaunchStagedRows<T, 512, 2 * kE, kVec, Access::kWindowed, 1, /*kReread=*/true>(c)
@@ -1293,7 +1299,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // of cols % 16 == 8 on the one-row tiers (G > 32), half of whose copies would start 16 bytes
   // into a sector, take the odd rows' windowed kernel of the same shape, whose copies start on
   // CopyAlignBytes, as the reread blocks' rows do (above): no new kernel.
-  const bool plain_rounded = kPlain16 && BlockCopyAlign() && SectorSplitRows<kVec>(c.p.cols);
+  const bool plain_rounded = kPlain16 && BlockCopyAlign() && RoundedCopyRows<kVec>(c.p.cols);
   const auto staged = [&](auto group, auto elems, auto rows, int tile_count) -> Launched {
     constexpr int kG = decltype(group)::value, kEl = decltype(elems)::value;
     constexpr int kR = decltype(rows)::value;
@@ -1525,7 +1531,7 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   if constexpr (kRawWide && kAccess != Access::kGeneral) {
     if (c.dev.cc_major >= 9 && BwdStagedRows() && n > 512 * 2 * kE && n <= 512 * 4 * kE) {
       const Launched launched =
-          kAccess == Access::kPlain && SectorSplitRows<kVec>(c.p.cols) && CopyAlignBytes() > 16
+          kAccess == Access::kPlain && RoundedCopyRows<kVec>(c.p.cols)
               ? LaunchBwdStagedRows<T, kVec, Access::kWindowed>(c)
               : LaunchBwdStagedRows<T, kVec, kAccess>(c);
       if (launched) return *launched;
