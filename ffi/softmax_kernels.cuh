@@ -2162,14 +2162,15 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
 // boundary before that, StagedTiles::copy_align) and ends at the vector holding its last element,
 // so that the copy and the stage's vector reads stay 16-byte aligned; each loader reads its row's
 // window at the offset its window start has from the tile's start (staged_tile).
-// Forward only: a backward variant with y and dy in each stage measured 0-20% slower than the
-// register kernel (TUNING.md).
+// Forward rows: a backward variant with y and dy in each stage, held through the reduction,
+// measured 0-20% slower than the register kernel (TUNING.md, session 4); session 51's
+// experiment, softmax_bwd_staged_kernel, reads them from the stage in each pass instead.
 struct StagedTiles {
   int stages;            // 1 .. kMaxStages buffers in the ring
   uint32_t stage_bytes;  // distance between stages in dynamic shared memory (multiple of 128)
   // The windowed tiles of kCopyAligned kernels: the copy starts at x's element index rounded
-  // down to a multiple of this (a power of two, in elements; 0 or kVec: the tile's own 16-byte start), so
-  // that it reads whole sectors from its first (staged_tile; CopyAlignBytes says why).
+  // down to a multiple of this (a power of two, in elements; 0 or kVec: the tile's own 16-byte
+  // start), so that it reads whole sectors from its first (staged_tile; CopyAlignBytes says why).
   int copy_align = 0;
 };
 constexpr int kMaxStages = 4;

@@ -1015,38 +1015,59 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
 // caller uses the register tiers); otherwise the launch's outcome.
 using Launched = std::optional<ffi::Error>;
 
+// Bytes of a staged tile of `elems` elements: a windowed tile also holds the few elements before
+// its first row and after its last that share their vectors (staged_tile), and up to
+// align_bytes - 16 bytes before that (CopyAlignBytes).
+template <typename T, int kVec, Access kAccess>
+uint64_t StagedTileBytes(uint64_t elems, int align_bytes) {
+  return (elems + (kAccess == Access::kWindowed ? 2 * kVec : 0)) * sizeof(T) + (align_bytes - 16);
+}
+
+// CTAs of a staged row launch: tiles_per_cta tiles each, or (0) persistent waves of the CTAs
+// that fit the GPU.
+inline int StagedGrid(int64_t tiles, int tiles_per_cta, int ctas_per_sm, const DeviceInfo& dev) {
+  return tiles_per_cta > 0
+             ? static_cast<int>(std::min<int64_t>((tiles + tiles_per_cta - 1) / tiles_per_cta,
+                                                  INT_MAX))
+             : GridUnits(tiles, int64_t(ctas_per_sm) * dev.sm_count, kPersistentWaves);
+}
+
 // min_ctas_per_sm: decline (nullopt) where fewer of these CTAs fit an SM (registers and shared
 // memory, PlanStages), so that the caller's next tier takes the row.
+// The one-row tiers whose copies start on CopyAlignBytes (kCopyAligned: the reread blocks, and the
+// other blocks under JAX_SOFTMAX_BLOCK_COPY_ALIGN=1) do so for windowed rows; plain 16-bit rows of
+// cols % 16 == 8, half of whose copies would start 16 bytes into a 32-byte sector
+// (RoundedCopyRows), take the tier's windowed kernel for it (session 51).
 template <typename T, int kGroup, int kElems, int kVec, Access kAccess, int kRows,
           bool kReread = false>
 Launched LaunchStagedRows(const LaunchCtx& c, int min_ctas_per_sm = 1,
                           int tiles_per_cta = TilesPerCta()) {
   using Tier = RowTier<kGroup, kElems, kVec, kRows>;
   constexpr int kRowsPerBlock = Tier::kRowsPerBlock;
+  const bool copy_aligned = kReread || BlockCopyAlign();
+  if constexpr (sizeof(T) == 2 && kAccess == Access::kPlain &&
+                kCopyAligned<Access::kWindowed, 1, kRowsPerBlock>) {
+    if (copy_aligned && RoundedCopyRows<kVec>(c.p.cols))
+      return LaunchStagedRows<T, kGroup, kElems, kVec, Access::kWindowed, kRows, kReread>(
+          c, min_ctas_per_sm, tiles_per_cta);
+  }
   const int block =
       TierThreads<RowLoader<T, kVec, false, kAccess>, kGroup, kElems, kAccess, false>(c.p.cols);
   constexpr auto kernel =
       softmax_rows_staged_kernel<T, kGroup, kElems, kVec, 1, kAccess, kRows, kReread>;
   auto reg = BlocksPerSm<kernel, Tier::kBlock>(c.device, block);
   if (reg.has_error()) return reg.error();
-  // A windowed tile also holds the few elements before its first row and after its last that
-  // share their vectors (staged_tile), and up to copy_align - 16 bytes before that
-  // (CopyAlignBytes).
-  const uint64_t tile_elems = uint64_t(kRowsPerBlock) * uint64_t(c.p.cols);
-  const bool aligned = kCopyAligned<kAccess, 1, kRowsPerBlock> && (kReread || BlockCopyAlign());
-  const int align_bytes = aligned ? CopyAlignBytes() : 16;
-  const uint64_t tile = (tile_elems + (kAccess == Access::kWindowed ? 2 * kVec : 0)) * sizeof(T) +
-                        (align_bytes - 16);
+  const int align_bytes =
+      kCopyAligned<kAccess, 1, kRowsPerBlock> && copy_aligned ? CopyAlignBytes() : 16;
+  const uint64_t tile = StagedTileBytes<T, kVec, kAccess>(
+      uint64_t(kRowsPerBlock) * uint64_t(c.p.cols), align_bytes);
   StagePlan plan = PlanStages(tile, *reg, c.dev, tiles_per_cta);
   plan.tiles.copy_align = align_bytes / static_cast<int>(sizeof(T));
   if (plan.tiles.stages == 0 || plan.ctas_per_sm < min_ctas_per_sm ||
       !AllowDynamicSmem<kernel>(c.device, c.dev))
     return std::nullopt;
-  const int64_t needed = (c.p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  const int grid =
-      tiles_per_cta > 0
-          ? static_cast<int>(std::min<int64_t>((needed + tiles_per_cta - 1) / tiles_per_cta, INT_MAX))
-          : GridUnits(needed, int64_t(plan.ctas_per_sm) * c.dev.sm_count, kPersistentWaves);
+  const int64_t tiles = (c.p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int grid = StagedGrid(tiles, tiles_per_cta, plan.ctas_per_sm, c.dev);
   return Launch(KernelLaunch(grid, block, plan.smem, c.stream, 1, c.dependent), kernel,
                 "softmax staged kernel", c.p, plan.tiles);
 }
@@ -1055,10 +1076,13 @@ Launched LaunchStagedRows(const LaunchCtx& c, int min_ctas_per_sm = 1,
 // rows of up to 32768 columns), as many warps as the row needs, one row per tile and
 // TilesPerCta() tiles per CTA (one by default, as the forward's reread blocks: the other CTAs on
 // the SM keep the copies in flight). A stage holds the row's y and then its dy, each in a half of
-// 128-byte multiples with the windowed rows' slack (LaunchStagedRows'). nullopt where no stage
-// fits.
+// 128-byte multiples with the windowed rows' slack (StagedTileBytes). Plain rows of
+// cols % 16 == 8 take its windowed kernel, whose copies start on CopyAlignBytes (RoundedCopyRows,
+// as LaunchStagedRows). nullopt where no stage fits.
 template <typename T, int kVec, Access kAccess>
 Launched LaunchBwdStagedRows(const LaunchCtx& c) {
+  if constexpr (kAccess == Access::kPlain)
+    if (RoundedCopyRows<kVec>(c.p.cols)) return LaunchBwdStagedRows<T, kVec, Access::kWindowed>(c);
   constexpr int kGroup = 512, kElems = 64;
   constexpr auto kernel = softmax_bwd_staged_kernel<T, kGroup, kElems, kVec, kAccess>;
   const int64_t n = WindowWidth<kVec, kAccess>(c.p.cols);
@@ -1067,20 +1091,15 @@ Launched LaunchBwdStagedRows(const LaunchCtx& c) {
   auto reg = BlocksPerSm<kernel, kGroup>(c.device, block);
   if (reg.has_error()) return reg.error();
   const int align_bytes = kCopyAligned<kAccess, 1, 1> ? CopyAlignBytes() : 16;
-  const uint64_t tensor =
-      (uint64_t(c.p.cols) + (kAccess == Access::kWindowed ? 2 * kVec : 0)) * sizeof(T) +
-      (align_bytes - 16);
-  const uint64_t half = (tensor + 127) / 128 * 128;
+  const uint64_t half =
+      (StagedTileBytes<T, kVec, kAccess>(uint64_t(c.p.cols), align_bytes) + 127) / 128 * 128;
   const int tiles_per_cta = TilesPerCta();
   StagePlan plan = PlanStages(2 * half, *reg, c.dev, tiles_per_cta);
   plan.tiles.copy_align = align_bytes / static_cast<int>(sizeof(T));
   if (plan.tiles.stages == 0 || plan.tiles.stage_bytes != 2 * half ||
       !AllowDynamicSmem<kernel>(c.device, c.dev))
     return std::nullopt;
-  const int grid =
-      tiles_per_cta > 0
-          ? static_cast<int>(std::min<int64_t>((c.p.rows + tiles_per_cta - 1) / tiles_per_cta, INT_MAX))
-          : GridUnits(c.p.rows, int64_t(plan.ctas_per_sm) * c.dev.sm_count, kPersistentWaves);
+  const int grid = StagedGrid(c.p.rows, tiles_per_cta, plan.ctas_per_sm, c.dev);
   return Launch(KernelLaunch(grid, block, plan.smem, c.stream, 1, c.dependent), kernel,
                 "softmax staged backward kernel", c.p, plan.tiles);
 }
@@ -1192,17 +1211,12 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     const bool reread = kFloatRows ? RereadFloatRows() && RawScale(c.p.scale)
                                    : RereadBlocks(/*odd_rows=*/!kPlain16);
     if (reread && n > 512 * kE && n <= 1024 * kE) {
+      // (Plain 16-bit rows of cols % 16 == 8 take the windowed kernel since session 51, inside
+      // LaunchStagedRows; JAX_SOFTMAX_COPY_ALIGN=16 keeps them plain.)
       constexpr Access kRereadAccess = kFloatRows ? Access::kWindowed : kAccess;
-      // Plain 16-bit rows of an odd number of 16-byte vectors (cols % 16 == 8), half of whose
-      // copies would start 16 bytes into a 32-byte sector, take the odd rows' windowed kernel,
-      // whose copies start on CopyAlignBytes (session 51; the plain kernel's own rounding spilled,
-      // see CopyAlignBytes): no new kernel. JAX_SOFTMAX_COPY_ALIGN=16 keeps them plain.
-      const bool rounded_copy = kPlain16 && RoundedCopyRows<kVec>(c.p.cols);
       const Launched launched =
-          rounded_copy
-              ? LaunchStagedRows<T, 512, 2 * kE, kVec, Access::kWindowed, 1, /*kReread=*/true>(c)
-              : LaunchStagedRows<T, 512, 2 * kE, kVec, kRereadAccess, 1, /*kReread=*/true>(
-                    c, /*min_ctas_per_sm=*/kFloatRows ? 2 : 1);
+          LaunchStagedRows<T, 512, 2 * kE, kVec, kRereadAccess, 1, /*kReread=*/true>(
+              c, /*min_ctas_per_sm=*/kFloatRows ? 2 : 1);
       if (launched || kPlain16) return launched;
     }
   }
@@ -1295,25 +1309,10 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // 1024 180 / 181, 1400 183 / 184, 2048 180 / 181; 640 185 / 181 was the one gain).
   const int gap_tiles = kGap16 ? OddRowTilesPerCta<kE>(c.dev, n) : TilesPerCta();
   const int tiles = kOdd16 ? gap_tiles : TilesPerCta();
-  // Experiment (JAX_SOFTMAX_BLOCK_COPY_ALIGN=1, session 51, BlockCopyAlign): plain 16-bit rows
-  // of cols % 16 == 8 on the one-row tiers (G > 32), half of whose copies would start 16 bytes
-  // into a sector, take the odd rows' windowed kernel of the same shape, whose copies start on
-  // CopyAlignBytes, as the reread blocks' rows do (above): no new kernel.
-  const bool plain_rounded = kPlain16 && BlockCopyAlign() && RoundedCopyRows<kVec>(c.p.cols);
-  const auto staged = [&](auto group, auto elems, auto rows, int tile_count) -> Launched {
-    constexpr int kG = decltype(group)::value, kEl = decltype(elems)::value;
-    constexpr int kR = decltype(rows)::value;
-    if constexpr (kPlain16 && kG > 32)
-      if (plain_rounded)
-        return LaunchStagedRows<T, kG, kEl, kVec, Access::kWindowed, kR>(c, 1, tile_count);
-    return LaunchStagedRows<T, kG, kEl, kVec, kAccess, kR>(c, 1, tile_count);
-  };
-#define JS_STAGED(G, E, R)                                                                     \
-  return staged(std::integral_constant<int, (G)>{}, std::integral_constant<int, (E)>{},       \
-                std::integral_constant<int, (R)>{}, tiles)
-#define JS_GAP(G, E)                                                                           \
-  return staged(std::integral_constant<int, (G)>{}, std::integral_constant<int, (E)>{},       \
-                std::integral_constant<int, 1>{}, gap_tiles)
+  // (Under JAX_SOFTMAX_BLOCK_COPY_ALIGN=1, session 51's experiment, the one-row tiers' plain
+  // 16-bit rows of cols % 16 == 8 take their windowed kernel, inside LaunchStagedRows.)
+#define JS_STAGED(G, E, R) return LaunchStagedRows<T, G, E, kVec, kAccess, R>(c, 1, tiles)
+#define JS_GAP(G, E) return LaunchStagedRows<T, G, E, kVec, kAccess, 1>(c, 1, gap_tiles)
   if constexpr (!kWindowedF32) {
     if constexpr (kAccess != Access::kWindowed) {
       if (n <= 1 * kVec) JS_STAGED(1, kVec, kEB / kVec);
@@ -1525,17 +1524,10 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // 376. H200 (session 45): bfloat16 16400 230 / 215, 20488 228 / 206, 22000 200 / 202, 24568
   // 234 / 198. JAX_SOFTMAX_BWD_BLOCKS=0 keeps the clusters (A/B runs).
   // Experiment (JAX_SOFTMAX_BWD_STAGED=1, session 51, BwdStagedRows): plain and windowed rows of
-  // 512 x 2E + 1 to 512 x 4E columns on the staged backward block, where a stage fits; plain rows
-  // of cols % 16 == 8 on its windowed kernel, whose copies start on CopyAlignBytes (as the
-  // forward's reread blocks' rows, LaunchStagedTier).
+  // 512 x 2E + 1 to 512 x 4E columns on the staged backward block, where a stage fits.
   if constexpr (kRawWide && kAccess != Access::kGeneral) {
-    if (c.dev.cc_major >= 9 && BwdStagedRows() && n > 512 * 2 * kE && n <= 512 * 4 * kE) {
-      const Launched launched =
-          kAccess == Access::kPlain && RoundedCopyRows<kVec>(c.p.cols)
-              ? LaunchBwdStagedRows<T, kVec, Access::kWindowed>(c)
-              : LaunchBwdStagedRows<T, kVec, kAccess>(c);
-      if (launched) return *launched;
-    }
+    if (c.dev.cc_major >= 9 && BwdStagedRows() && n > 512 * 2 * kE && n <= 512 * 4 * kE)
+      if (Launched launched = LaunchBwdStagedRows<T, kVec, kAccess>(c)) return *launched;
   }
   if constexpr (kRawWide && kAccess == Access::kPlain) {
     if (n % (256 * kE) != 0 && BackwardWideBlocks()) {
