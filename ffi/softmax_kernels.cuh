@@ -2163,8 +2163,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
 // so that the copy and the stage's vector reads stay 16-byte aligned; each loader reads its row's
 // window at the offset its window start has from the tile's start (staged_tile).
 // Forward rows: a backward variant with y and dy in each stage, held through the reduction,
-// measured 0-20% slower than the register kernel (TUNING.md, session 4); session 51's
-// experiment, softmax_bwd_staged_kernel, reads them from the stage in each pass instead.
+// measured 0-20% slower than the register kernel (TUNING.md, session 4); softmax_bwd_staged_kernel
+// (sessions 51-52) reads them from the stage in each pass instead.
 struct StagedTiles {
   int stages;            // 1 .. kMaxStages buffers in the ring
   uint32_t stage_bytes;  // distance between stages in dynamic shared memory (multiple of 128)
@@ -2176,8 +2176,8 @@ struct StagedTiles {
 constexpr int kMaxStages = 4;
 
 // The staged kernels whose windowed tiles start at StagedTiles::copy_align: one row per tile on
-// one CTA (the reread blocks; under JAX_SOFTMAX_BLOCK_COPY_ALIGN=1, session 51's experiment, the
-// other staged blocks too: the launch sets copy_align, BlockCopyAlign). The lane groups compiled
+// one CTA (the reread blocks; where BlockCopyAlign is on, by default on the H200 since session 52,
+// the other staged blocks too: the launch sets copy_align). The lane groups compiled
 // with it took 1-6 more registers (8-32 lanes, ptxas sm_90a), and a cluster CTA's chunk starts
 // where the chunk before it ends.
 template <Access kAccess, int kCluster, int kRowsPerBlock>
@@ -2477,7 +2477,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
 #endif
 }
 
-// --- staged backward rows (sm_90+; session 51's experiment, JAX_SOFTMAX_BWD_STAGED=1) ------------
+// --- staged backward rows (sm_90+; sessions 51-52, BwdStagedRows) -------------------------------
 // 16-bit plain and windowed backward rows of up to kGroup x kElems columns, one per CTA of as many
 // warps as the row needs: thread 0 copies the row's y and dy into one stage (cp.async.bulk; y's
 // copy, then dy's at half the stage), and both passes read them from there, the dot product and,

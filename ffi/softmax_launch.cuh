@@ -518,23 +518,33 @@ inline int CopyAlignBytes() {
   }();
   return bytes;
 }
-// JAX_SOFTMAX_BLOCK_COPY_ALIGN (read once; session 51's experiment, off by default and not yet
-// measured): 1 has the staged tiers' windowed one-row tiles (kCopyAligned: blocks of 64-512
-// threads, 16-bit odd rows of 2049-16384; the wide blocks, float32 odd rows of 28637-32768) start
-// on CopyAlignBytes too, as the reread blocks' do since session 50 (3% there on the H200, 1-2% on
-// the H100), and plain 16-bit rows of cols % 16 == 8 on those tiers take their windowed kernel
-// (LaunchStagedTier). Plain rows whose copies start 16 bytes into a sector read 3% slower there
-// too (H200, session 41's sweep, us per call at 256 MiB: bfloat16 2056 137, 2112 133; session 51:
-// 8200 135, 8256 133).
-// JAX_SOFTMAX_BWD_STAGED (read once; session 51's experiment, off by default and not yet run): 1
-// sends 16-bit plain and windowed backward rows of 512 x 2E + 1 to 512 x 4E columns (16385-32768)
-// to the staged backward block (softmax_bwd_staged_kernel, LaunchBwdStagedRows), y and dy read
-// once into shared memory and both passes reading them there. Candidates: the H200's windowed
-// rows of 16385-20480 on the 8 x 256 x E clusters (80-85% of the copy, session 45's and 47's
-// sweeps) and its plain rows of 16392-18000 on the 512 x 5/2 E block (88-89%).
-inline bool BwdStagedRows() {
-  static const bool on = EnvKnob("JAX_SOFTMAX_BWD_STAGED", 0) != 0;
-  return on;
+// JAX_SOFTMAX_BLOCK_COPY_ALIGN (read once): where the staged tiers' windowed one-row tiles
+// (kCopyAligned: blocks of 64-512 threads, 16-bit odd rows of 2049-16384; the wide blocks, float32
+// odd rows of 28637-32768) start their copies. 1 on CopyAlignBytes, as the reread blocks' do since
+// session 50; 0 on 16 bytes, as before session 52; 2 also sends plain 16-bit rows of
+// cols % 16 == 8 on those tiers to their windowed kernel (LaunchStagedRows). Default (-1): 1 where
+// AmpleDramPerSm (measured on the H200 only), 0 elsewhere. Measured (session 52, H200, us per call
+// at 256 MiB, 0 / 1 with the plain rows' route, two rounds each, within 1 us): odd rows bfloat16
+// 4097 156 / 156, 6145 148 / 147, 8193 146 / 145, 12001 134 / 132, 16383 136 / 133; float16 8193
+// 146 / 145; float32 28673 143 / 141, 30001 145 / 142, 32767 145 / 142. Plain rows of
+// cols % 16 == 8 (the route, now 2): bfloat16 2056 137 / 142, 4104 161 / 161, 6152 176 / 176, 8200
+// 135 / 138, 10248 137 / 137, 12296 144 / 144, 14344 138 / 137, 16376 134 / 131; float16 12296
+// 144 / 144: one gain, two losses, no rule in the row length, so the route stays off. (Plain rows
+// whose copies start 16 bytes into a sector read 3% slower on the H200, session 41: bfloat16
+// 2056 137, 2112 133; the windowed kernel's copy from 128 bytes did not win that back.)
+// JAX_SOFTMAX_BWD_STAGED (read once): 1 sends 16-bit plain and windowed backward rows of
+// 512 x 2E + 1 to 512 x 4E columns (16385-32768) to the staged backward block
+// (softmax_bwd_staged_kernel, LaunchBwdStagedRows): y and dy read once into shared memory, both
+// passes reading them there. 0 keeps the 512 x 5/2 E and 3 E register blocks and the 8 x 256 x E
+// clusters. Default (-1): 1 where AmpleDramPerSm (measured on the H200 only), 0 elsewhere; the
+// H100's blocks and clusters already ran these rows at 89-99% of its copy (session 45).
+// Measured (session 52, H200, us per call at 256 MiB, 0 / 1, two rounds each, within 1 us;
+// the copy's floor for these 768 MiB is 187 us): bfloat16 16385 231 / 190, 16391 230 / 190,
+// 18001 231 / 190, 20001 226 / 190, 20481 222 / 190, 24577 210 / 190, 32767 206 / 200, 16400
+// 214 / 189, 20480 199 / 189, 24576 200 / 189, 32768 196 / 191; float16 16385 232 / 190.
+inline bool BwdStagedRows(const DeviceInfo& dev) {
+  static const long knob = EnvKnob("JAX_SOFTMAX_BWD_STAGED", -1);
+  return knob < 0 ? AmpleDramPerSm(dev) : knob != 0;
 }
 // Plain rows of an odd number of 16-byte vectors: every other row starts 16 bytes into a
 // 32-byte sector.
@@ -549,9 +559,10 @@ template <int kVec>
 bool RoundedCopyRows(int64_t cols) {
   return SectorSplitRows<kVec>(cols) && CopyAlignBytes() > 16;
 }
-inline bool BlockCopyAlign() {
-  static const bool on = EnvKnob("JAX_SOFTMAX_BLOCK_COPY_ALIGN", 0) != 0;
-  return on;
+// JAX_SOFTMAX_BLOCK_COPY_ALIGN's mode (above): 0, 1 or 2.
+inline int BlockCopyAlign(const DeviceInfo& dev) {
+  static const long knob = EnvKnob("JAX_SOFTMAX_BLOCK_COPY_ALIGN", -1);
+  return knob < 0 ? (AmpleDramPerSm(dev) ? 1 : 0) : static_cast<int>(std::min(knob, 2L));
 }
 // JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS (read once): 1 (default, session 51) puts plain 16-bit
 // forward rows of 256 E + 1 to 512 E - 1 columns on the staged 512 x E block (held to 40
@@ -1035,19 +1046,21 @@ inline int StagedGrid(int64_t tiles, int tiles_per_cta, int ctas_per_sm, const D
 // min_ctas_per_sm: decline (nullopt) where fewer of these CTAs fit an SM (registers and shared
 // memory, PlanStages), so that the caller's next tier takes the row.
 // The one-row tiers whose copies start on CopyAlignBytes (kCopyAligned: the reread blocks, and the
-// other blocks under JAX_SOFTMAX_BLOCK_COPY_ALIGN=1) do so for windowed rows; plain 16-bit rows of
-// cols % 16 == 8, half of whose copies would start 16 bytes into a 32-byte sector
-// (RoundedCopyRows), take the tier's windowed kernel for it (session 51).
+// other blocks where BlockCopyAlign is 1 or 2, by default on the H200) do so for windowed rows;
+// plain 16-bit rows of cols % 16 == 8, half of whose copies would start 16 bytes into a 32-byte
+// sector (RoundedCopyRows), take the tier's windowed kernel for it on the reread blocks (session
+// 51), and on the others only where BlockCopyAlign is 2 (it lost at 2056 and 8200, session 52).
 template <typename T, int kGroup, int kElems, int kVec, Access kAccess, int kRows,
           bool kReread = false>
 Launched LaunchStagedRows(const LaunchCtx& c, int min_ctas_per_sm = 1,
                           int tiles_per_cta = TilesPerCta()) {
   using Tier = RowTier<kGroup, kElems, kVec, kRows>;
   constexpr int kRowsPerBlock = Tier::kRowsPerBlock;
-  const bool copy_aligned = kReread || BlockCopyAlign();
+  const int block_copy_align = kReread ? 2 : BlockCopyAlign(c.dev);
+  const bool copy_aligned = block_copy_align >= 1;
   if constexpr (sizeof(T) == 2 && kAccess == Access::kPlain &&
                 kCopyAligned<Access::kWindowed, 1, kRowsPerBlock>) {
-    if (copy_aligned && RoundedCopyRows<kVec>(c.p.cols))
+    if (block_copy_align >= 2 && RoundedCopyRows<kVec>(c.p.cols))
       return LaunchStagedRows<T, kGroup, kElems, kVec, Access::kWindowed, kRows, kReread>(
           c, min_ctas_per_sm, tiles_per_cta);
   }
@@ -1309,8 +1322,8 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // 1024 180 / 181, 1400 183 / 184, 2048 180 / 181; 640 185 / 181 was the one gain).
   const int gap_tiles = kGap16 ? OddRowTilesPerCta<kE>(c.dev, n) : TilesPerCta();
   const int tiles = kOdd16 ? gap_tiles : TilesPerCta();
-  // (Under JAX_SOFTMAX_BLOCK_COPY_ALIGN=1, session 51's experiment, the one-row tiers' plain
-  // 16-bit rows of cols % 16 == 8 take their windowed kernel, inside LaunchStagedRows.)
+  // (Where JAX_SOFTMAX_BLOCK_COPY_ALIGN is 2, the one-row tiers' plain 16-bit rows of
+  // cols % 16 == 8 take their windowed kernel, inside LaunchStagedRows.)
 #define JS_STAGED(G, E, R) return LaunchStagedRows<T, G, E, kVec, kAccess, R>(c, 1, tiles)
 #define JS_GAP(G, E) return LaunchStagedRows<T, G, E, kVec, kAccess, 1>(c, 1, gap_tiles)
   if constexpr (!kWindowedF32) {
@@ -1523,10 +1536,11 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // (52 bytes spilled) 24584 312 / 303 but 26000 296 / 305, 4 E (104 bytes) 28680-32760 306 /
   // 376. H200 (session 45): bfloat16 16400 230 / 215, 20488 228 / 206, 22000 200 / 202, 24568
   // 234 / 198. JAX_SOFTMAX_BWD_BLOCKS=0 keeps the clusters (A/B runs).
-  // Experiment (JAX_SOFTMAX_BWD_STAGED=1, session 51, BwdStagedRows): plain and windowed rows of
-  // 512 x 2E + 1 to 512 x 4E columns on the staged backward block, where a stage fits.
+  // Plain and windowed rows of 512 x 2E + 1 to 512 x 4E columns on the staged backward block,
+  // where a stage fits (BwdStagedRows: by default on the H200, sessions 51-52; H200 bfloat16 93-99%
+  // of the copy, from 81-92% on the blocks and clusters below).
   if constexpr (kRawWide && kAccess != Access::kGeneral) {
-    if (c.dev.cc_major >= 9 && BwdStagedRows() && n > 512 * 2 * kE && n <= 512 * 4 * kE)
+    if (c.dev.cc_major >= 9 && BwdStagedRows(c.dev) && n > 512 * 2 * kE && n <= 512 * 4 * kE)
       if (Launched launched = LaunchBwdStagedRows<T, kVec, kAccess>(c)) return *launched;
   }
   if constexpr (kRawWide && kAccess == Access::kPlain) {
