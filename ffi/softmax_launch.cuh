@@ -546,6 +546,30 @@ inline bool BwdStagedRows(const DeviceInfo& dev) {
   static const long knob = EnvKnob("JAX_SOFTMAX_BWD_STAGED", -1);
   return knob < 0 ? AmpleDramPerSm(dev) : knob != 0;
 }
+// JAX_SOFTMAX_REREAD_LONG (read once; session 52's experiment, off by default and not yet run on
+// a GPU): 1 puts forward rows past the reread blocks' (16-bit plain and odd rows of 1024 E + 1 to
+// 4096 E columns, 32769-131072; float32 ones of 512 E + 1 to 2048 E that the two-CTA reread
+// block declines, 28637-65536) on one reread CTA of up to 1024 threads of 2E values (4E past
+// 2048 E), where its stage fits (16-bit rows to about 116000 columns, float32 to 58000); the
+// clusters take the others. Where the row's stage leaves room for one CTA per SM (16-bit rows
+// past about 52000 columns, float32 past 28636), no copy of this SM's next row overlaps the
+// passes: the other SMs' copies are to keep the memory busy, as the staged backward block's
+// 32768-column rows did (one CTA per SM, 98% of the copy on the H200). Candidates (H200, % of
+// the copy): 16-bit 32769 (82%), 50257 (78-79%), 65536-131072 (85-89%); float32 28637-32767
+// (86-87%), 50257 (89%).
+inline bool RereadLongRows() {
+  static const bool on = EnvKnob("JAX_SOFTMAX_REREAD_LONG", 0) != 0;
+  return on;
+}
+// JAX_SOFTMAX_BWD_STAGED_LONG (read once; session 52's experiment, off by default and not yet run
+// on a GPU): 1 puts 16-bit plain and windowed backward rows of 512 x 4E + 1 to 1024 x 4E columns
+// (32769-65536) on the staged backward block of up to 1024 threads, where y's and dy's stage fits
+// (to about 57000 columns: one CTA per SM); the 4 x 512 x 2E clusters take the others.
+// Candidates (H200): 16-bit backward 32769-57000 (50257 87-89% of the copy).
+inline bool BwdStagedLongRows() {
+  static const bool on = EnvKnob("JAX_SOFTMAX_BWD_STAGED_LONG", 0) != 0;
+  return on;
+}
 // Plain rows of an odd number of 16-byte vectors: every other row starts 16 bytes into a
 // 32-byte sector.
 template <int kVec>
@@ -1092,11 +1116,12 @@ Launched LaunchStagedRows(const LaunchCtx& c, int min_ctas_per_sm = 1,
 // 128-byte multiples with the windowed rows' slack (StagedTileBytes). Plain rows of
 // cols % 16 == 8 take its windowed kernel, whose copies start on CopyAlignBytes (RoundedCopyRows,
 // as LaunchStagedRows). nullopt where no stage fits.
-template <typename T, int kVec, Access kAccess>
+template <typename T, int kVec, Access kAccess, int kGroup = 512>
 Launched LaunchBwdStagedRows(const LaunchCtx& c) {
   if constexpr (kAccess == Access::kPlain)
-    if (RoundedCopyRows<kVec>(c.p.cols)) return LaunchBwdStagedRows<T, kVec, Access::kWindowed>(c);
-  constexpr int kGroup = 512, kElems = 64;
+    if (RoundedCopyRows<kVec>(c.p.cols))
+      return LaunchBwdStagedRows<T, kVec, Access::kWindowed, kGroup>(c);
+  constexpr int kElems = 64;
   constexpr auto kernel = softmax_bwd_staged_kernel<T, kGroup, kElems, kVec, kAccess>;
   const int64_t n = WindowWidth<kVec, kAccess>(c.p.cols);
   if (n > int64_t(kGroup) * kElems) return std::nullopt;
@@ -1231,6 +1256,18 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
           LaunchStagedRows<T, 512, 2 * kE, kVec, kRereadAccess, 1, /*kReread=*/true>(
               c, /*min_ctas_per_sm=*/kFloatRows ? 2 : 1);
       if (launched || kPlain16) return launched;
+    }
+    // Experiment (JAX_SOFTMAX_REREAD_LONG=1, session 52, RereadLongRows): the rows past those on
+    // one reread CTA of up to 1024 threads, where its stage fits; else the clusters below.
+    if (reread && RereadLongRows() && n > (kFloatRows ? 512 : 1024) * kE &&
+        n <= (kFloatRows ? 2048 : 4096) * kE) {
+      constexpr Access kRereadAccess = kFloatRows ? Access::kWindowed : kAccess;
+      Launched launched;
+      if (n <= 2048 * kE)
+        launched = LaunchStagedRows<T, 1024, 2 * kE, kVec, kRereadAccess, 1, /*kReread=*/true>(c);
+      else if constexpr (!kFloatRows)
+        launched = LaunchStagedRows<T, 1024, 4 * kE, kVec, kRereadAccess, 1, /*kReread=*/true>(c);
+      if (launched) return launched;
     }
   }
   if constexpr (kPlain16) {
@@ -1542,6 +1579,9 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   if constexpr (kRawWide && kAccess != Access::kGeneral) {
     if (c.dev.cc_major >= 9 && BwdStagedRows(c.dev) && n > 512 * 2 * kE && n <= 512 * 4 * kE)
       if (Launched launched = LaunchBwdStagedRows<T, kVec, kAccess>(c)) return *launched;
+    // Experiment (JAX_SOFTMAX_BWD_STAGED_LONG=1, session 52): the next rows on up to 1024 threads.
+    if (c.dev.cc_major >= 9 && BwdStagedLongRows() && n > 512 * 4 * kE && n <= 1024 * 4 * kE)
+      if (Launched launched = LaunchBwdStagedRows<T, kVec, kAccess, 1024>(c)) return *launched;
   }
   if constexpr (kRawWide && kAccess == Access::kPlain) {
     if (n % (256 * kE) != 0 && BackwardWideBlocks()) {
