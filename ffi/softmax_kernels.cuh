@@ -2276,13 +2276,15 @@ __device__ __forceinline__ void whole_window(typename Loader::Elem* window, cons
 // instead of holding them in registers, and the stage is refilled only after the row's outputs are
 // stored; a thread can then take more values (kElems) than registers would hold. A windowed row's
 // stage is made whole vectors first, so that its passes read as a plain row's do (see the code
-// after the wait). 16-bit ones are held to 40 registers (as kRawRows); float32 ones, whose 64
-// values per thread take twice the registers, to 64 (two CTAs of 512 threads per SM).
+// after the wait). 16-bit ones of up to 64 values per thread are held to 40 registers (as
+// kRawRows); float32 ones, whose 64 values per thread take twice the registers, to 64 (two CTAs of
+// 512 threads per SM), and so are the 16-bit ones of 128 values (session 52's experiment, 1024
+// threads, one CTA per SM: at 40 they spilled 20-52 bytes, ptxas sm_90a).
 template <typename T, int kGroup, int kElems, int kVec, int kCluster, Access kAccess, int kRows = 1,
           bool kReread = false>
 __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGroup, kElems))
     __maxnreg__(MaxRegisters((kRawRows<RowLoader<T, kVec, false, kAccess>, kGroup, kCluster> &&
-                              kGroup > 32) || (kReread && sizeof(T) == 2)))
+                              kGroup > 32) || (kReread && sizeof(T) == 2 && kElems <= 64)))
     softmax_rows_staged_kernel(const RowParams p, const StagedTiles tiles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = acc_t<T>;

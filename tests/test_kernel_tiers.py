@@ -380,6 +380,34 @@ def test_mid_backward_rows(backend, device, rng, dtype):
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
 
 
+# Rows past the reread blocks and the staged backward block (ffi/softmax_launch.cuh: by default
+# the clusters; under JAX_SOFTMAX_REREAD_LONG=1 and JAX_SOFTMAX_BWD_STAGED_LONG=1, session 52's
+# experiments, which scripts/gpu_check.sh's experiments step runs, one CTA of up to 1024 threads
+# where the row's stage fits: 231424 bytes on the H100 and H200, PlanStages). 16-bit: the reread
+# blocks' last width (32768); the first widths past it, odd (32769, W = 32776), of
+# cols % 16 == 8 (32776: the windowed kernel) and plain (32784); warp counts between (40960: 20
+# warps; 50257: 25, never wraps; 53248: 26, past two CTAs' registers per SM); the backward
+# stage's last fits (57344; 57856, y and dy 115712 bytes each) and first miss (57864, windowed);
+# the last width of 2E values (65535 wraps, 65536) and the first of 4E (65537, 65544); 100003;
+# the forward stage's last fit (115712) and first miss (115720, windowed); 131072 and past it.
+# Float32 (the windowed kernel, copies from 128 bytes): the two-CTA reread block's last width and
+# past it (28636, 28637: one CTA per SM), 32767-32772, 50257, the stage's last fits (57344,
+# 57820) and first miss (57824), 65536.
+LONG_STAGED_SIZES_16 = [32768, 32769, 32776, 32784, 40960, 50257, 53248, 57344, 57856, 57864,
+                        65535, 65536, 65537, 65544, 100003, 115712, 115720, 131072, 131080]
+LONG_STAGED_SIZES = {
+    jnp.float16: LONG_STAGED_SIZES_16,
+    jnp.bfloat16: LONG_STAGED_SIZES_16,
+    jnp.float32: [28636, 28637, 32767, 32768, 32772, 50257, 57344, 57820, 57824, 65536],
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(LONG_STAGED_SIZES), ids=lambda d: DTYPE_IDS[d])
+def test_long_staged_rows(backend, device, rng, dtype):
+    check_sizes(device, rng, dtype, LONG_STAGED_SIZES[dtype], rows_past_one_wave)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
 def test_two_pass_sizes(backend, device, rng, dtype):
     # Beyond the largest cluster: the two-pass streaming kernel (vector and scalar paths).
