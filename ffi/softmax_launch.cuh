@@ -550,13 +550,14 @@ inline bool BwdStagedRows(const DeviceInfo& dev) {
 // a GPU): 1 puts forward rows past the reread blocks' (16-bit plain and odd rows of 1024 E + 1 to
 // 4096 E columns, 32769-131072; float32 ones of 512 E + 1 to 2048 E that the two-CTA reread
 // block declines, 28637-65536) on one reread CTA of up to 1024 threads of 2E values (4E past
-// 2048 E), where its stage fits (16-bit rows to about 116000 columns, float32 to 58000); the
-// clusters take the others. Where the row's stage leaves room for one CTA per SM (16-bit rows
-// past about 52000 columns, float32 past 28636), no copy of this SM's next row overlaps the
-// passes: the other SMs' copies are to keep the memory busy, as the staged backward block's
-// 32768-column rows did (one CTA per SM, 98% of the copy on the H200). Candidates (H200, % of
-// the copy): 16-bit 32769 (82%), 50257 (78-79%), 65536-131072 (85-89%); float32 28637-32767
-// (86-87%), 50257 (89%).
+// 2048 E; plain rows there on the windowed kernel, as the float32 ones: the plain one spilled 40
+// bytes at 64 registers, ptxas sm_90a), where its stage fits (16-bit rows to 115712 columns,
+// float32 to 57820); the clusters take the others. Where the row's stage or registers leave room
+// for one CTA per SM (16-bit rows past about 52000 columns, float32 past 28636), no copy of this
+// SM's next row overlaps the passes: the other SMs' copies are to keep the memory busy, as the
+// staged backward block's 32768-column rows did (one CTA per SM, 98% of the copy on the H200).
+// Candidates (H200, % of the copy): 16-bit 32769 (82%), 50257 (78-79%), 65536-131072 (85-89%);
+// float32 28637-32767 (86-87%), 50257 (89%).
 inline bool RereadLongRows() {
   static const bool on = EnvKnob("JAX_SOFTMAX_REREAD_LONG", 0) != 0;
   return on;
@@ -1265,8 +1266,9 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
       Launched launched;
       if (n <= 2048 * kE)
         launched = LaunchStagedRows<T, 1024, 2 * kE, kVec, kRereadAccess, 1, /*kReread=*/true>(c);
-      else if constexpr (!kFloatRows)
-        launched = LaunchStagedRows<T, 1024, 4 * kE, kVec, kRereadAccess, 1, /*kReread=*/true>(c);
+      else if constexpr (!kFloatRows)  // plain rows too: that plain kernel spilled 40 bytes
+        launched =
+            LaunchStagedRows<T, 1024, 4 * kE, kVec, Access::kWindowed, 1, /*kReread=*/true>(c);
       if (launched) return launched;
     }
   }
