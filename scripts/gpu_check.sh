@@ -146,8 +146,8 @@ if want test; then
   # beside the others; the odd-row tests one with the rest until session 38, past 470 s on the
   # H100; the past-top rows of session 41 their own, tiers_odd already taking 437 s there, with
   # the wide-block rows since session 42; the odd-row tiers apart from the rings and gaps since
-  # session 46, when the three together ran past 470 s on the H100 with 5 of 6 done), the rest
-  # in two.
+  # session 46, when the three together ran past 470 s on the H100 with 5 of 6 done; the long
+  # staged rows of session 52 beside the causal sizes, 27 s in session 52), the rest in two.
   # The kernel-tier module's own shards (name:selection); tiers_rest takes the module's other
   # tests, so the selections are written once here and joined for it.
   tier_shards=(
@@ -155,7 +155,7 @@ if want test; then
     "tiers_long:two_pass or many_long_rows"
     "tiers_ring:staged_ring"
     "tiers_dependent:dependent_calls or mid_backward_rows"
-    "tiers_causal:causal_attention_sizes"
+    "tiers_causal:causal_attention_sizes or long_staged_rows"
     "tiers_odd:odd_row_tiers"
     "tiers_gaps:odd_row_rings or plain_row_gaps"
     "tiers_past:past_top_rows or wide_block_rows"
