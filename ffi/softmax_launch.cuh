@@ -43,7 +43,10 @@
 //   threads of 5/2 E or 3E (session 45, BackwardWideBlocks),
 //   their clusters of 2E reading the row through shared memory (kSmemRowBwd); on GPUs with less
 //   DRAM bandwidth per SM cycle than the H200 (the H100) the rows of exactly 8 and 16 x 512 x E
-//   keep E (AmpleDramPerSm).
+//   keep E (AmpleDramPerSm). On GPUs with the H200's (session 52) plain and windowed rows of
+//   512 * 2E + 1 to 512 * 4E take instead one staged CTA of up to 512 threads that copies y and
+//   dy into shared memory once and reads both passes from there (softmax_bwd_staged_kernel,
+//   BwdStagedRows).
 //   Float32 backward rows of V = 4 take the same 2E clusters beyond 16 * 512 * E, reading dy
 //   twice (backward_row_reread; the first read's lines kept in L2 for the second) and y once,
 //   kept in shared memory for the second read, and one 1024-thread block of E instead of a
@@ -565,8 +568,8 @@ inline bool RereadLongRows() {
 // JAX_SOFTMAX_BWD_STAGED_LONG (read once; session 52's experiment, off by default and not yet run
 // on a GPU): 1 puts 16-bit plain and windowed backward rows of 512 x 4E + 1 to 1024 x 4E columns
 // (32769-65536) on the staged backward block of up to 1024 threads, where y's and dy's stage fits
-// (to about 57000 columns: one CTA per SM); the 4 x 512 x 2E clusters take the others.
-// Candidates (H200): 16-bit backward 32769-57000 (50257 87-89% of the copy).
+// (to 57856 columns, y and dy 115712 bytes each: one CTA per SM); the 4 x 512 x 2E clusters take
+// the others. Candidates (H200): 16-bit backward 32769-57856 (50257 87-89% of the copy).
 inline bool BwdStagedLongRows() {
   static const bool on = EnvKnob("JAX_SOFTMAX_BWD_STAGED_LONG", 0) != 0;
   return on;
