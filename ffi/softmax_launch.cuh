@@ -554,7 +554,7 @@ inline bool BwdStagedRows(const DeviceInfo& dev) {
 // 4096 E columns, 32769-131072; float32 ones of 512 E + 1 to 2048 E that the two-CTA reread
 // block declines, 28637-65536) on one reread CTA of up to 1024 threads of 2E values (4E past
 // 2048 E; plain rows there on the windowed kernel, as the float32 ones: the plain one spilled 40
-// bytes at 64 registers, ptxas sm_90a), where its stage fits (16-bit rows to 115712 columns,
+// bytes at 64 registers, ptxas sm_90a), where its stage fits (16-bit rows to 115640 columns,
 // float32 to 57820); the clusters take the others. Where the row's stage or registers leave room
 // for one CTA per SM (16-bit rows past about 52000 columns, float32 past 28636), no copy of this
 // SM's next row overlaps the passes: the other SMs' copies are to keep the memory busy, as the

@@ -389,12 +389,13 @@ def test_mid_backward_rows(backend, device, rng, dtype):
 # warps; 50257: 25, never wraps; 53248: 26, past two CTAs' registers per SM); the backward
 # stage's last fits (57344; 57856, y and dy 115712 bytes each) and first miss (57864, windowed);
 # the last width of 2E values (65535 wraps, 65536) and the first of 4E (65537, 65544); 100003;
-# the forward stage's last fit (115712) and first miss (115720, windowed); 131072 and past it.
+# the forward stage's last fit (115640) and first miss (115648; past 65536 every row takes the
+# windowed kernel and its slack); 131072 and past it.
 # Float32 (the windowed kernel, copies from 128 bytes): the two-CTA reread block's last width and
 # past it (28636, 28637: one CTA per SM), 32767-32772, 50257, the stage's last fits (57344,
 # 57820) and first miss (57824), 65536.
 LONG_STAGED_SIZES_16 = [32768, 32769, 32776, 32784, 40960, 50257, 53248, 57344, 57856, 57864,
-                        65535, 65536, 65537, 65544, 100003, 115712, 115720, 131072, 131080]
+                        65535, 65536, 65537, 65544, 100003, 115640, 115648, 131072, 131080]
 LONG_STAGED_SIZES = {
     jnp.float16: LONG_STAGED_SIZES_16,
     jnp.bfloat16: LONG_STAGED_SIZES_16,
