@@ -147,7 +147,8 @@ if want test; then
   # H100; the past-top rows of session 41 their own, tiers_odd already taking 437 s there, with
   # the wide-block rows since session 42; the odd-row tiers apart from the rings and gaps since
   # session 46, when the three together ran past 470 s on the H100 with 5 of 6 done; the long
-  # staged rows of session 52 beside the causal sizes, 27 s in session 52), the rest in two.
+  # staged rows of session 52 beside the causal sizes, whose shard took 27 s then), the rest in
+  # two.
   # The kernel-tier module's own shards (name:selection); tiers_rest takes the module's other
   # tests, so the selections are written once here and joined for it.
   tier_shards=(
