@@ -553,12 +553,12 @@ inline bool BwdStagedRows(const DeviceInfo& dev) {
 // a GPU): 1 puts forward rows past the reread blocks' (16-bit plain and odd rows of 1024 E + 1 to
 // 4096 E columns, 32769-131072; float32 ones of 512 E + 1 to 2048 E that the two-CTA reread
 // block declines, 28637-65536) on one reread CTA of up to 1024 threads of 2E values (4E past
-// 2048 E; plain rows there on the windowed kernel, as the float32 ones: the plain one spilled 40
-// bytes at 64 registers, ptxas sm_90a), where its stage fits (16-bit rows to 115640 columns,
-// float32 to 57820); the clusters take the others. Where the row's stage or registers leave room
-// for one CTA per SM (16-bit rows past about 52000 columns, float32 past 28636), no copy of this
-// SM's next row overlaps the passes: the other SMs' copies are to keep the memory busy, as the
-// staged backward block's 32768-column rows did (one CTA per SM, 98% of the copy on the H200).
+// 2048 E; plain rows there on the windowed kernel, as the float32 ones: kRereadAccess), where
+// its stage fits (16-bit rows to 115640 columns, float32 to 57820); the clusters take the
+// others. Where the row's stage or registers leave room for one CTA per SM (16-bit rows past
+// about 52000 columns, float32 past 28636), no copy of this SM's next row overlaps the passes:
+// the other SMs' copies are to keep the memory busy, as the staged backward block's 32768-column
+// rows did (one CTA per SM, 98% of the copy on the H200).
 // Candidates (H200, % of the copy): 16-bit 32769 (82%), 50257 (78-79%), 65536-131072 (85-89%);
 // float32 28637-32767 (86-87%), 50257 (89%).
 inline bool RereadLongRows() {
@@ -840,6 +840,14 @@ constexpr bool kStageable = kVec > 1 && sizeof(T) <= 4;
 // windowed rows are float32 (kStageable).
 template <typename T, Access kAccess>
 constexpr bool kOdd16Rows = kAccess == Access::kWindowed && sizeof(T) == 2;
+// The access mode a reread block of kElems values per thread runs a row of kAccess with: plain
+// rows take the windowed kernel (a plain row is a window of shift 0 that never wraps) where the
+// plain instantiation spilled (ptxas sm_90a): float32 ones, 32-48 bytes at every register bound
+// from 40 to 64 (session 50; windowed: none at 64), and 16-bit ones of 128 values, 40 bytes at 64
+// (session 52; windowed: none).
+template <typename T, int kElems, Access kAccess>
+constexpr Access kRereadAccess =
+    kAccess == Access::kPlain && (sizeof(T) == 4 || kElems > 64) ? Access::kWindowed : kAccess;
 
 // Float32 forward rows with a mask, bias or causal limit on 16-byte vectors: 16 values per thread
 // in the row tiers (LaunchTier's kEB), so that BatchOperands fetches all their operands ahead.
@@ -1237,9 +1245,7 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // row read as pairs of floats, 64 registers; else (and under JAX_SOFTMAX_REREAD_FLOAT=0) the
   // wide blocks below. The passes take the max of x times the scale, which needs a finite scale
   // > 0 (RawScale, the 16-bit rows' rule); other scales keep the wide blocks. Plain rows take the
-  // windowed kernel (a plain row is a window of shift 0 that never wraps): the plain
-  // instantiation spilled 32-48 bytes at every register bound from 40 to 64 (ptxas sm_90a), the
-  // windowed one none at 64. Measured (us per call at 256 MiB, wide
+  // windowed kernel (kRereadAccess: the plain one spilled). Measured (us per call at 256 MiB, wide
   // blocks of two tiles / reread block, two rounds each): H200 16385 147 / 139, 16388 141 / 139,
   // 18001 142 / 141, 20001 142 / 139, 20480 135 / 134, 24576 136 / 135, 24577 142 / 140, 26001
   // 142-143 / 141; H100 16385 187 / 187-188, 16388 186 / 187, 18001 187 / 189, 20001 188 / 187,
@@ -1255,23 +1261,22 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if (reread && n > 512 * kE && n <= 1024 * kE) {
       // (Plain 16-bit rows of cols % 16 == 8 take the windowed kernel since session 51, inside
       // LaunchStagedRows; JAX_SOFTMAX_COPY_ALIGN=16 keeps them plain.)
-      constexpr Access kRereadAccess = kFloatRows ? Access::kWindowed : kAccess;
       const Launched launched =
-          LaunchStagedRows<T, 512, 2 * kE, kVec, kRereadAccess, 1, /*kReread=*/true>(
-              c, /*min_ctas_per_sm=*/kFloatRows ? 2 : 1);
+          LaunchStagedRows<T, 512, 2 * kE, kVec, kRereadAccess<T, 2 * kE, kAccess>, 1,
+                           /*kReread=*/true>(c, /*min_ctas_per_sm=*/kFloatRows ? 2 : 1);
       if (launched || kPlain16) return launched;
     }
     // Experiment (JAX_SOFTMAX_REREAD_LONG=1, session 52, RereadLongRows): the rows past those on
     // one reread CTA of up to 1024 threads, where its stage fits; else the clusters below.
     if (reread && RereadLongRows() && n > (kFloatRows ? 512 : 1024) * kE &&
         n <= (kFloatRows ? 2048 : 4096) * kE) {
-      constexpr Access kRereadAccess = kFloatRows ? Access::kWindowed : kAccess;
       Launched launched;
       if (n <= 2048 * kE)
-        launched = LaunchStagedRows<T, 1024, 2 * kE, kVec, kRereadAccess, 1, /*kReread=*/true>(c);
-      else if constexpr (!kFloatRows)  // plain rows too: that plain kernel spilled 40 bytes
-        launched =
-            LaunchStagedRows<T, 1024, 4 * kE, kVec, Access::kWindowed, 1, /*kReread=*/true>(c);
+        launched = LaunchStagedRows<T, 1024, 2 * kE, kVec, kRereadAccess<T, 2 * kE, kAccess>, 1,
+                                    /*kReread=*/true>(c);
+      else if constexpr (!kFloatRows)
+        launched = LaunchStagedRows<T, 1024, 4 * kE, kVec, kRereadAccess<T, 4 * kE, kAccess>, 1,
+                                    /*kReread=*/true>(c);
       if (launched) return launched;
     }
   }
@@ -1582,11 +1587,14 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // where a stage fits (BwdStagedRows: by default on the H200, sessions 51-52; H200 bfloat16 93-99%
   // of the copy, from 81-92% on the blocks and clusters below).
   if constexpr (kRawWide && kAccess != Access::kGeneral) {
-    if (c.dev.cc_major >= 9 && BwdStagedRows(c.dev) && n > 512 * 2 * kE && n <= 512 * 4 * kE)
-      if (Launched launched = LaunchBwdStagedRows<T, kVec, kAccess>(c)) return *launched;
-    // Experiment (JAX_SOFTMAX_BWD_STAGED_LONG=1, session 52): the next rows on up to 1024 threads.
-    if (c.dev.cc_major >= 9 && BwdStagedLongRows() && n > 512 * 4 * kE && n <= 1024 * 4 * kE)
-      if (Launched launched = LaunchBwdStagedRows<T, kVec, kAccess, 1024>(c)) return *launched;
+    if (c.dev.cc_major >= 9) {
+      if (BwdStagedRows(c.dev) && n > 512 * 2 * kE && n <= 512 * 4 * kE)
+        if (Launched launched = LaunchBwdStagedRows<T, kVec, kAccess>(c)) return *launched;
+      // Experiment (JAX_SOFTMAX_BWD_STAGED_LONG=1, session 52): the next rows on up to 1024
+      // threads.
+      if (BwdStagedLongRows() && n > 512 * 4 * kE && n <= 1024 * 4 * kE)
+        if (Launched launched = LaunchBwdStagedRows<T, kVec, kAccess, 1024>(c)) return *launched;
+    }
   }
   if constexpr (kRawWide && kAccess == Access::kPlain) {
     if (n % (256 * kE) != 0 && BackwardWideBlocks()) {

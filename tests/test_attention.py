@@ -323,31 +323,21 @@ def test_scale_without_mask_or_bias(backend, device, rng, dtype, scale):
     # kernels of masked rows. Rows of 20001 and 20480 columns take the reread blocks for a scale
     # > 0 (their stage padded with -inf; float32 since session 50), the wide blocks (float32) or
     # the kernels of masked rows (bfloat16) for other scales.
-    for k in (5, 7, 37, 1001, 8193, 20001, 20480):
-        s = rounded(rng.standard_normal((3, k)), dtype)
-        y = run(device, lambda s: js.attention_softmax(s, scale=scale), s)
-        assert_close(y, np_attention(s, scale, None, None, False), dtype, what=f"Sk={k}")
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("scale", [0.0, -2.0, 0.5], ids=str)
-def test_scale_gradient_without_mask_or_bias(backend, device, rng, dtype, scale):
-    # The scores' gradient under a scale alone: the backward kernels of plain rows apply it to
-    # their output (dx = scale * y * (g - sum(y * g))), whatever kernel ran the forward. On the
-    # GPU, bfloat16 rows of 16392, 20001 and 24577 columns take the staged backward block (the
-    # H200's default since session 52; 16392 through its windowed kernel), 1001 and 7 the
-    # register tiers.
+    # The scores' gradient too: the backward kernels of plain rows apply the scale to their output
+    # (dx = scale * y * (g - sum(y * g))), whatever kernel ran the forward. On the GPU, bfloat16
+    # rows of 16392-24577 columns take the staged backward block (the H200's default since
+    # session 52; 16392 through its windowed kernel).
     def fwd_and_vjp(s, g):
         y, pull = jax.vjp(lambda a: js.attention_softmax(a, scale=scale), s)
         return y, pull(g)[0]
 
-    for k in (7, 1001, 16392, 20001, 24577):
+    for k in (5, 7, 37, 1001, 8193, 16392, 20001, 20480, 24577):
         s = rounded(rng.standard_normal((3, k)), dtype)
         g = rounded(rng.standard_normal((3, k)), dtype)
         y, ds = run(device, fwd_and_vjp, s, g)
-        z = s.astype(np.float64) * scale
         what = f"Sk={k} scale={scale}"
         assert_close(y, np_attention(s, scale, None, None, False), dtype, what=what)
+        z = s.astype(np.float64) * scale
         mag = abs(scale) * np_softmax_vjp_scale(z, g, -1, None, dtype=dtype)
         assert_close(ds, scale * np_softmax_vjp(z, g, -1), dtype, tol=GRAD_TOL, mag=mag,
                      what="d " + what)
