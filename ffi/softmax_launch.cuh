@@ -43,10 +43,11 @@
 //   threads of 5/2 E or 3E (session 45, BackwardWideBlocks),
 //   their clusters of 2E reading the row through shared memory (kSmemRowBwd); on GPUs with less
 //   DRAM bandwidth per SM cycle than the H200 (the H100) the rows of exactly 8 and 16 x 512 x E
-//   keep E (AmpleDramPerSm). On GPUs with the H200's (session 52) plain and windowed rows of
-//   512 * 2E + 1 to 512 * 4E take instead one staged CTA of up to 512 threads that copies y and
-//   dy into shared memory once and reads both passes from there (softmax_bwd_staged_kernel,
-//   BwdStagedRows).
+//   keep E (AmpleDramPerSm). Plain and windowed rows of 512 * 2E + 1 to 512 * 4E take instead
+//   one staged CTA of up to 512 threads that copies y and dy into shared memory once and reads
+//   both passes from there (softmax_bwd_staged_kernel, BwdStagedRows: the H200 since session 52,
+//   every GPU since session 53), and those of 512 * 4E + 1 to 1024 * 4E one such CTA of up to
+//   1024 threads where y's and dy's stage fits an SM (BwdStagedLongRows, session 53).
 //   Float32 backward rows of V = 4 take the same 2E clusters beyond 16 * 512 * E, reading dy
 //   twice (backward_row_reread; the first read's lines kept in L2 for the second) and y once,
 //   kept in shared memory for the second read, and one 1024-thread block of E instead of a
@@ -72,7 +73,8 @@
 // 2E values that reads the row from the stage in each of its passes and holds none of it in
 // registers (RereadBlocks, RereadFloatRows, softmax_rows_staged_kernel's kReread; before session
 // 49 the odd 16-bit ones took the wide blocks of up to 1024 threads, now only under
-// JAX_SOFTMAX_REREAD_BLOCKS=2).
+// JAX_SOFTMAX_REREAD_BLOCKS=2); and 16-bit rows of 1024 * E + 1 to 2048 * E on one such block
+// of up to 1024 threads where two fit an SM (to W = 49152: RereadLongRows, session 53).
 // (Float32 rows of up to 32 V measured 1.0-1.15x faster there than on the register lane groups
 // once each CTA takes one tile.) Where no tile fits, the register tiers run; the other plain
 // 16-bit rows of 2049-65536 columns take the register tiers too (faster there,
@@ -525,8 +527,8 @@ inline int CopyAlignBytes() {
 // (kCopyAligned: blocks of 64-512 threads, 16-bit odd rows of 2049-16384; the wide blocks, float32
 // odd rows of 28637-32768) start their copies. 1 on CopyAlignBytes, as the reread blocks' do since
 // session 50; 0 on 16 bytes, as before session 52; 2 also sends plain 16-bit rows of
-// cols % 16 == 8 on those tiers to their windowed kernel (LaunchStagedRows). Default (-1): 1 where
-// AmpleDramPerSm (measured on the H200 only), 0 elsewhere. Measured (session 52, H200, us per call
+// cols % 16 == 8 on those tiers to their windowed kernel (LaunchStagedRows). Default: 1 (on the
+// H200 since session 52, on every GPU since session 53). Measured (session 52, H200, us per call
 // at 256 MiB, 0 / 1 with the plain rows' route, two rounds each, within 1 us): odd rows bfloat16
 // 4097 156 / 156, 6145 148 / 147, 8193 146 / 145, 12001 134 / 132, 16383 136 / 133; float16 8193
 // 146 / 145; float32 28673 143 / 141, 30001 145 / 142, 32767 145 / 142. Plain rows of
@@ -535,43 +537,58 @@ inline int CopyAlignBytes() {
 // 144 / 144: one gain, two losses, no rule in the row length, so the route stays off. (Plain rows
 // whose copies start 16 bytes into a sector read 3% slower on the H200, session 41: bfloat16
 // 2056 137, 2112 133; the windowed kernel's copy from 128 bytes did not win that back.)
+// H100 (session 53, 0 / 1): bfloat16 8193 182-183 / 181, 12001 183 / 181, 16383 183 / 182;
+// float32 28673 192 / 190, 32767 192 / 192.
 // JAX_SOFTMAX_BWD_STAGED (read once): 1 sends 16-bit plain and windowed backward rows of
 // 512 x 2E + 1 to 512 x 4E columns (16385-32768) to the staged backward block
 // (softmax_bwd_staged_kernel, LaunchBwdStagedRows): y and dy read once into shared memory, both
 // passes reading them there. 0 keeps the 512 x 5/2 E and 3 E register blocks and the 8 x 256 x E
-// clusters. Default (-1): 1 where AmpleDramPerSm (measured on the H200 only), 0 elsewhere; the
-// H100's blocks and clusters already ran these rows at 89-99% of its copy (session 45).
+// clusters. Default: 1 (on the H200 since session 52, on every GPU since session 53).
 // Measured (session 52, H200, us per call at 256 MiB, 0 / 1, two rounds each, within 1 us;
 // the copy's floor for these 768 MiB is 187 us): bfloat16 16385 231 / 190, 16391 230 / 190,
 // 18001 231 / 190, 20001 226 / 190, 20481 222 / 190, 24577 210 / 190, 32767 206 / 200, 16400
 // 214 / 189, 20480 199 / 189, 24576 200 / 189, 32768 196 / 191; float16 16385 232 / 190.
-inline bool BwdStagedRows(const DeviceInfo& dev) {
-  static const long knob = EnvKnob("JAX_SOFTMAX_BWD_STAGED", -1);
-  return knob < 0 ? AmpleDramPerSm(dev) : knob != 0;
-}
-// JAX_SOFTMAX_REREAD_LONG (read once; session 52's experiment, off by default and not yet run on
-// a GPU): 1 puts forward rows past the reread blocks' (16-bit plain and odd rows of 1024 E + 1 to
-// 4096 E columns, 32769-131072; float32 ones of 512 E + 1 to 2048 E that the two-CTA reread
-// block declines, 28637-65536) on one reread CTA of up to 1024 threads of 2E values (4E past
-// 2048 E; plain rows there on the windowed kernel, as the float32 ones: kRereadAccess), where
-// its stage fits (16-bit rows to 115640 columns, float32 to 57820); the clusters take the
-// others. Where the row's stage or registers leave room for one CTA per SM (16-bit rows past
-// about 52000 columns, float32 past 28636), no copy of this SM's next row overlaps the passes:
-// the other SMs' copies are to keep the memory busy, as the staged backward block's 32768-column
-// rows did (one CTA per SM, 98% of the copy on the H200).
-// Candidates (H200, % of the copy): 16-bit 32769 (82%), 50257 (78-79%), 65536-131072 (85-89%);
-// float32 28637-32767 (86-87%), 50257 (89%).
-inline bool RereadLongRows() {
-  static const bool on = EnvKnob("JAX_SOFTMAX_REREAD_LONG", 0) != 0;
+// H100 (session 53, where the blocks and clusters had run them at 89-99% of its copy, session
+// 45): bfloat16 16385 280 / 268, 16391 284 / 268, 20001 286 / 268, 24577 285 / 268, 32767
+// 279 / 267, 16400 266 / 268 (the one loss: the 5/2 E block), 24576 279 / 267, 32768 280 / 267;
+// float16 16385 281 / 268.
+inline bool BwdStagedRows() {
+  static const bool on = EnvKnob("JAX_SOFTMAX_BWD_STAGED", 1) != 0;
   return on;
 }
-// JAX_SOFTMAX_BWD_STAGED_LONG (read once; session 52's experiment, off by default and not yet run
-// on a GPU): 1 puts 16-bit plain and windowed backward rows of 512 x 4E + 1 to 1024 x 4E columns
-// (32769-65536) on the staged backward block of up to 1024 threads, where y's and dy's stage fits
-// (to 57856 columns, y and dy 115712 bytes each: one CTA per SM); the 4 x 512 x 2E clusters take
-// the others. Candidates (H200): 16-bit backward 32769-57856 (50257 87-89% of the copy).
+// JAX_SOFTMAX_REREAD_LONG (read once): 1, the default since session 53, puts 16-bit plain and odd
+// forward rows of 1024 E + 1 to 2048 E columns (32769-65536) on one reread CTA of up to 1024
+// threads of 2E values where two such CTAs fit an SM: rows of up to 24 warps (W = 49152), since
+// at 40 registers a sub-partition holds 12 warps; 0 keeps the clusters (NarrowClusters, the
+// odd rows' staged clusters), which take the longer rows either way.
+// Measured (session 53, us per call at 256 MiB, 0 / 1, two rounds each, within 1 us; the copy's
+// floor is 125 us on the H200): H200 bfloat16 32769 163 / 139, 32784 157 / 134, 36001 165 / 137,
+// 40960 146 / 133, 43008 149 / 135, 45001 162 / 137, 45056 146-147 / 135, 47001 161 / 138,
+// 47104 146 / 135, 49001 158-159 / 138, 49152 145 / 135; float16 40960 146 / 134. H100 bfloat16
+// 32769 223-225 / 184-185, 32784 195 / 183, 36001 216-217 / 185, 40960 194-195 / 182, 45001
+// 208 / 185, 49152 193-194 / 182; float16 40960 195 / 182.
+// Not taken (session 52's experiment, H200, 0 / 1): one such CTA per SM, where no copy of the
+// SM's next row overlaps a row's passes: bfloat16 50256 150 / 179, 50257 158 / 186, 53248 147 /
+// 168, 57344 146 / 162, 65536 146 / 160, 65544 174 / 185; float16 50257 158 / 185; float32 (up
+// to 2048 E: one CTA per SM throughout) 28673 141 / 138, 32767 142 / 150, 50257 144 / 145, 57344
+// 142 / 143; and 16-bit rows of 2048 E + 1 to 115640 on 4E values per thread (63 registers, one
+// CTA per SM): 65537 181 / 190, 75001 165 / 175, 90001 164 / 170, 100003 182 / 170, 110001
+// 168 / 162, 115639 162 / 168, 115640 153-155 / 165.
+inline bool RereadLongRows() {
+  static const bool on = EnvKnob("JAX_SOFTMAX_REREAD_LONG", 1) != 0;
+  return on;
+}
+// JAX_SOFTMAX_BWD_STAGED_LONG (read once): 1, the default since session 53, puts 16-bit plain
+// and windowed backward rows of 512 x 4E + 1 to 1024 x 4E columns (32769-65536) on the staged
+// backward block of up to 1024 threads, where y's and dy's stage fits (to 57856 columns, y and
+// dy 115712 bytes each: one CTA per SM); 0 keeps the 4 x 512 x 2E clusters, which take the
+// longer rows either way. Measured (session 53, us per call at 256 MiB, 0 / 1, two rounds each,
+// within 1 us; the copy's floor is 187 us on the H200): H200 bfloat16 32769 232-233 / 210, 32784
+// 205 / 201, 40960 210 / 192, 50257 215 / 195, 57344 206 / 194, 57856 206 / 195; float16 50257
+// 215 / 195. H100 bfloat16 32769 299 / 268, 40960 291-292 / 268, 50257 297-298 / 270, 57344
+// 284 / 270, 57856 284 / 270; float16 50257 297-298 / 270.
 inline bool BwdStagedLongRows() {
-  static const bool on = EnvKnob("JAX_SOFTMAX_BWD_STAGED_LONG", 0) != 0;
+  static const bool on = EnvKnob("JAX_SOFTMAX_BWD_STAGED_LONG", 1) != 0;
   return on;
 }
 // Plain rows of an odd number of 16-byte vectors: every other row starts 16 bytes into a
@@ -588,9 +605,9 @@ bool RoundedCopyRows(int64_t cols) {
   return SectorSplitRows<kVec>(cols) && CopyAlignBytes() > 16;
 }
 // JAX_SOFTMAX_BLOCK_COPY_ALIGN's mode (above): 0, 1 or 2.
-inline int BlockCopyAlign(const DeviceInfo& dev) {
-  static const long knob = EnvKnob("JAX_SOFTMAX_BLOCK_COPY_ALIGN", -1);
-  return knob < 0 ? (AmpleDramPerSm(dev) ? 1 : 0) : static_cast<int>(std::min(knob, 2L));
+inline int BlockCopyAlign() {
+  static const long knob = EnvKnob("JAX_SOFTMAX_BLOCK_COPY_ALIGN", 1);
+  return static_cast<int>(std::clamp(knob, 0L, 2L));
 }
 // JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS (read once): 1 (default, session 51) puts plain 16-bit
 // forward rows of 256 E + 1 to 512 E - 1 columns on the staged 512 x E block (held to 40
@@ -844,7 +861,7 @@ constexpr bool kOdd16Rows = kAccess == Access::kWindowed && sizeof(T) == 2;
 // rows take the windowed kernel (a plain row is a window of shift 0 that never wraps) where the
 // plain instantiation spilled (ptxas sm_90a): float32 ones, 32-48 bytes at every register bound
 // from 40 to 64 (session 50; windowed: none at 64), and 16-bit ones of 128 values, 40 bytes at 64
-// (session 52; windowed: none).
+// (session 52's experiment, not instantiated since session 53; windowed: none).
 template <typename T, int kElems, Access kAccess>
 constexpr Access kRereadAccess =
     kAccess == Access::kPlain && (sizeof(T) == 4 || kElems > 64) ? Access::kWindowed : kAccess;
@@ -1092,7 +1109,7 @@ Launched LaunchStagedRows(const LaunchCtx& c, int min_ctas_per_sm = 1,
                           int tiles_per_cta = TilesPerCta()) {
   using Tier = RowTier<kGroup, kElems, kVec, kRows>;
   constexpr int kRowsPerBlock = Tier::kRowsPerBlock;
-  const int block_copy_align = kReread ? 2 : BlockCopyAlign(c.dev);
+  const int block_copy_align = kReread ? 2 : BlockCopyAlign();
   const bool copy_aligned = block_copy_align >= 1;
   if constexpr (sizeof(T) == 2 && kAccess == Access::kPlain &&
                 kCopyAligned<Access::kWindowed, 1, kRowsPerBlock>) {
@@ -1266,18 +1283,14 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
                            /*kReread=*/true>(c, /*min_ctas_per_sm=*/kFloatRows ? 2 : 1);
       if (launched || kPlain16) return launched;
     }
-    // Experiment (JAX_SOFTMAX_REREAD_LONG=1, session 52, RereadLongRows): the rows past those on
-    // one reread CTA of up to 1024 threads, where its stage fits; else the clusters below.
-    if (reread && RereadLongRows() && n > (kFloatRows ? 512 : 1024) * kE &&
-        n <= (kFloatRows ? 2048 : 4096) * kE) {
-      Launched launched;
-      if (n <= 2048 * kE)
-        launched = LaunchStagedRows<T, 1024, 2 * kE, kVec, kRereadAccess<T, 2 * kE, kAccess>, 1,
-                                    /*kReread=*/true>(c);
-      else if constexpr (!kFloatRows)
-        launched = LaunchStagedRows<T, 1024, 4 * kE, kVec, kRereadAccess<T, 4 * kE, kAccess>, 1,
-                                    /*kReread=*/true>(c);
-      if (launched) return launched;
+    // 16-bit rows of 1024 E + 1 to 2048 E columns on one reread CTA of up to 1024 threads where
+    // two fit an SM (RereadLongRows, session 53); the clusters below take the others.
+    if constexpr (!kFloatRows) {
+      if (reread && RereadLongRows() && n > 1024 * kE && n <= 2048 * kE)
+        if (Launched launched =
+                LaunchStagedRows<T, 1024, 2 * kE, kVec, kRereadAccess<T, 2 * kE, kAccess>, 1,
+                                 /*kReread=*/true>(c, /*min_ctas_per_sm=*/2))
+          return launched;
     }
   }
   if constexpr (kPlain16) {
@@ -1584,14 +1597,13 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // 376. H200 (session 45): bfloat16 16400 230 / 215, 20488 228 / 206, 22000 200 / 202, 24568
   // 234 / 198. JAX_SOFTMAX_BWD_BLOCKS=0 keeps the clusters (A/B runs).
   // Plain and windowed rows of 512 x 2E + 1 to 512 x 4E columns on the staged backward block,
-  // where a stage fits (BwdStagedRows: by default on the H200, sessions 51-52; H200 bfloat16 93-99%
-  // of the copy, from 81-92% on the blocks and clusters below).
+  // where a stage fits (BwdStagedRows, sessions 51-53; H200 bfloat16 93-99% of the copy, from
+  // 81-92% on the blocks and clusters below), and the next ones to 1024 x 4E on up to 1024
+  // threads (BwdStagedLongRows, session 53).
   if constexpr (kRawWide && kAccess != Access::kGeneral) {
     if (c.dev.cc_major >= 9) {
-      if (BwdStagedRows(c.dev) && n > 512 * 2 * kE && n <= 512 * 4 * kE)
+      if (BwdStagedRows() && n > 512 * 2 * kE && n <= 512 * 4 * kE)
         if (Launched launched = LaunchBwdStagedRows<T, kVec, kAccess>(c)) return *launched;
-      // Experiment (JAX_SOFTMAX_BWD_STAGED_LONG=1, session 52): the next rows on up to 1024
-      // threads.
       if (BwdStagedLongRows() && n > 512 * 4 * kE && n <= 1024 * 4 * kE)
         if (Launched launched = LaunchBwdStagedRows<T, kVec, kAccess, 1024>(c)) return *launched;
     }

@@ -2,15 +2,14 @@
 # The one device call: build, GPU tests, compute-sanitizer, benchmark; a short table last.
 # Full logs and results go under $OUT (the device tool brings them back).
 #
-#   bash scripts/gpu_check.sh [all|build|test|knobs|replaced|experiments|sanitize|bench|attention|train|ab|ncu]...   (default: all)
+#   bash scripts/gpu_check.sh [all|build|test|knobs|replaced|sanitize|bench|attention|train|ab|ncu]...   (default: all)
 #
 # all = build test knobs sanitize bench attention, more than one device call holds: give the steps
 # over several calls (a call's build takes 135-180 s on the H100; a package prebuilt here with
 # scripts/prebuild.sh and carried as .prebuilt saves it, see below). test: the suite in eight
 # parallel pytest processes and the tier tests in command buffers beside them, then the long-key
 # tests alone (session 29, H100, prebuilt: 349 s); replaced: the tier tests under the knobs that
-# bring back the H100's routes on the H200 (session 52; not part of all); experiments: the tier
-# tests under the knobs of experiments not yet measured (not part of all); knobs: the tier tests
+# bring back the routes that sessions 52-53 replaced (not part of all); knobs: the tier tests
 # under other knobs
 # (three jobs at once; since session 42 past one call: KNOB_TESTS splits them); logs
 # $OUT/pytest_*.log; bench: the row-length sweep (forward alone, two dtypes and all providers,
@@ -288,13 +287,13 @@ if want knobs; then
 fi
 
 if want replaced; then
-  # The tier tests under the knobs that bring back what session 52 replaced by default on the H200
-  # (an H100 keeps it by default: its test step runs it), and the one route left off: a step of
-  # its own, not part of `all` (beside the test step's jobs, whose longest took 448 of its 482 s
-  # on the H200 in session 51, more jobs would run it past a call's limit).
+  # The tier tests under the knobs that bring back what sessions 52-53 replaced by default, and
+  # the one route left off: a step of its own, not part of `all` (beside the test step's jobs,
+  # whose longest took 448 of its 482 s on the H200 in session 51, more jobs would run it past a
+  # call's limit).
   # The staged blocks' windowed one-row tiles (16-bit odd rows of 2049-16384, float32 odd rows on
   # the wide blocks) copied from their own 16-byte window start (JAX_SOFTMAX_BLOCK_COPY_ALIGN=0;
-  # default on the H200: from 128-byte boundaries) ...
+  # default: from 128-byte boundaries) ...
   test_job block_copy_16 JAX_SOFTMAX_BLOCK_COPY_ALIGN=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_rings or odd_row_tiers or windowed_row_neighbours or block_warps or wide_block_rows)")"
   # ... and the plain 16-bit rows of cols % 16 == 8 on those tiers through their windowed kernel
@@ -303,25 +302,15 @@ if want replaced; then
   test_job block_copy_plain JAX_SOFTMAX_BLOCK_COPY_ALIGN=2 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (plain_row_gaps or plain_block_rows or past_top_rows)")"
   # The 16-bit backward rows of 16385-32768 on the 512 x 5/2 E and 3 E blocks and the
-  # 8 x 256 x E clusters, which the staged backward block replaced on the H200
-  # (JAX_SOFTMAX_BWD_STAGED=0).
-  test_job bwd_register_rows JAX_SOFTMAX_BWD_STAGED=0 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and (mid_backward_rows or windowed_row_neighbours or reread_block_rows or wide_block_rows)")"
-  wait_tests
-fi
-
-if want experiments; then
-  # The tier tests under experiment knobs that are off by default and not yet measured: a step of
-  # its own, not part of `all`. Session 52: forward rows past the reread blocks on one reread CTA
-  # of up to 1024 threads (JAX_SOFTMAX_REREAD_LONG=1: 16-bit 32769-115640, float32 28637-57820),
-  # 16-bit backward rows of 32769-57856 on the staged backward block of up to 1024 threads
-  # (JAX_SOFTMAX_BWD_STAGED_LONG=1); test_long_staged_rows probes both stages' last fits and
-  # first misses, windowed_row_neighbours' NaN neighbours (50257, 65535) a stage whose slots
-  # around the row leak into it.
-  test_job reread_long JAX_SOFTMAX_REREAD_LONG=1 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and (long_staged_rows or windowed_row_neighbours or many_long_rows)")"
-  test_job bwd_staged_long JAX_SOFTMAX_BWD_STAGED_LONG=1 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and (long_staged_rows or windowed_row_neighbours or many_long_rows)")"
+  # 8 x 256 x E clusters, which the staged backward block replaced (JAX_SOFTMAX_BWD_STAGED=0), and
+  # those of 32769-57856 on the 4 x 512 x 2E clusters, which its 1024-thread form replaced
+  # (JAX_SOFTMAX_BWD_STAGED_LONG=0) ...
+  test_job bwd_register_rows JAX_SOFTMAX_BWD_STAGED=0 JAX_SOFTMAX_BWD_STAGED_LONG=0 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and (mid_backward_rows or windowed_row_neighbours or reread_block_rows or wide_block_rows or long_staged_rows)")"
+  # ... and the 16-bit forward rows of 32769-49152 on the clusters, which the 1024-thread reread
+  # block replaced (JAX_SOFTMAX_REREAD_LONG=0).
+  test_job reread_long_off JAX_SOFTMAX_REREAD_LONG=0 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and (long_staged_rows or windowed_row_neighbours)")"
   wait_tests
 fi
 

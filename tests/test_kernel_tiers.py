@@ -380,27 +380,21 @@ def test_mid_backward_rows(backend, device, rng, dtype):
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
 
 
-# Rows past the reread blocks and the staged backward block (ffi/softmax_launch.cuh: by default
-# the clusters; under JAX_SOFTMAX_REREAD_LONG=1 and JAX_SOFTMAX_BWD_STAGED_LONG=1, session 52's
-# experiments, which scripts/gpu_check.sh's experiments step runs, one CTA of up to 1024 threads
-# where the row's stage fits: 231424 bytes on the H100 and H200, PlanStages). 16-bit: the reread
-# blocks' last width (32768); the first widths past it, odd (32769, W = 32776), of
-# cols % 16 == 8 (32776: the windowed kernel) and plain (32784); warp counts between (40960: 20
-# warps; 50257: 25, never wraps; 53248: 26, past two CTAs' registers per SM); the backward
-# stage's last fits (57344; 57856, y and dy 115712 bytes each) and first miss (57864, windowed);
-# the last width of 2E values (65535 wraps, 65536) and the first of 4E (65537, 65544); 100003;
-# the forward stage's last fit (115640) and first miss (115648; past 65536 every row takes the
-# windowed kernel and its slack); 131072 and past it.
-# Float32 (the windowed kernel, copies from 128 bytes): the two-CTA reread block's last width and
-# past it (28636, 28637: one CTA per SM), 32767-32772, 50257, the stage's last fits (57344,
-# 57820) and first miss (57824), 65536.
-LONG_STAGED_SIZES_16 = [32768, 32769, 32776, 32784, 40960, 50257, 53248, 57344, 57856, 57864,
-                        65535, 65536, 65537, 65544, 100003, 115640, 115648, 131072, 131080]
-LONG_STAGED_SIZES = {
-    jnp.float16: LONG_STAGED_SIZES_16,
-    jnp.bfloat16: LONG_STAGED_SIZES_16,
-    jnp.float32: [28636, 28637, 32767, 32768, 32772, 50257, 57344, 57820, 57824, 65536],
-}
+# 16-bit rows past the reread blocks and the staged backward block (ffi/softmax_launch.cuh,
+# session 53): forward rows of 32769 to W = 49152 on one reread CTA of up to 1024 threads where two
+# fit an SM (24 warps of 40 registers: RereadLongRows), backward ones of 32769-57856 on the staged
+# backward block of up to 1024 threads where y's and dy's stage fits (231424 bytes on the H100 and
+# H200, PlanStages: BwdStagedLongRows); the clusters take the others (and all of them under the
+# knobs at 0, scripts/gpu_check.sh's replaced step). The reread blocks' last width (32768); the
+# first widths past it, odd (32769, W = 32776), of cols % 16 == 8 (32776: the windowed kernel)
+# and plain (32784); 40960 (20 warps); the forward block's last widths, odd (49151: W = 49152,
+# wraps) and plain (49152), and its first misses, odd (49153: W = 49160), of cols % 16 == 8
+# (49160) and plain (49168); 50257 (25 warps, never wraps); 53248; the backward stage's last fits
+# (57344; 57856, y and dy 115712 bytes each) and first miss (57864, windowed); the last widths of
+# 2E values (65535 wraps, 65536).
+LONG_STAGED_SIZES_16 = [32768, 32769, 32776, 32784, 40960, 49151, 49152, 49153, 49160, 49168,
+                        50257, 53248, 57344, 57856, 57864, 65535, 65536]
+LONG_STAGED_SIZES = {jnp.float16: LONG_STAGED_SIZES_16, jnp.bfloat16: LONG_STAGED_SIZES_16}
 
 
 @pytest.mark.gpu
