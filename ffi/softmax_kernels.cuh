@@ -2284,7 +2284,7 @@ __device__ __forceinline__ void whole_window(typename Loader::Elem* window, cons
 template <typename T, int kGroup, int kElems, int kVec, int kCluster, Access kAccess, int kRows = 1,
           bool kReread = false>
 __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGroup, kElems))
-    __maxnreg__(MaxRegisters(kReread ? sizeof(T) == 2 && kElems <= 64
+    __maxnreg__(MaxRegisters(kReread ? sizeof(T) == 2 && kElems <= 80
                                      : kRawRows<RowLoader<T, kVec, false, kAccess>, kGroup,
                                                 kCluster> && kGroup > 32))
     softmax_rows_staged_kernel(const RowParams p, const StagedTiles tiles) {

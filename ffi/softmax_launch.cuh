@@ -574,9 +574,13 @@ inline bool BwdStagedRows() {
 // 142 / 143; and 16-bit rows of 2048 E + 1 to 115640 on 4E values per thread (63 registers, one
 // CTA per SM): 65537 181 / 190, 75001 165 / 175, 90001 164 / 170, 100003 182 / 170, 110001
 // 168 / 162, 115639 162 / 168, 115640 153-155 / 165.
-inline bool RereadLongRows() {
-  static const bool on = EnvKnob("JAX_SOFTMAX_REREAD_LONG", 1) != 0;
-  return on;
+// 2 (session 53's experiment, off by default): the rows of 25 warps and more, whose two stages
+// still fit an SM (W = 49153 to about 57000), on such CTAs of 5/2 E values per thread (at most 23
+// warps there).
+inline int RereadLongRows() {
+  static const int mode =
+      static_cast<int>(std::clamp(EnvKnob("JAX_SOFTMAX_REREAD_LONG", 1), 0L, 2L));
+  return mode;
 }
 // JAX_SOFTMAX_BWD_STAGED_LONG (read once): 1, the default since session 53, puts 16-bit plain
 // and windowed backward rows of 512 x 4E + 1 to 1024 x 4E columns (32769-65536) on the staged
@@ -1285,12 +1289,22 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     }
     // 16-bit rows of 1024 E + 1 to 2048 E columns on one reread CTA of up to 1024 threads where
     // two fit an SM (RereadLongRows, session 53); the clusters below take the others.
+    // Experiment (JAX_SOFTMAX_REREAD_LONG=2): past 24 warps of 2E, 5/2 E values per thread, so
+    // that the rows whose two stages fit an SM (to about 57000 columns) stay within 24 warps.
     if constexpr (!kFloatRows) {
-      if (reread && RereadLongRows() && n > 1024 * kE && n <= 2048 * kE)
+      const int long_mode = RereadLongRows();
+      if (reread && long_mode >= 1 && n > 1024 * kE && n <= 2048 * kE) {
         if (Launched launched =
                 LaunchStagedRows<T, 1024, 2 * kE, kVec, kRereadAccess<T, 2 * kE, kAccess>, 1,
                                  /*kReread=*/true>(c, /*min_ctas_per_sm=*/2))
           return launched;
+        if (long_mode == 2)
+          if (Launched launched =
+                  LaunchStagedRows<T, 1024, 5 * kE / 2, kVec,
+                                   kRereadAccess<T, 5 * kE / 2, kAccess>, 1, /*kReread=*/true>(
+                      c, /*min_ctas_per_sm=*/2))
+            return launched;
+      }
     }
   }
   if constexpr (kPlain16) {
