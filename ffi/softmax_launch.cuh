@@ -74,7 +74,8 @@
 // registers (RereadBlocks, RereadFloatRows, softmax_rows_staged_kernel's kReread; before session
 // 49 the odd 16-bit ones took the wide blocks of up to 1024 threads, now only under
 // JAX_SOFTMAX_REREAD_BLOCKS=2); and 16-bit rows of 1024 * E + 1 to 2048 * E on one such block
-// of up to 1024 threads where two fit an SM (to W = 49152: RereadLongRows, session 53).
+// of up to 1024 threads where two fit an SM (2E values to W = 49152, 5/2 E to 57272:
+// RereadLongRows, session 53).
 // (Float32 rows of up to 32 V measured 1.0-1.15x faster there than on the register lane groups
 // once each CTA takes one tile.) Where no tile fits, the register tiers run; the other plain
 // 16-bit rows of 2049-65536 columns take the register tiers too (faster there,
@@ -556,30 +557,34 @@ inline bool BwdStagedRows() {
   static const bool on = EnvKnob("JAX_SOFTMAX_BWD_STAGED", 1) != 0;
   return on;
 }
-// JAX_SOFTMAX_REREAD_LONG (read once): 1, the default since session 53, puts 16-bit plain and odd
-// forward rows of 1024 E + 1 to 2048 E columns (32769-65536) on one reread CTA of up to 1024
-// threads of 2E values where two such CTAs fit an SM: rows of up to 24 warps (W = 49152), since
-// at 40 registers a sub-partition holds 12 warps; 0 keeps the clusters (NarrowClusters, the
-// odd rows' staged clusters), which take the longer rows either way.
-// Measured (session 53, us per call at 256 MiB, 0 / 1, two rounds each, within 1 us; the copy's
-// floor is 125 us on the H200): H200 bfloat16 32769 163 / 139, 32784 157 / 134, 36001 165 / 137,
-// 40960 146 / 133, 43008 149 / 135, 45001 162 / 137, 45056 146-147 / 135, 47001 161 / 138,
-// 47104 146 / 135, 49001 158-159 / 138, 49152 145 / 135; float16 40960 146 / 134. H100 bfloat16
-// 32769 223-225 / 184-185, 32784 195 / 183, 36001 216-217 / 185, 40960 194-195 / 182, 45001
-// 208 / 185, 49152 193-194 / 182; float16 40960 195 / 182.
-// Not taken (session 52's experiment, H200, 0 / 1): one such CTA per SM, where no copy of the
-// SM's next row overlaps a row's passes: bfloat16 50256 150 / 179, 50257 158 / 186, 53248 147 /
-// 168, 57344 146 / 162, 65536 146 / 160, 65544 174 / 185; float16 50257 158 / 185; float32 (up
-// to 2048 E: one CTA per SM throughout) 28673 141 / 138, 32767 142 / 150, 50257 144 / 145, 57344
-// 142 / 143; and 16-bit rows of 2048 E + 1 to 115640 on 4E values per thread (63 registers, one
-// CTA per SM): 65537 181 / 190, 75001 165 / 175, 90001 164 / 170, 100003 182 / 170, 110001
-// 168 / 162, 115639 162 / 168, 115640 153-155 / 165.
-// 2 (session 53's experiment, off by default): the rows of 25 warps and more, whose two stages
-// still fit an SM (W = 49153 to about 57000), on such CTAs of 5/2 E values per thread (at most 23
-// warps there).
+// JAX_SOFTMAX_REREAD_LONG (read once; 0, 1 or 2): where 16-bit plain and odd forward rows of
+// 1024 E + 1 to 2048 E columns (32769-65536) run one reread CTA of up to 1024 threads, two such
+// CTAs per SM, instead of the clusters (NarrowClusters, the odd rows' staged clusters). 1: those
+// of up to 24 warps of 2E values (W = 49152: at 40 registers an SM's sub-partition holds 12
+// warps); 2, the default (session 53): also the longer ones whose two stages fit an SM (W to
+// 57272, two stages of 114688 bytes: PlanStages), on up to 23 warps of 5/2 E values; 0: none. The
+// clusters take the others either way.
+// Measured (session 53, us per call at 256 MiB, two rounds each, within 1 us; the copy's floor is
+// 125 us on the H200):
+// - 0 / 1: H200 bfloat16 32769 163 / 139, 32784 157 / 134, 36001 165 / 137, 40960 146 / 133, 43008
+//   149 / 135, 45001 162 / 137, 45056 146-147 / 135, 47001 161 / 138, 47104 146 / 135, 49001
+//   158-159 / 138, 49152 145 / 135; float16 40960 146 / 134. H100 bfloat16 32769 223-225 /
+//   184-185, 32784 195 / 183, 36001 216-217 / 185, 40960 194-195 / 182, 45001 208 / 185, 49152
+//   193-194 / 182; float16 40960 195 / 182.
+// - 1 / 2: H200 bfloat16 49153 160 / 140, 50257 159 / 140, 51201 160 / 142, 53248 147 / 139,
+//   55001 155 / 142, 56000 151 / 140, 57000 154 / 142; float16 50257 158-159 / 141. H100
+//   bfloat16 49153 199-200 / 188, 50257 201 / 188, 53248 189 / 186, 57000 204 / 189; float16
+//   50257 200-201 / 189.
+// Not taken (session 52's experiment, H200, clusters / one CTA per SM, where no copy of the SM's
+// next row overlaps a row's passes): 2E values to 1024 threads, bfloat16 50256 150 / 179, 50257
+// 158 / 186, 53248 147 / 168, 57344 146 / 162, 65536 146 / 160, 65544 174 / 185; float16 50257
+// 158 / 185; float32 (up to 2048 E: one CTA per SM throughout) 28673 141 / 138, 32767 142 / 150,
+// 50257 144 / 145, 57344 142 / 143; and 16-bit rows of 2048 E + 1 to 115640 on 4E values per
+// thread (63 registers): 65537 181 / 190, 75001 165 / 175, 90001 164 / 170, 100003 182 / 170,
+// 110001 168 / 162, 115639 162 / 168, 115640 153-155 / 165.
 inline int RereadLongRows() {
   static const int mode =
-      static_cast<int>(std::clamp(EnvKnob("JAX_SOFTMAX_REREAD_LONG", 1), 0L, 2L));
+      static_cast<int>(std::clamp(EnvKnob("JAX_SOFTMAX_REREAD_LONG", 2), 0L, 2L));
   return mode;
 }
 // JAX_SOFTMAX_BWD_STAGED_LONG (read once): 1, the default since session 53, puts 16-bit plain
@@ -864,8 +869,9 @@ constexpr bool kOdd16Rows = kAccess == Access::kWindowed && sizeof(T) == 2;
 // The access mode a reread block of kElems values per thread runs a row of kAccess with: plain
 // rows take the windowed kernel (a plain row is a window of shift 0 that never wraps) where the
 // plain instantiation spilled (ptxas sm_90a): float32 ones, 32-48 bytes at every register bound
-// from 40 to 64 (session 50; windowed: none at 64), and 16-bit ones of 128 values, 40 bytes at 64
-// (session 52's experiment, not instantiated since session 53; windowed: none).
+// from 40 to 64 (session 50; windowed: none at 64), and 16-bit ones of more than 64 values: of
+// 128, 40 bytes at 64 (session 52's experiment, not instantiated since session 53; windowed:
+// none); of 80 (session 53) the windowed kernel serves plain rows untried.
 template <typename T, int kElems, Access kAccess>
 constexpr Access kRereadAccess =
     kAccess == Access::kPlain && (sizeof(T) == 4 || kElems > 64) ? Access::kWindowed : kAccess;
@@ -1288,9 +1294,8 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
       if (launched || kPlain16) return launched;
     }
     // 16-bit rows of 1024 E + 1 to 2048 E columns on one reread CTA of up to 1024 threads where
-    // two fit an SM (RereadLongRows, session 53); the clusters below take the others.
-    // Experiment (JAX_SOFTMAX_REREAD_LONG=2): past 24 warps of 2E, 5/2 E values per thread, so
-    // that the rows whose two stages fit an SM (to about 57000 columns) stay within 24 warps.
+    // two fit an SM (RereadLongRows, session 53): 2E values per thread to 24 warps, then 5/2 E
+    // (to 23 warps, where the two stages stop fitting); the clusters below take the others.
     if constexpr (!kFloatRows) {
       const int long_mode = RereadLongRows();
       if (reread && long_mode >= 1 && n > 1024 * kE && n <= 2048 * kE) {

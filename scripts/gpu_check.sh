@@ -307,7 +307,7 @@ if want replaced; then
   # (JAX_SOFTMAX_BWD_STAGED_LONG=0) ...
   test_job bwd_register_rows JAX_SOFTMAX_BWD_STAGED=0 JAX_SOFTMAX_BWD_STAGED_LONG=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (mid_backward_rows or windowed_row_neighbours or reread_block_rows or wide_block_rows or long_staged_rows)")"
-  # ... and the 16-bit forward rows of 32769-49152 on the clusters, which the 1024-thread reread
+  # ... and the 16-bit forward rows of 32769-57272 on the clusters, which the 1024-thread reread
   # block replaced (JAX_SOFTMAX_REREAD_LONG=0).
   test_job reread_long_off JAX_SOFTMAX_REREAD_LONG=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (long_staged_rows or windowed_row_neighbours)")"

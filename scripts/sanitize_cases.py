@@ -61,7 +61,10 @@ CASES = [  # (rows, cols, dtype)
     # Odd rows read through 16-byte windows, staged (forward): tiles that start before their
     # first row and end past their last; the last tile ends inside x's last vector, whose
     # elements the kernel must not read past (the platform allocator puts nothing after x).
-    (37, 50257, jnp.bfloat16),  # staged cluster of 8 x 256 threads, ring refilled
+    # 50257: since session 53 a reread block of 20 warps of 80 values, two CTAs per SM (before,
+    # and under JAX_SOFTMAX_REREAD_LONG=0, a staged cluster of 8 x 256 threads, ring refilled);
+    # its backward on the staged backward block of 1024 threads (JAX_SOFTMAX_BWD_STAGED_LONG).
+    (37, 50257, jnp.bfloat16),
     # a reread block of 13 warps (since session 49; before, one staged CTA of 800 threads per SM
     # with a ring of three tiles), whose stage's window is made whole vectors before its passes
     # (and backward: two CTAs of a 4 x 512 x 32 cluster, the row in shared memory); and rows of
@@ -127,9 +130,14 @@ CASES = [  # (rows, cols, dtype)
     (5, 16385, jnp.float32),
     (3, 32768, jnp.float32),
     # Cluster tiers launched with the CTAs a row needs (FitCluster in ffi/softmax_launch.cuh):
-    # 5 of a staged 8 x 256 tier (forward; backward 5 of 8 x 512), more rows than clusters; and
-    # float32 forward 5 of a staged 8 x 512 tier (backward 9 of 16 x 512), windowed.
+    # 7 of a staged 8 x 256 tier (forward 57273, the first odd row past the 1024-thread reread
+    # blocks, session 53), more rows than clusters; and float32 forward 5 of a staged 8 x 512
+    # tier (backward 9 of 16 x 512), windowed. 32769 took 5 of 8 x 256 (forward; backward 5 of
+    # 8 x 512) before session 53, and does under JAX_SOFTMAX_REREAD_LONG=0 and
+    # JAX_SOFTMAX_BWD_STAGED_LONG=0; by default the 1024-thread reread block (17 warps) and
+    # staged backward block.
     (101, 32769, jnp.bfloat16),
+    (101, 57273, jnp.bfloat16),
     (3, 65537, jnp.float32),
     # Odd 16-bit rows whose partial end vectors, and the vector after the window that holds the
     # wrapped columns, are read whole where they lie inside x (RowLoader::vecs_inside; the last
@@ -146,7 +154,8 @@ CASES = [  # (rows, cols, dtype)
     # 16-bit backward cluster rows of 32 values per thread read through shared memory
     # (RowParams::row_in_smem): 8 x 512 (7 of 8 CTAs) and 16 x 512 threads, windowed rows that
     # wrap (262143), more rows than clusters (the next row's copies), the last rows read from
-    # global memory; 262144 and 524288 above, 4 x 512 at 32769 and 50257.
+    # global memory; 262144 and 524288 above (4 x 512 took 32769 and 50257 above before session
+    # 53's staged backward block of 1024 threads, and does under JAX_SOFTMAX_BWD_STAGED_LONG=0).
     (20, 100003, jnp.bfloat16),
     (37, 262143, jnp.bfloat16),
     # Float32 backward rows read twice with L2 hints (RowParams::l2_hints), y kept in shared
@@ -155,10 +164,10 @@ CASES = [  # (rows, cols, dtype)
     # rows than clusters.
     (31, 151936, jnp.float32),
     # One CTA of up to 1024 threads per 16-bit row (session 53), whose stage holds the whole row
-    # (forward) or y and dy (backward): an odd bfloat16 row at the forward block's last width
+    # (forward) or y and dy (backward): an odd bfloat16 row at the forward 2E block's last width
     # (49151: W = 49152, 24 warps, two CTAs per SM, wraps; the backward runs it on the staged
-    # block too) and a plain float16 row at the backward stage's last fit (57856, 904 threads,
-    # one CTA per SM).
+    # block too; 50257 above takes the 5/2 E block) and a plain float16 row at the backward
+    # stage's last fit (57856, 904 threads, one CTA per SM).
     (5, 49151, jnp.bfloat16),
     (5, 57856, jnp.float16),
 ]

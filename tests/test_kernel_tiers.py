@@ -381,19 +381,21 @@ def test_mid_backward_rows(backend, device, rng, dtype):
 
 
 # 16-bit rows past the reread blocks and the staged backward block (ffi/softmax_launch.cuh,
-# session 53): forward rows of 32769 to W = 49152 on one reread CTA of up to 1024 threads where two
-# fit an SM (24 warps of 40 registers: RereadLongRows), backward ones of 32769-57856 on the staged
-# backward block of up to 1024 threads where y's and dy's stage fits (231424 bytes on the H100 and
-# H200, PlanStages: BwdStagedLongRows); the clusters take the others (and all of them under the
-# knobs at 0, scripts/gpu_check.sh's replaced step). The reread blocks' last width (32768); the
-# first widths past it, odd (32769, W = 32776), of cols % 16 == 8 (32776: the windowed kernel)
-# and plain (32784); 40960 (20 warps); the forward block's last widths, odd (49151: W = 49152,
-# wraps) and plain (49152), and its first misses, odd (49153: W = 49160), of cols % 16 == 8
-# (49160) and plain (49168); 50257 (25 warps, never wraps); 53248; the backward stage's last fits
-# (57344; 57856, y and dy 115712 bytes each) and first miss (57864, windowed); the last widths of
-# 2E values (65535 wraps, 65536).
+# session 53): forward rows of 32769 to W = 57272 on one reread CTA of up to 1024 threads where
+# two fit an SM (RereadLongRows: 2E values to 24 warps, W = 49152, as 40 registers allow; then
+# 5/2 E values where the two stages fit, 114688 bytes each on the H100 and H200, PlanStages),
+# backward ones of 32769-57856 on the staged backward block of up to 1024 threads where y's and
+# dy's stage fits (231424 bytes: BwdStagedLongRows); the clusters take the others (and all of
+# them under the knobs at 0, scripts/gpu_check.sh's replaced step). The reread blocks' last
+# width (32768); the first widths past it, odd (32769, W = 32776), of cols % 16 == 8 (32776: the
+# windowed kernel) and plain (32784); 40960 (20 warps); the 2E block's last widths, odd (49151:
+# W = 49152, wraps) and plain (49152), and the 5/2 E block's first ones, odd (49153: W = 49160),
+# of cols % 16 == 8 (49160) and plain (49168); 50257 (never wraps); 53248; the 5/2 E block's last
+# fits, odd (57271) and of cols % 16 == 8 (57272), and first miss (57273); the backward stage's
+# last fits (57344; 57856, y and dy 115712 bytes each) and first miss (57864, windowed); the last
+# widths of 2E values (65535 wraps, 65536).
 LONG_STAGED_SIZES_16 = [32768, 32769, 32776, 32784, 40960, 49151, 49152, 49153, 49160, 49168,
-                        50257, 53248, 57344, 57856, 57864, 65535, 65536]
+                        50257, 53248, 57271, 57272, 57273, 57344, 57856, 57864, 65535, 65536]
 LONG_STAGED_SIZES = {jnp.float16: LONG_STAGED_SIZES_16, jnp.bfloat16: LONG_STAGED_SIZES_16}
 
 
