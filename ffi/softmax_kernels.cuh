@@ -2277,11 +2277,11 @@ __device__ __forceinline__ void whole_window(typename Loader::Elem* window, cons
 // stored; a thread can then take more values (kElems) than registers would hold. A windowed row's
 // stage is made whole vectors first, so that its passes read as a plain row's do (see the code
 // after the wait). 16-bit ones of up to 80 values per thread are held to 40 registers (as
-// kRawRows; 80 values spill 8 bytes there, ptxas sm_90a, where two CTAs of 23 warps fit an SM
-// only at 40: RereadLongRows); float32 ones, whose 64 values per thread take twice the registers, to 64 (two CTAs of
-// 512 threads per SM), and so would be 16-bit ones of 128 values (session 52's experiment, 1024
-// threads, one CTA per SM, windowed: at 40 they spilled 36-52 bytes, at 64 none, ptxas sm_90a;
-// not instantiated since session 53, where they lost, see RereadLongRows).
+// kRawRows; 80 values spill 8 bytes there, ptxas sm_90a, but two CTAs of 23 warps fit an SM only
+// at 40: RereadLongRows); float32 ones, whose 64 values per thread take twice the registers, to
+// 64 (two CTAs of 512 threads per SM), and so would be 16-bit ones of 128 values (session 52's
+// experiment, 1024 threads, one CTA per SM, windowed: at 40 they spilled 36-52 bytes, at 64 none,
+// ptxas sm_90a; not instantiated since session 53, where they lost, see RereadLongRows).
 template <typename T, int kGroup, int kElems, int kVec, int kCluster, Access kAccess, int kRows = 1,
           bool kReread = false>
 __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGroup, kElems))
