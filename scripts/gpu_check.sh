@@ -310,7 +310,7 @@ if want replaced; then
   # ... and the 16-bit forward rows of 32769-57272 on the clusters, which the 1024-thread reread
   # block replaced (JAX_SOFTMAX_REREAD_LONG=0).
   test_job reread_long_off JAX_SOFTMAX_REREAD_LONG=0 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and (long_staged_rows or windowed_row_neighbours)")"
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and (long_staged_rows or windowed_row_neighbours or seven_chunk_rows)")"
   wait_tests
 fi
 

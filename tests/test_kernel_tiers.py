@@ -225,7 +225,10 @@ def test_seven_chunk_rows(backend, device, rng, dtype):
     # more rows than such clusters fit on the GPU at once, so that each cluster loops over rows.
     # Plain 16-bit rows below 2^16 take the register tiers. (16-bit only: the other types' rows
     # of these lengths run the tiers that test_cluster_ctas covers.) Sizes: 49151 .. 57345 and
-    # 98303 .. 114689, with 50257, 106496 and 114688 plain.
+    # 98303 .. 114689, with 50257, 106496 and 114688 plain. Since session 53 the rows of up to
+    # 57272 take the 1024-thread reread blocks instead (test_long_staged_rows), so that of the
+    # 256-thread range only 57343 and 57345 reach these clusters by default (all of it under
+    # JAX_SOFTMAX_REREAD_LONG=0: scripts/gpu_check.sh's replaced step).
     sizes = {50257, 106496, 7 * 512 * 32}
     for chunk in (256 * 32, 512 * 32):
         sizes |= {6 * chunk - 1, 6 * chunk + 1, 7 * chunk - 1, 7 * chunk + 1}
@@ -438,7 +441,8 @@ def test_windowed_row_neighbours(backend, device, rng, dtype):
     # windows in shared memory: 16-bit 24577 and 32767 on the reread blocks (since session 49;
     # float32 24577 since session 50), whose stage's end vectors hold -inf in place of the
     # neighbours' columns (16-bit 24577 never wraps, 32767 does where its window starts 2-7
-    # elements before it).
+    # elements before it). Since session 53 16-bit 50257 takes the 1024-thread reread block
+    # (forward) and staged backward block (the clusters under the knobs at 0).
     cases = []
     for n in (255, 1001, 4097, 8193, 24577, 32767, 50257, 65535, 262143):
         x = rng.standard_normal((11, n)) * 3.0
@@ -464,7 +468,7 @@ def test_windowed_row_neighbours(backend, device, rng, dtype):
 @pytest.mark.parametrize(
     "tier",
     ["4V", "16V", "32V", "64V", "1024", "4096", "20480", "32768", "131072", "1001", "40961",
-     "50257"],
+     "50257", "65535"],
 )
 def test_staged_ring_wraps(backend, device, rng, dtype, tier):
     # The staged tiers (sm_90+, forward rows: ffi/softmax_launch.cuh, LaunchStagedTier) feed each
@@ -478,9 +482,11 @@ def test_staged_ring_wraps(backend, device, rng, dtype, tier):
     # 32 lanes float32), a block (4096), bfloat16's reread blocks of 10 and 16 warps (20480,
     # 32768; float32: clusters of 2), and clusters of 8 (float32) or 4 (bfloat16) CTAs (131072);
     # odd rows, read through 16-byte windows, staged in bfloat16 on 32 lanes (1001) and clusters
-    # of 256 threads (40961, 6 of 8 CTAs) and of 2 x 1024 (50257), whose tiles start before their
-    # row and end in the next (the last one at x's end); float32 odd rows of up to 2^16 columns
-    # take the register tiers (LaunchStagedTier).
+    # of 8 x 256 threads (65535, wraps), whose tiles start before their row and end in the next
+    # (the last one at x's end); 40961 and 50257 took clusters too (6 of 8 x 256; 2 x 1024)
+    # before session 53's 1024-thread reread blocks, one tile per CTA, and do under
+    # JAX_SOFTMAX_REREAD_LONG=0; float32 odd rows of up to 2^16 columns take the register tiers
+    # (LaunchStagedTier).
     # Softmax and log_softmax, with their backward (register tiers), without and with a `where`
     # mask of shape (1, N): a mask that consecutive rows share, which the staged tiers take up to
     # N = 16 E, and for float32 beyond 4096 columns (x in the stages, the mask read from global
