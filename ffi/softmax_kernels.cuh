@@ -2176,8 +2176,9 @@ struct StagedTiles {
 constexpr int kMaxStages = 4;
 
 // The staged kernels whose windowed tiles start at StagedTiles::copy_align: one row per tile on
-// one CTA (the reread blocks; where BlockCopyAlign is on, by default on the H200 since session 52,
-// the other staged blocks too: the launch sets copy_align). The lane groups compiled
+// one CTA (the reread blocks; where BlockCopyAlign is on, by default since session 52 on the H200
+// and session 53 on every GPU, the other staged blocks too: the launch sets copy_align). The lane
+// groups compiled
 // with it took 1-6 more registers (8-32 lanes, ptxas sm_90a), and a cluster CTA's chunk starts
 // where the chunk before it ends.
 template <Access kAccess, int kCluster, int kRowsPerBlock>
@@ -2495,7 +2496,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
 // add nothing to the dot product and are never stored), its wrapped columns moved into the first
 // vector's free slots.
 template <typename T, int kGroup, int kElems, int kVec, Access kAccess>
-__global__ void __launch_bounds__(kGroup, MinBlocksPerSm(kGroup))  // 64 registers at 512
+__global__ void __launch_bounds__(kGroup, MinBlocksPerSm(kGroup))  // 64 registers at 512 and 1024
     softmax_bwd_staged_kernel(const RowParams p, const StagedTiles tiles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using A = float;

@@ -1109,7 +1109,7 @@ inline int StagedGrid(int64_t tiles, int tiles_per_cta, int ctas_per_sm, const D
 // min_ctas_per_sm: decline (nullopt) where fewer of these CTAs fit an SM (registers and shared
 // memory, PlanStages), so that the caller's next tier takes the row.
 // The one-row tiers whose copies start on CopyAlignBytes (kCopyAligned: the reread blocks, and the
-// other blocks where BlockCopyAlign is 1 or 2, by default on the H200) do so for windowed rows;
+// other blocks where BlockCopyAlign is 1 or 2, the default) do so for windowed rows;
 // plain 16-bit rows of cols % 16 == 8, half of whose copies would start 16 bytes into a 32-byte
 // sector (RoundedCopyRows), take the tier's windowed kernel for it on the reread blocks (session
 // 51), and on the others only where BlockCopyAlign is 2 (it lost at 2056 and 8200, session 52).

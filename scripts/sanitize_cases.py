@@ -131,8 +131,8 @@ CASES = [  # (rows, cols, dtype)
     (3, 32768, jnp.float32),
     # Cluster tiers launched with the CTAs a row needs (FitCluster in ffi/softmax_launch.cuh):
     # 7 of a staged 8 x 256 tier (forward 57273, the first odd row past the 1024-thread reread
-    # blocks, session 53; the H100 runs 2 x 1024 there, WideClusterMode), more rows than clusters; and float32 forward 5 of a staged 8 x 512
-    # tier (backward 9 of 16 x 512), windowed. 32769 took 5 of 8 x 256 (forward; backward 5 of
+    # blocks, session 53; the H100 runs 2 x 1024 there, WideClusterMode), more rows than
+    # clusters; and float32 forward 5 of a staged 8 x 512 tier (backward 9 of 16 x 512), windowed. 32769 took 5 of 8 x 256 (forward; backward 5 of
     # 8 x 512) before session 53, and does under JAX_SOFTMAX_REREAD_LONG=0 and
     # JAX_SOFTMAX_BWD_STAGED_LONG=0; by default the 1024-thread reread block (17 warps) and
     # staged backward block.

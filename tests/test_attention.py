@@ -325,7 +325,7 @@ def test_scale_without_mask_or_bias(backend, device, rng, dtype, scale):
     # the kernels of masked rows (bfloat16) for other scales.
     # The scores' gradient too: the backward kernels of plain rows apply the scale to their output
     # (dx = scale * y * (g - sum(y * g))), whatever kernel ran the forward. On the GPU, bfloat16
-    # rows of 16392-24577 columns take the staged backward block (the H200's default since
+    # rows of 16392-24577 columns take the staged backward block (the default since
     # session 52; 16392 through its windowed kernel).
     def fwd_and_vjp(s, g):
         y, pull = jax.vjp(lambda a: js.attention_softmax(a, scale=scale), s)
