@@ -455,12 +455,21 @@ inline int TilesPerCta(int fallback = 1) {
 // 16383 136 / 138) and on plain rows (bfloat16 128 131 / 133, 1000 130 / 133; float32 1000
 // 131 / 133, 16384 131 / 134). Bfloat16 1025 and 2049 stay slower than XLA on the H200 (0.94x,
 // 0.89x; TUNING.md session 37). JAX_SOFTMAX_TILES_PER_CTA, where set, takes its place.
+// JAX_SOFTMAX_ODD_BLOCK_TILES (read once; session 54): 2 gives the 16-bit odd rows of the staged
+// blocks of 256 and 512 threads (W = 128 E + 1 to 512 E) two tiles per CTA too; 0 (default) one.
+inline int OddBlockTiles() {
+  static const int mode =
+      static_cast<int>(std::clamp(EnvKnob("JAX_SOFTMAX_ODD_BLOCK_TILES", 0), 0L, 2L));
+  return mode;
+}
+
 template <int kE>
 int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
   const bool ring_tiers = (width > 16 * kE && width <= 128 * kE) ||
                           (width > 512 * kE && width <= 1024 * kE);
   const bool two = ring_tiers && (AmpleDramPerSm(dev) || width <= 96 * kE);
-  return TilesPerCta(two ? 2 : 1);
+  const bool block_tiers = OddBlockTiles() == 2 && width > 128 * kE && width <= 512 * kE;
+  return TilesPerCta(two || block_tiers ? 2 : 1);
 }
 
 // Staged clusters of 1024-thread CTAs (LaunchStagedTier). JAX_SOFTMAX_WIDE_CLUSTERS (read once):

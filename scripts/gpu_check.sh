@@ -139,14 +139,15 @@ with_test_k() { if [ -n "${TEST_K:-}" ]; then echo "($TEST_K) and ($1)"; else ec
 if want test; then
   # The suite in parallel processes (a GPU test spends most of its time in XLA's compiler, on the
   # CPU; one process ran past a device call's 10 minutes). -k selects by test and module name;
-  # the shards cover every test once: the kernel-tier module in nine (the staged-ring,
+  # the shards cover every test once: the kernel-tier module in ten (the staged-ring,
   # dependent-call and causal-size tests were one shard until session 28, which ran past 320 s
   # beside the others; the odd-row tests one with the rest until session 38, past 470 s on the
   # H100; the past-top rows of session 41 their own, tiers_odd already taking 437 s there, with
   # the wide-block rows since session 42; the odd-row tiers apart from the rings and gaps since
   # session 46, when the three together ran past 470 s on the H100 with 5 of 6 done; the long
-  # staged rows of session 52 beside the causal sizes, whose shard took 27 s then), the rest in
-  # two.
+  # staged rows of session 52 beside the causal sizes, whose shard took 27 s then; the block rows
+  # since session 54, when the module's other tests, one shard, ran past 495 s on the H200 with
+  # 46 of 54 done, and alone took 381 s, 155 of them in these four tests), the rest in two.
   # The kernel-tier module's own shards (name:selection); tiers_rest takes the module's other
   # tests, so the selections are written once here and joined for it.
   tier_shards=(
@@ -158,6 +159,7 @@ if want test; then
     "tiers_odd:odd_row_tiers"
     "tiers_gaps:odd_row_rings or plain_row_gaps"
     "tiers_past:past_top_rows or wide_block_rows"
+    "tiers_blocks:plain_block_rows or reread_block_rows or block_warps or windowed_row_neighbours"
   )
   tiers_split=
   shards=()
