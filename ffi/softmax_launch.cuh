@@ -451,15 +451,30 @@ inline int TilesPerCta(int fallback = 1) {
 // 4095 182 / 187, wide blocks 16385 193 / 187, 20001 185 / 187, 24575 184 / 188; float16 3001
 // 187 / 185, 20001 185 / 187. Not taken: a persistent ring (T = 0, H200: 1001 167, 2047 167,
 // 16385 157), T = 3-4 (H200: within 3% of T = 2, 4095 141), T = 2 on the 8-16-lane odd rows
-// (H200 255: 149 / 156), on the odd blocks of 256-512 threads (6143 134 / 138, 8191 133 / 138,
-// 16383 136 / 138) and on plain rows (bfloat16 128 131 / 133, 1000 130 / 133; float32 1000
-// 131 / 133, 16384 131 / 134). Bfloat16 1025 and 2049 stay slower than XLA on the H200 (0.94x,
+// (H200 255: 149 / 156), on the odd blocks of 256-512 threads whose rows fill them (6143 134 /
+// 138, 8191 133 / 138, 16383 136 / 138; the others since session 54, below) and on plain rows
+// (bfloat16 128 131 / 133, 1000 130 / 133; float32 1000 131 / 133, 16384 131 / 134). Bfloat16 1025 and 2049 stay slower than XLA on the H200 (0.94x,
 // 0.89x; TUNING.md session 37). JAX_SOFTMAX_TILES_PER_CTA, where set, takes its place.
-// JAX_SOFTMAX_ODD_BLOCK_TILES (read once; session 54): 2 gives the 16-bit odd rows of the staged
-// blocks of 256 and 512 threads (W = 128 E + 1 to 512 E) two tiles per CTA too; 0 (default) one.
+// Since session 54 also the 16-bit odd rows of the staged blocks of 256 and 512 threads (W =
+// 128 E + 1 to 512 E, as many warps as the row needs: RowThreads) that fill at most 15/16 of their
+// warps' values, on GPUs with the H200's DRAM bandwidth per SM cycle (OddBlockTiles). With one
+// tile per CTA an SM holds as many rows in flight as CTAs fit (at 40 registers 12 of 5 warps, 10
+// of 6, 7 of 9), so a thinly filled row brings fewer bytes (bfloat16 4097 on 5 warps: 3.2 vectors
+// per thread, 5119: 4.0); a second tile keeps the next row's copy in flight while one is reduced.
+// Where the row fills its warps, the second stage costs more than it brings (session 37 too).
+// Measured (H200, session 54, us per call at 256 MiB, one / two tiles, two rounds each, within
+// 1 us; fill = W / (warps x 32 E) in brackets): bfloat16 4097 (0.80) 156 / 149, 4353 (0.85) 146
+// / 139, 4609 (0.90) 138 / 135, 4865 (0.95) 133 / 135, 5119 (1.0) 131 / 135, 5121 (0.83) 156 /
+// 149, 5377 (0.88) 141 / 135, 5633 (0.92) 141 / 136, 6143 (1.0) 132 / 136, 6145 (0.86) 147 / 137,
+// 6657 (0.93) 137 / 135, 7169 (0.88) 139 / 135, 8191 (1.0) 131 / 135, 8193 (0.89) 145 / 135, 8705
+// (0.95) 137 / 135, 9217 (0.90) 149 / 137, 10241 (0.91) 141 / 135, 12289 (0.92) 149 / 136, 14337
+// (0.93) 141 / 135, 16383 (1.0) 133 / 136; float16 4097 155 / 148, 8193 145 / 135. (8705 is the
+// one row that the 15/16 bound puts on the slower side, by 2 us.) Not measured on the H100.
+// JAX_SOFTMAX_ODD_BLOCK_TILES (read once): 1 (default) as above, 2 those rows on every GPU, 0
+// one tile for all of them.
 inline int OddBlockTiles() {
   static const int mode =
-      static_cast<int>(std::clamp(EnvKnob("JAX_SOFTMAX_ODD_BLOCK_TILES", 0), 0L, 2L));
+      static_cast<int>(std::clamp(EnvKnob("JAX_SOFTMAX_ODD_BLOCK_TILES", 1), 0L, 2L));
   return mode;
 }
 
@@ -468,8 +483,13 @@ int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
   const bool ring_tiers = (width > 16 * kE && width <= 128 * kE) ||
                           (width > 512 * kE && width <= 1024 * kE);
   const bool two = ring_tiers && (AmpleDramPerSm(dev) || width <= 96 * kE);
-  const bool block_tiers = OddBlockTiles() == 2 && width > 128 * kE && width <= 512 * kE;
-  return TilesPerCta(two || block_tiers ? 2 : 1);
+  // The staged blocks' thinly filled rows (OddBlockTiles): warps as RowThreads counts them.
+  const int block_mode = OddBlockTiles();
+  const int64_t warps = (width + 32 * kE - 1) / (32 * kE);
+  const bool thin_block = width > 128 * kE && width <= 512 * kE &&
+                          16 * width <= 15 * warps * 32 * kE &&
+                          (block_mode == 2 || (block_mode == 1 && AmpleDramPerSm(dev)));
+  return TilesPerCta(two || thin_block ? 2 : 1);
 }
 
 // Staged clusters of 1024-thread CTAs (LaunchStagedTier). JAX_SOFTMAX_WIDE_CLUSTERS (read once):

@@ -281,11 +281,14 @@ def test_odd_row_rings(backend, device, rng, dtype):
     # 16-bit odd rows on the staged tiers that take OddRowTilesPerCta tiles per CTA (two on the
     # H200, and on the H100 up to W = 3072; ffi/softmax_launch.cuh, LaunchStagedTier): 16-32 lanes
     # (W = 520-1536; GapTierRanges, the H100's to 1280), blocks of 64 and 128 threads (to 4096) and
-    # the reread blocks (16392-24576; the wide blocks under JAX_SOFTMAX_REREAD_BLOCKS=2).
+    # the reread blocks (16392-24576; the wide blocks under JAX_SOFTMAX_REREAD_BLOCKS=2); under
+    # JAX_SOFTMAX_ODD_BLOCK_TILES=2 (session 54) also the staged blocks of 256 and 512 threads
+    # (W = 4097-16384: 5, 6, 9 and 13 warps, and the last width, 16383).
     # Both ends of each tier, both sides of the H100's 3072, in an odd number of rows
     # (rows_past_one_wave), so that a CTA's second tile is the partial last one or missing;
     # gpu_check.sh runs it again under JAX_SOFTMAX_TILES_PER_CTA=1 and =3 (rings of three stages).
-    sizes = [513, 1023, 1025, 1031, 2047, 2049, 3001, 3071, 3073, 4089, 4095, 16385, 20001, 24575]
+    sizes = [513, 1023, 1025, 1031, 2047, 2049, 3001, 3071, 3073, 4089, 4095, 4097, 5121, 8193,
+             12289, 16383, 16385, 20001, 24575]
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
 
 
