@@ -453,8 +453,9 @@ inline int TilesPerCta(int fallback = 1) {
 // 16385 157), T = 3-4 (H200: within 3% of T = 2, 4095 141), T = 2 on the 8-16-lane odd rows
 // (H200 255: 149 / 156), on the odd blocks of 256-512 threads whose rows fill them (6143 134 /
 // 138, 8191 133 / 138, 16383 136 / 138; the others since session 54, below) and on plain rows
-// (bfloat16 128 131 / 133, 1000 130 / 133; float32 1000 131 / 133, 16384 131 / 134). Bfloat16 1025 and 2049 stay slower than XLA on the H200 (0.94x,
-// 0.89x; TUNING.md session 37). JAX_SOFTMAX_TILES_PER_CTA, where set, takes its place.
+// (bfloat16 128 131 / 133, 1000 130 / 133; float32 1000 131 / 133, 16384 131 / 134). Bfloat16
+// 1025 and 2049 stay slower than XLA on the H200 (0.94x, 0.89x; TUNING.md session 37).
+// JAX_SOFTMAX_TILES_PER_CTA, where set, takes its place.
 // Since session 54 also the 16-bit odd rows of the staged blocks of 256 and 512 threads (W =
 // 128 E + 1 to 512 E, as many warps as the row needs: RowThreads) that fill at most 15/16 of their
 // warps' values, on GPUs with the H200's DRAM bandwidth per SM cycle (OddBlockTiles). With one

@@ -88,8 +88,11 @@ CASES = [  # (rows, cols, dtype)
     # Block tiers of a run-time number of warps (ffi/softmax_kernels.cuh, kRuntimeWarps): 6 of a
     # 256-thread tier's 8 (forward; backward 9 of 16), and 9 of 16 (forward; backward 17 of 32,
     # float32's 1024-thread block), each row's last columns alone in the last warp; 4097 forward
-    # on the staged 256-thread block with 5 warps (an odd count: OddRowTiers, RowThreads).
+    # on the staged 256-thread block with 5 warps (an odd count: OddRowTiers, RowThreads), on the
+    # H200 since session 54 with two tiles per CTA (OddRowTilesPerCta: the row fills 4104 of the
+    # warps' 5120 values), as 12289 on 13 warps of the 512-thread block (the last CTA one tile).
     (7, 4097, jnp.bfloat16),
+    (9, 12289, jnp.bfloat16),
     (5, 8193, jnp.float32),
     # A plain 16-bit row just past the 256 x 32 register block: 9 warps of the staged 512 x 32
     # block (since session 51), most of the ninth's values past the row's end.
