@@ -226,7 +226,8 @@ if want test; then
   test_job plain16_register_blocks JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and plain_block_rows")"
   # The 16-bit odd rows whose staged tiers take OddRowTilesPerCta tiles per CTA (two on the H200,
-  # and on the H100 up to 3072 columns) at one tile per CTA, the H100's default beyond, the
+  # and on the H100 up to 3072 columns; since session 54 on the H200 also the thinly filled rows
+  # of the 256- and 512-thread blocks) at one tile per CTA, the H100's default beyond, the
   # wide blocks among them (JAX_SOFTMAX_REREAD_BLOCKS=2), and the float32 wide blocks (two by
   # default; JAX_SOFTMAX_REREAD_FLOAT=0 for all their rows).
   test_job odd_rows_one_tile JAX_SOFTMAX_TILES_PER_CTA=1 JAX_SOFTMAX_REREAD_BLOCKS=2 \

@@ -281,9 +281,10 @@ def test_odd_row_rings(backend, device, rng, dtype):
     # 16-bit odd rows on the staged tiers that take OddRowTilesPerCta tiles per CTA (two on the
     # H200, and on the H100 up to W = 3072; ffi/softmax_launch.cuh, LaunchStagedTier): 16-32 lanes
     # (W = 520-1536; GapTierRanges, the H100's to 1280), blocks of 64 and 128 threads (to 4096) and
-    # the reread blocks (16392-24576; the wide blocks under JAX_SOFTMAX_REREAD_BLOCKS=2); under
-    # JAX_SOFTMAX_ODD_BLOCK_TILES=2 (session 54) also the staged blocks of 256 and 512 threads
-    # (W = 4097-16384: 5, 6, 9 and 13 warps, and the last width, 16383).
+    # the reread blocks (16392-24576; the wide blocks under JAX_SOFTMAX_REREAD_BLOCKS=2); since
+    # session 54 also the staged blocks of 256 and 512 threads where a row fills at most 15/16 of
+    # its warps (on the H200; on every GPU under JAX_SOFTMAX_ODD_BLOCK_TILES=2): 4097, 5121, 8193
+    # and 12289 on 5, 6, 9 and 13 warps, and 16383, which fills its 16 and keeps one tile.
     # Both ends of each tier, both sides of the H100's 3072, in an odd number of rows
     # (rows_past_one_wave), so that a CTA's second tile is the partial last one or missing;
     # gpu_check.sh runs it again under JAX_SOFTMAX_TILES_PER_CTA=1 and =3 (rings of three stages).
