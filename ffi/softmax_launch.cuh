@@ -479,16 +479,21 @@ inline int OddBlockTiles() {
   return mode;
 }
 
+// Warps of `elems` values per lane that a row of `width` window offsets needs: RowThreads' count
+// before its rounding, and what the odd rows of the staged blocks take (OddRowTilesPerCta).
+constexpr int64_t RowWarps(int64_t width, int elems) {
+  return (width + 32 * int64_t(elems) - 1) / (32 * int64_t(elems));
+}
+
 template <int kE>
 int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
   const bool ring_tiers = (width > 16 * kE && width <= 128 * kE) ||
                           (width > 512 * kE && width <= 1024 * kE);
   const bool two = ring_tiers && (AmpleDramPerSm(dev) || width <= 96 * kE);
-  // The staged blocks' thinly filled rows (OddBlockTiles): warps as RowThreads counts them.
+  // The staged blocks' thinly filled rows (OddBlockTiles).
   const int block_mode = OddBlockTiles();
-  const int64_t warps = (width + 32 * kE - 1) / (32 * kE);
   const bool thin_block = width > 128 * kE && width <= 512 * kE &&
-                          16 * width <= 15 * warps * 32 * kE &&
+                          16 * width <= 15 * RowWarps(width, kE) * 32 * kE &&
                           (block_mode == 2 || (block_mode == 1 && AmpleDramPerSm(dev)));
   return TilesPerCta(two || thin_block ? 2 : 1);
 }
@@ -983,7 +988,7 @@ constexpr int64_t WindowWidth(int64_t cols) {
 inline int RowThreads(int64_t width, int group, int elems, bool keep_filled,
                       bool even_warps = true) {
   static const long step = EnvKnob("JAX_SOFTMAX_WARP_STEP", 0);
-  int64_t warps = (width + 32 * int64_t(elems) - 1) / (32 * int64_t(elems));
+  int64_t warps = RowWarps(width, elems);
   if (step >= 1 && step <= 32)
     warps = (warps + step - 1) / step * step;
   else if (keep_filled && width * 8 > int64_t(group) * elems * 5)

@@ -10,9 +10,10 @@
 # parallel pytest processes and the tier tests in command buffers beside them, then the long-key
 # tests alone (session 29, H100, prebuilt: 349 s); replaced: the tier tests under the knobs that
 # bring back the routes that sessions 52-53 replaced (not part of all); knobs: the tier tests
-# under other knobs (three jobs at once; since session 42 past one call: KNOB_TESTS splits them); logs
-# $OUT/pytest_*.log; bench: the row-length sweep (forward alone, two dtypes and all providers,
-# 130 s on the H100; backward and forward+backward together ran past 300 s: give them two calls);
+# under other knobs (three jobs at once; since session 42 past one call: KNOB_TESTS splits
+# them); logs $OUT/pytest_*.log; bench: the row-length sweep (forward alone, two dtypes and all
+# providers, 130 s on the H100; backward and forward+backward together ran past 300 s: give them
+# two calls);
 # attention: the (B, H, S, S) sweep, ATTN_ARGS passes it options (in full 420 points, about 14
 # minutes on the H100, session 29: split it with --dtypes / --modes / --variants).
 # ab: quick A/B timing of scripts/profile_cases.py cases under each variant in AB_VARIANTS

@@ -135,10 +135,10 @@ CASES = [  # (rows, cols, dtype)
     # Cluster tiers launched with the CTAs a row needs (FitCluster in ffi/softmax_launch.cuh):
     # 7 of a staged 8 x 256 tier (forward 57273, the first odd row past the 1024-thread reread
     # blocks, session 53; the H100 runs 2 x 1024 there, WideClusterMode), more rows than
-    # clusters; and float32 forward 5 of a staged 8 x 512 tier (backward 9 of 16 x 512), windowed. 32769 took 5 of 8 x 256 (forward; backward 5 of
-    # 8 x 512) before session 53, and does under JAX_SOFTMAX_REREAD_LONG=0 and
-    # JAX_SOFTMAX_BWD_STAGED_LONG=0; by default the 1024-thread reread block (17 warps) and
-    # staged backward block.
+    # clusters; and float32 forward 5 of a staged 8 x 512 tier (backward 9 of 16 x 512),
+    # windowed. 32769 took 5 of 8 x 256 (forward; backward 5 of 8 x 512) before session 53, and
+    # does under JAX_SOFTMAX_REREAD_LONG=0 and JAX_SOFTMAX_BWD_STAGED_LONG=0; by default the
+    # 1024-thread reread block (17 warps) and staged backward block.
     (101, 32769, jnp.bfloat16),
     (101, 57273, jnp.bfloat16),
     (3, 65537, jnp.float32),
