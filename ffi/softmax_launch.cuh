@@ -622,6 +622,15 @@ inline int RereadLongRows() {
       static_cast<int>(std::clamp(EnvKnob("JAX_SOFTMAX_REREAD_LONG", 2), 0L, 2L));
   return mode;
 }
+// JAX_SOFTMAX_REREAD_THIN (read once; an experiment, session 55): 16-bit odd rows of 64 E + 1 to
+// 512 E columns on the reread blocks instead of the staged row tiers, with fewer warps per row
+// and so more rows per SM: 1 up to 512 threads of 2E values, 2 up to 1024 threads of 5/2 E; 0
+// (default) the row tiers.
+inline int RereadThinRows() {
+  static const int mode =
+      static_cast<int>(std::clamp(EnvKnob("JAX_SOFTMAX_REREAD_THIN", 0), 0L, 2L));
+  return mode;
+}
 // JAX_SOFTMAX_BWD_STAGED_LONG (read once): 1, the default since session 53, puts 16-bit plain
 // and windowed backward rows of 512 x 4E + 1 to 1024 x 4E columns (32769-65536) on the staged
 // backward block of up to 1024 threads, where y's and dy's stage fits (to 57856 columns, y and
@@ -1344,6 +1353,18 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
                                    kRereadAccess<T, 5 * kE / 2, kAccess>, 1, /*kReread=*/true>(
                       c, /*min_ctas_per_sm=*/2))
             return launched;
+      }
+      const int thin_mode = RereadThinRows();
+      if (kOdd16Rows<T, kAccess> && thin_mode >= 1 && n > 64 * kE && n <= 512 * kE) {
+        Launched launched;
+        if (thin_mode == 1)
+          launched = LaunchStagedRows<T, 512, 2 * kE, kVec, kRereadAccess<T, 2 * kE, kAccess>, 1,
+                                      /*kReread=*/true>(c, /*min_ctas_per_sm=*/1);
+        else
+          launched = LaunchStagedRows<T, 1024, 5 * kE / 2, kVec,
+                                      kRereadAccess<T, 5 * kE / 2, kAccess>, 1, /*kReread=*/true>(
+              c, /*min_ctas_per_sm=*/1);
+        if (launched) return launched;
       }
     }
   }
