@@ -75,7 +75,9 @@
 // 49 the odd 16-bit ones took the wide blocks of up to 1024 threads, now only under
 // JAX_SOFTMAX_REREAD_BLOCKS=2); and 16-bit rows of 1024 * E + 1 to 2048 * E on one such block
 // of up to 1024 threads where two fit an SM (2E values to W = 49152, 5/2 E to 57272:
-// RereadLongRows, session 53).
+// RereadLongRows, session 53); and on the H200 16-bit odd rows of 64 E + 1 to 72 E, and those of
+// 128 E + 1 to 512 E that fill their staged block's warps thinly, on such blocks too: one warp of
+// 5/2 E, or up to 512 threads of 2E (ThinRereadElems, session 55).
 // (Float32 rows of up to 32 V measured 1.0-1.15x faster there than on the register lane groups
 // once each CTA takes one tile.) Where no tile fits, the register tiers run; the other plain
 // 16-bit rows of 2049-65536 columns take the register tiers too (faster there,
@@ -498,6 +500,49 @@ int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
   return TilesPerCta(two || thin_block ? 2 : 1);
 }
 
+// Since session 55 the thinly filled 16-bit odd rows of the staged 128- to 512-thread blocks take
+// the reread blocks instead (softmax_rows_staged_kernel's kReread: the row read from the stage in
+// each pass, none of it held in registers), whose threads take 2E or 5/2 E values: half the warps
+// per row or fewer, so an SM holds about twice the rows, where these rows ran at a rate of rows
+// rather than of bytes (bfloat16 4097-5119 on 5 warps all took about 200-220 rows per us; the
+// skipped exps of their empty packs gained 0-2 us, session 55). ThinRereadElems gives the values
+// per thread of the reread block that takes a row of `width` window offsets, or 0 for the row
+// tiers:
+// - W = 64 E + 1 to 72 E: one warp of 5/2 E (the 1024-thread reread block's kernel), 80-90%
+//   filled, where the 128-thread block ran three warps 67-75% filled;
+// - W = 128 E + 1 to 256 E: up to 512 threads of 2E where the 256-thread block fills at most
+//   15/16 of its warps (OddBlockTiles' thin rows) and the reread block at least 5/6 of its own;
+// - W = 256 E + 1 to 512 E: up to 512 threads of 2E where the 512-thread block fills at most
+//   23/24 of its warps (rows that fill them keep it: 16383 134 / 136).
+// Measured (H200, session 55, us per call at 256 MiB, row tiers (with session 54's two tiles for
+// the thin ones) / reread block, two rounds each, within 1 us): bfloat16 2049 160 / 153 (one
+// warp of 5/2 E), 2177 154 / 147, 2305 145 / 145, 2433 139 / 143, 2559 136 / 140; 4097 149 / 159
+// (2E; 5/2 E 149), 4609 135 / 143, 5119 132 / 134, 5121 149 / 134, 5377 136 / 134, 5633 136 / 135,
+// 5889 132 / 136, 6145 138 / 141, 6657 135 / 134, 7169 135 / 134, 7681 133 / 135, 8193 136 /
+// 135-136, 8705 138 / 134, 9217 137 / 134-135, 9729 142 / 135, 10241 136 / 134, 10753 138 / 135,
+// 12289 136-137 / 134, 13313 136 / 135, 14337 136 / 135, 15361 138 / 135, 16383 134 / 136;
+// float16 2049 157-158 / 153, 4097 148 / 158, 5121 149 / 134, 9217 137 / 134. Not measured on the
+// H100: there the row tiers stay (JAX_SOFTMAX_REREAD_THIN, read once: 1 (default) as above on
+// GPUs with the H200's DRAM bandwidth per SM cycle, AmpleDramPerSm; 2 on every GPU; 0 never).
+inline int RereadThinRows() {
+  static const int mode =
+      static_cast<int>(std::clamp(EnvKnob("JAX_SOFTMAX_REREAD_THIN", 1), 0L, 2L));
+  return mode;
+}
+
+template <int kE>
+int ThinRereadElems(const DeviceInfo& dev, int64_t width) {
+  const int mode = RereadThinRows();
+  if (mode == 0 || (mode == 1 && !AmpleDramPerSm(dev))) return 0;
+  if (width > 64 * kE && width <= 72 * kE) return 5 * kE / 2;
+  const int64_t block_values = RowWarps(width, kE) * 32 * kE;
+  const int64_t reread_values = RowWarps(width, 2 * kE) * 32 * 2 * kE;
+  if (width > 128 * kE && width <= 256 * kE)
+    return 16 * width <= 15 * block_values && 6 * width >= 5 * reread_values ? 2 * kE : 0;
+  if (width > 256 * kE && width <= 512 * kE) return 24 * width <= 23 * block_values ? 2 * kE : 0;
+  return 0;
+}
+
 // Staged clusters of 1024-thread CTAs (LaunchStagedTier). JAX_SOFTMAX_WIDE_CLUSTERS (read once):
 // 1 (default) for 16-bit plain and windowed rows of 8 * 512 * E + 1 to 16 * 512 * E columns and,
 // on the H100 (not AmpleDramPerSm), those that the 256- or 512-thread tables would split over 7
@@ -620,15 +665,6 @@ inline bool BwdStagedRows() {
 inline int RereadLongRows() {
   static const int mode =
       static_cast<int>(std::clamp(EnvKnob("JAX_SOFTMAX_REREAD_LONG", 2), 0L, 2L));
-  return mode;
-}
-// JAX_SOFTMAX_REREAD_THIN (read once; an experiment, session 55): 16-bit odd rows of 64 E + 1 to
-// 512 E columns on the reread blocks instead of the staged row tiers, with fewer warps per row
-// and so more rows per SM: 1 up to 512 threads of 2E values, 2 up to 1024 threads of 5/2 E; 0
-// (default) the row tiers.
-inline int RereadThinRows() {
-  static const int mode =
-      static_cast<int>(std::clamp(EnvKnob("JAX_SOFTMAX_REREAD_THIN", 0), 0L, 2L));
   return mode;
 }
 // JAX_SOFTMAX_BWD_STAGED_LONG (read once): 1, the default since session 53, puts 16-bit plain
@@ -1354,13 +1390,14 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
                       c, /*min_ctas_per_sm=*/2))
             return launched;
       }
-      const int thin_mode = RereadThinRows();
-      if (kOdd16Rows<T, kAccess> && thin_mode >= 1 && n > 64 * kE && n <= 512 * kE) {
+      // The thin odd rows of the staged row tiers (ThinRereadElems).
+      if constexpr (kOdd16Rows<T, kAccess>) {
+        const int thin = ThinRereadElems<kE>(c.dev, n);
         Launched launched;
-        if (thin_mode == 1)
+        if (thin == 2 * kE)
           launched = LaunchStagedRows<T, 512, 2 * kE, kVec, kRereadAccess<T, 2 * kE, kAccess>, 1,
                                       /*kReread=*/true>(c, /*min_ctas_per_sm=*/1);
-        else
+        else if (thin == 5 * kE / 2)
           launched = LaunchStagedRows<T, 1024, 5 * kE / 2, kVec,
                                       kRereadAccess<T, 5 * kE / 2, kAccess>, 1, /*kReread=*/true>(
               c, /*min_ctas_per_sm=*/1);

@@ -157,7 +157,7 @@ if want test; then
     "tiers_ring:staged_ring"
     "tiers_dependent:dependent_calls or mid_backward_rows"
     "tiers_causal:causal_attention_sizes or long_staged_rows"
-    "tiers_odd:odd_row_tiers"
+    "tiers_odd:odd_row_tiers or thin_reread_rows"
     "tiers_gaps:odd_row_rings or plain_row_gaps"
     "tiers_past:past_top_rows or wide_block_rows"
     "tiers_blocks:plain_block_rows or reread_block_rows or block_warps or windowed_row_neighbours"
@@ -297,6 +297,11 @@ if want replaced; then
   # The staged blocks' windowed one-row tiles (16-bit odd rows of 2049-16384, float32 odd rows on
   # the wide blocks) copied from their own 16-byte window start (JAX_SOFTMAX_BLOCK_COPY_ALIGN=0;
   # default: from 128-byte boundaries) ...
+  # The thinly filled 16-bit odd rows that the reread blocks took from the staged row tiers on
+  # the H200 in session 55 (ThinRereadElems), on those tiers again (JAX_SOFTMAX_REREAD_THIN=0:
+  # the H100's default; session 54's two tiles per CTA for the blocks' thin rows).
+  test_job thin_reread_off JAX_SOFTMAX_REREAD_THIN=0 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and (thin_reread_rows or odd_row_rings or block_warps)")"
   test_job block_copy_16 JAX_SOFTMAX_BLOCK_COPY_ALIGN=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_rings or odd_row_tiers or windowed_row_neighbours or block_warps or wide_block_rows)")"
   # ... and the plain 16-bit rows of cols % 16 == 8 on those tiers through their windowed kernel

@@ -284,7 +284,9 @@ def test_odd_row_rings(backend, device, rng, dtype):
     # the reread blocks (16392-24576; the wide blocks under JAX_SOFTMAX_REREAD_BLOCKS=2); since
     # session 54 also the staged blocks of 256 and 512 threads where a row fills at most 15/16 of
     # its warps (on the H200; on every GPU under JAX_SOFTMAX_ODD_BLOCK_TILES=2): 4097, 5121, 8193
-    # and 12289 on 5, 6, 9 and 13 warps, and 16383, which fills its 16 and keeps one tile.
+    # and 12289 on 5, 6, 9 and 13 warps, and 16383, which fills its 16 and keeps one tile (since
+    # session 55 the H200 runs 5121, 8193 and 12289 on the reread blocks, ThinRereadElems; the
+    # `replaced` step of gpu_check.sh runs this test under JAX_SOFTMAX_REREAD_THIN=0 too).
     # Both ends of each tier, both sides of the H100's 3072, in an odd number of rows
     # (rows_past_one_wave), so that a CTA's second tile is the partial last one or missing;
     # gpu_check.sh runs it again under JAX_SOFTMAX_TILES_PER_CTA=1 and =3 (rings of three stages).
@@ -306,6 +308,21 @@ def test_odd_row_tiers(backend, device, rng, dtype):
     # JAX_SOFTMAX_ODD_TIERS=0 (session 37's tiers) and =2 (the H200's ranges).
     sizes = [255, 257, 263, 319, 321, 383, 385, 511, 513, 575, 577, 633, 639, 641, 647, 767, 769,
              1023, 1025, 1031, 1215, 1217, 1279, 1281, 1535, 1537, 4095, 4097, 4603, 5119, 5121]
+    check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
+def test_thin_reread_rows(backend, device, rng, dtype):
+    # 16-bit odd rows that the reread blocks take from the staged row tiers on the H200
+    # (ThinRereadElems in ffi/softmax_launch.cuh; on the H100 under JAX_SOFTMAX_REREAD_THIN=2):
+    # W = 2049-2304 on one warp of 80 values (2049, and 2297 at its end; 2305 past it), and the
+    # thinly filled rows of 4097-16384 on up to 16 warps of 64: 5121 (3 warps), 5633, 7169,
+    # 8193 (5), 9729, 10753 (6), 12289 (7), 15361 (8), between rows that keep the staged blocks
+    # (4097, 5889, 6145, 7681, 11777, 16383). Both sides of each bound, in an odd number of rows
+    # (rows_past_one_wave), so that the last CTA's row is partial.
+    sizes = [2049, 2297, 2305, 4097, 5121, 5633, 5889, 6145, 7169, 7681, 8193, 9729, 10753, 11777,
+             12289, 15361, 16383]
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
 
 
