@@ -90,9 +90,13 @@ CASES = [  # (rows, cols, dtype)
     # float32's 1024-thread block), each row's last columns alone in the last warp; 4097 forward
     # on the staged 256-thread block with 5 warps (an odd count: OddRowTiers, RowThreads), on the
     # H200 since session 54 with two tiles per CTA (OddRowTilesPerCta: the row fills 4104 of the
-    # warps' 5120 values), as 12289 on 13 warps of the 512-thread block (the last CTA one tile).
+    # warps' 5120 values); 12289, 13 warps of the 512-thread block until session 55, takes the
+    # reread block of 7 warps of 64 values on the H200 (ThinRereadElems), as 5121 (3 warps), and
+    # 2049 one warp of 80 values.
     (7, 4097, jnp.bfloat16),
     (9, 12289, jnp.bfloat16),
+    (7, 5121, jnp.bfloat16),
+    (11, 2049, jnp.bfloat16),
     (5, 8193, jnp.float32),
     # A plain 16-bit row just past the 256 x 32 register block: 9 warps of the staged 512 x 32
     # block (since session 51), most of the ninth's values past the row's end.
