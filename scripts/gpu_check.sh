@@ -9,7 +9,7 @@
 # scripts/prebuild.sh and carried as .prebuilt saves it, see below). test: the suite in eight
 # parallel pytest processes and the tier tests in command buffers beside them, then the long-key
 # tests alone (session 29, H100, prebuilt: 349 s); replaced: the tier tests under the knobs that
-# bring back the routes that sessions 52-53 replaced (not part of all); knobs: the tier tests
+# bring back the routes that sessions 52-55 replaced (not part of all); knobs: the tier tests
 # under other knobs (three jobs at once; since session 42 past one call: KNOB_TESTS splits
 # them); logs $OUT/pytest_*.log; bench: the row-length sweep (forward alone, two dtypes and all
 # providers, 130 s on the H100; backward and forward+backward together ran past 300 s: give them
@@ -140,7 +140,7 @@ with_test_k() { if [ -n "${TEST_K:-}" ]; then echo "($TEST_K) and ($1)"; else ec
 if want test; then
   # The suite in parallel processes (a GPU test spends most of its time in XLA's compiler, on the
   # CPU; one process ran past a device call's 10 minutes). -k selects by test and module name;
-  # the shards cover every test once: the kernel-tier module in ten (the staged-ring,
+  # the shards cover every test once: the kernel-tier module in eleven (the staged-ring,
   # dependent-call and causal-size tests were one shard until session 28, which ran past 320 s
   # beside the others; the odd-row tests one with the rest until session 38, past 470 s on the
   # H100; the past-top rows of session 41 their own, tiers_odd already taking 437 s there, with
@@ -148,7 +148,8 @@ if want test; then
   # session 46, when the three together ran past 470 s on the H100 with 5 of 6 done; the long
   # staged rows of session 52 beside the causal sizes, whose shard took 27 s then; the block rows
   # since session 54, when the module's other tests, one shard, ran past 495 s on the H200 with
-  # 46 of 54 done, and alone took 381 s, 155 of them in these four tests), the rest in two.
+  # 46 of 54 done, and alone took 381 s, 155 of them in these four tests; session 55's thin
+  # reread rows apart, tiers_odd having taken 437 s on the H100), the rest in two.
   # The kernel-tier module's own shards (name:selection); tiers_rest takes the module's other
   # tests, so the selections are written once here and joined for it.
   tier_shards=(
@@ -157,7 +158,8 @@ if want test; then
     "tiers_ring:staged_ring"
     "tiers_dependent:dependent_calls or mid_backward_rows"
     "tiers_causal:causal_attention_sizes or long_staged_rows"
-    "tiers_odd:odd_row_tiers or thin_reread_rows"
+    "tiers_odd:odd_row_tiers"
+    "tiers_thin:thin_reread_rows"
     "tiers_gaps:odd_row_rings or plain_row_gaps"
     "tiers_past:past_top_rows or wide_block_rows"
     "tiers_blocks:plain_block_rows or reread_block_rows or block_warps or windowed_row_neighbours"
@@ -290,18 +292,18 @@ if want knobs; then
 fi
 
 if want replaced; then
-  # The tier tests under the knobs that bring back what sessions 52-53 replaced by default, and
+  # The tier tests under the knobs that bring back what sessions 52-55 replaced by default, and
   # the one route left off: a step of its own, not part of `all` (beside the test step's jobs,
   # whose longest took 448 of its 482 s on the H200 in session 51, more jobs would run it past a
   # call's limit).
-  # The staged blocks' windowed one-row tiles (16-bit odd rows of 2049-16384, float32 odd rows on
-  # the wide blocks) copied from their own 16-byte window start (JAX_SOFTMAX_BLOCK_COPY_ALIGN=0;
-  # default: from 128-byte boundaries) ...
   # The thinly filled 16-bit odd rows that the reread blocks took from the staged row tiers on
   # the H200 in session 55 (ThinRereadElems), on those tiers again (JAX_SOFTMAX_REREAD_THIN=0:
   # the H100's default; session 54's two tiles per CTA for the blocks' thin rows).
   test_job thin_reread_off JAX_SOFTMAX_REREAD_THIN=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (thin_reread_rows or odd_row_rings or block_warps)")"
+  # The staged blocks' windowed one-row tiles (16-bit odd rows of 2049-16384, float32 odd rows on
+  # the wide blocks) copied from their own 16-byte window start (JAX_SOFTMAX_BLOCK_COPY_ALIGN=0;
+  # default: from 128-byte boundaries) ...
   test_job block_copy_16 JAX_SOFTMAX_BLOCK_COPY_ALIGN=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_rings or odd_row_tiers or windowed_row_neighbours or block_warps or wide_block_rows)")"
   # ... and the plain 16-bit rows of cols % 16 == 8 on those tiers through their windowed kernel
