@@ -481,10 +481,27 @@ inline int OddBlockTiles() {
   return mode;
 }
 
+// Whether a rule that a knob of 0 (never), 1 (default: GPUs with the H200's DRAM bandwidth per SM
+// cycle, AmpleDramPerSm) or 2 (every GPU) governs applies on `dev` (OddBlockTiles, RereadThinRows).
+inline bool AmpleDramRule(int mode, const DeviceInfo& dev) {
+  return mode == 2 || (mode == 1 && AmpleDramPerSm(dev));
+}
+
 // Warps of `elems` values per lane that a row of `width` window offsets needs: RowThreads' count
 // before its rounding, and what the odd rows of the staged blocks take (OddRowTilesPerCta).
 constexpr int64_t RowWarps(int64_t width, int elems) {
   return (width + 32 * int64_t(elems) - 1) / (32 * int64_t(elems));
+}
+// The values those warps hold: a row fills num / den of them where den * width <= num * this.
+constexpr int64_t RowWarpValues(int64_t width, int elems) {
+  return RowWarps(width, elems) * 32 * elems;
+}
+// A 16-bit odd row of the staged 256- and 512-thread blocks (W = 128 E + 1 to 512 E) that fills at
+// most 15/16 of its warps' values: two tiles per CTA there (OddBlockTiles), and on the 256-thread
+// block's range the reread blocks' candidates (ThinRereadElems).
+template <int kE>
+constexpr bool ThinOddBlockRow(int64_t width) {
+  return width > 128 * kE && width <= 512 * kE && 16 * width <= 15 * RowWarpValues(width, kE);
 }
 
 template <int kE>
@@ -492,11 +509,7 @@ int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
   const bool ring_tiers = (width > 16 * kE && width <= 128 * kE) ||
                           (width > 512 * kE && width <= 1024 * kE);
   const bool two = ring_tiers && (AmpleDramPerSm(dev) || width <= 96 * kE);
-  // The staged blocks' thinly filled rows (OddBlockTiles).
-  const int block_mode = OddBlockTiles();
-  const bool thin_block = width > 128 * kE && width <= 512 * kE &&
-                          16 * width <= 15 * RowWarps(width, kE) * 32 * kE &&
-                          (block_mode == 2 || (block_mode == 1 && AmpleDramPerSm(dev)));
+  const bool thin_block = ThinOddBlockRow<kE>(width) && AmpleDramRule(OddBlockTiles(), dev);
   return TilesPerCta(two || thin_block ? 2 : 1);
 }
 
@@ -511,7 +524,7 @@ int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
 // - W = 64 E + 1 to 72 E: one warp of 5/2 E (the 1024-thread reread block's kernel), 80-90%
 //   filled, where the 128-thread block ran three warps 67-75% filled;
 // - W = 128 E + 1 to 256 E: up to 512 threads of 2E where the 256-thread block fills at most
-//   15/16 of its warps (OddBlockTiles' thin rows) and the reread block at least 5/6 of its own;
+//   15/16 of its warps (ThinOddBlockRow) and the reread block at least 5/6 of its own;
 // - W = 256 E + 1 to 512 E: up to 512 threads of 2E where the 512-thread block fills at most
 //   23/24 of its warps (rows that fill them keep it: 16383 134 / 136).
 // Measured (H200, session 55, us per call at 256 MiB, row tiers (with session 54's two tiles for
@@ -532,14 +545,14 @@ inline int RereadThinRows() {
 
 template <int kE>
 int ThinRereadElems(const DeviceInfo& dev, int64_t width) {
-  const int mode = RereadThinRows();
-  if (mode == 0 || (mode == 1 && !AmpleDramPerSm(dev))) return 0;
+  if (!AmpleDramRule(RereadThinRows(), dev)) return 0;
   if (width > 64 * kE && width <= 72 * kE) return 5 * kE / 2;
-  const int64_t block_values = RowWarps(width, kE) * 32 * kE;
-  const int64_t reread_values = RowWarps(width, 2 * kE) * 32 * 2 * kE;
-  if (width > 128 * kE && width <= 256 * kE)
-    return 16 * width <= 15 * block_values && 6 * width >= 5 * reread_values ? 2 * kE : 0;
-  if (width > 256 * kE && width <= 512 * kE) return 24 * width <= 23 * block_values ? 2 * kE : 0;
+  if (width > 128 * kE && width <= 256 * kE) {
+    const bool reread_filled = 6 * width >= 5 * RowWarpValues(width, 2 * kE);  // at least 5/6
+    return ThinOddBlockRow<kE>(width) && reread_filled ? 2 * kE : 0;
+  }
+  if (width > 256 * kE && width <= 512 * kE)
+    return 24 * width <= 23 * RowWarpValues(width, kE) ? 2 * kE : 0;
   return 0;
 }
 

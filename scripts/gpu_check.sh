@@ -298,9 +298,11 @@ if want replaced; then
   # call's limit).
   # The thinly filled 16-bit odd rows that the reread blocks took from the staged row tiers on
   # the H200 in session 55 (ThinRereadElems), on those tiers again (JAX_SOFTMAX_REREAD_THIN=0:
-  # the H100's default; session 54's two tiles per CTA for the blocks' thin rows).
+  # the H100's default; session 54's two tiles per CTA for the blocks' thin rows). (Not
+  # odd_row_rings: its widths that the knob moves, 2049, 4097, 5121, 8193, 12289 and 16383, are
+  # thin_reread_rows' too, with the same rows.)
   test_job thin_reread_off JAX_SOFTMAX_REREAD_THIN=0 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and (thin_reread_rows or odd_row_rings or block_warps)")"
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and (thin_reread_rows or block_warps)")"
   # The staged blocks' windowed one-row tiles (16-bit odd rows of 2049-16384, float32 odd rows on
   # the wide blocks) copied from their own 16-byte window start (JAX_SOFTMAX_BLOCK_COPY_ALIGN=0;
   # default: from 128-byte boundaries) ...
