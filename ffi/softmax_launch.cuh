@@ -77,7 +77,8 @@
 // of up to 1024 threads where two fit an SM (2E values to W = 49152, 5/2 E to 57272:
 // RereadLongRows, session 53); and on the H200 16-bit odd rows of 64 E + 1 to 72 E, and those of
 // 128 E + 1 to 512 E that fill their staged block's warps thinly, on such blocks too: one warp of
-// 5/2 E, or up to 512 threads of 2E (ThinRereadElems, session 55).
+// 5/2 E, or up to 512 threads of 2E or (128 E + 1 to 144 E, session 56) three warps of 3/2 E
+// (ThinRereadElems, session 55).
 // (Float32 rows of up to 32 V measured 1.0-1.15x faster there than on the register lane groups
 // once each CTA takes one tile.) Where no tile fits, the register tiers run; the other plain
 // 16-bit rows of 2049-65536 columns take the register tiers too (faster there,
@@ -523,6 +524,8 @@ int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
 // tiers:
 // - W = 64 E + 1 to 72 E: one warp of 5/2 E (the 1024-thread reread block's kernel), 80-90%
 //   filled, where the 128-thread block ran three warps 67-75% filled;
+// - W = 128 E + 1 to 144 E (session 56): three warps of 3/2 E, 89-100% filled, where the
+//   256-thread block runs five warps 80-90% filled and 2E three 67-75% filled;
 // - W = 128 E + 1 to 256 E: up to 512 threads of 2E where the 256-thread block fills at most
 //   15/16 of its warps (ThinOddBlockRow) and the reread block at least 5/6 of its own;
 // - W = 256 E + 1 to 512 E: up to 512 threads of 2E where the 512-thread block fills at most
@@ -534,8 +537,16 @@ int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
 // 5889 132 / 136, 6145 138 / 141, 6657 135 / 134, 7169 135 / 134, 7681 133 / 135, 8193 136 /
 // 135-136, 8705 138 / 134, 9217 137 / 134-135, 9729 142 / 135, 10241 136 / 134, 10753 138 / 135,
 // 12289 136-137 / 134, 13313 136 / 135, 14337 136 / 135, 15361 138 / 135, 16383 134 / 136;
-// float16 2049 157-158 / 153, 4097 148 / 158, 5121 149 / 134, 9217 137 / 134. Not measured on the
-// H100: there the row tiers stay (JAX_SOFTMAX_REREAD_THIN, read once: 1 (default) as above on
+// float16 2049 157-158 / 153, 4097 148 / 158, 5121 149 / 134, 9217 137 / 134. Session 56 (H200,
+// row tiers / reread block of 3/2 E, two rounds each, equal within 1 us; JAX_SOFTMAX_REREAD_THIN=3
+// of branch exp/s55-reread48, which put every row of 128 E + 1 to 512 E that the rules above leave
+// on 3/2 E): bfloat16 4097 149 / 132 (3 warps, 0.89 filled), 4353 139 / 132-133 (0.94); float16
+// 4097 148 / 132; past three warps the row tiers kept the lead: 4609 135 / 145 (4 warps, 0.75),
+// 4865 133 / 139 (0.79), 5889 131 / 133 (0.96), 6145 137 / 139-140 (5 warps), float16 6145
+// 137 / 139-140, 7681 132 / 137 (6 warps, 0.83), 11777 133 / 133, 16383 133 / 132-133. The
+// reread blocks' time follows their fill (0.96-0.89: 132-133 us, 0.83-0.79: 137-139, 0.75: 145,
+// 0.67: 159), the row tiers' their warps per row. Not measured on the H100: there the row tiers
+// stay (JAX_SOFTMAX_REREAD_THIN, read once: 1 (default) as above on
 // GPUs with the H200's DRAM bandwidth per SM cycle, AmpleDramPerSm; 2 on every GPU; 0 never).
 inline int RereadThinRows() {
   static const int mode =
@@ -547,6 +558,7 @@ template <int kE>
 int ThinRereadElems(const DeviceInfo& dev, int64_t width) {
   if (!AmpleDramRule(RereadThinRows(), dev)) return 0;
   if (width > 64 * kE && width <= 72 * kE) return 5 * kE / 2;
+  if (width > 128 * kE && width <= 144 * kE) return 3 * kE / 2;
   if (width > 128 * kE && width <= 256 * kE) {
     const bool reread_filled = 6 * width >= 5 * RowWarpValues(width, 2 * kE);  // at least 5/6
     return ThinOddBlockRow<kE>(width) && reread_filled ? 2 * kE : 0;
@@ -1410,6 +1422,10 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
         if (thin == 2 * kE)
           launched = LaunchStagedRows<T, 512, 2 * kE, kVec, kRereadAccess<T, 2 * kE, kAccess>, 1,
                                       /*kReread=*/true>(c, /*min_ctas_per_sm=*/1);
+        else if (thin == 3 * kE / 2)
+          launched = LaunchStagedRows<T, 512, 3 * kE / 2, kVec,
+                                      kRereadAccess<T, 3 * kE / 2, kAccess>, 1, /*kReread=*/true>(
+              c, /*min_ctas_per_sm=*/1);
         else if (thin == 5 * kE / 2)
           launched = LaunchStagedRows<T, 1024, 5 * kE / 2, kVec,
                                       kRereadAccess<T, 5 * kE / 2, kAccess>, 1, /*kReread=*/true>(

@@ -89,10 +89,11 @@ CASES = [  # (rows, cols, dtype)
     # 256-thread tier's 8 (forward; backward 9 of 16), and 9 of 16 (forward; backward 17 of 32,
     # float32's 1024-thread block), each row's last columns alone in the last warp; 4097 forward
     # on the staged 256-thread block with 5 warps (an odd count: OddRowTiers, RowThreads), on the
-    # H200 since session 54 with two tiles per CTA (OddRowTilesPerCta: the row fills 4104 of the
-    # warps' 5120 values); 12289, 13 warps of the 512-thread block until session 55, takes the
-    # reread block of 7 warps of 64 values on the H200 (ThinRereadElems), as 5121 (3 warps), and
-    # 2049 one warp of 80 values.
+    # H200 in session 54 with two tiles per CTA (OddRowTilesPerCta: the row fills 4104 of the
+    # warps' 5120 values) and since session 56 on the reread block of 3 warps of 48 values
+    # (ThinRereadElems); 12289, 13 warps of the 512-thread block until session 55, takes the
+    # reread block of 7 warps of 64 values on the H200, as 5121 (3 warps), and 2049 one warp of
+    # 80 values.
     (7, 4097, jnp.bfloat16),
     (9, 12289, jnp.bfloat16),
     (7, 5121, jnp.bfloat16),
