@@ -77,8 +77,8 @@
 // of up to 1024 threads where two fit an SM (2E values to W = 49152, 5/2 E to 57272:
 // RereadLongRows, session 53); and on the H200 16-bit odd rows of 64 E + 1 to 72 E, and those of
 // 128 E + 1 to 512 E that fill their staged block's warps thinly, on such blocks too: one warp of
-// 5/2 E, or up to 512 threads of 2E or (128 E + 1 to 144 E, session 56) three warps of 3/2 E
-// (ThinRereadElems, session 55).
+// 9/4 E, or up to 512 threads of 2E or (128 E + 1 to 144 E) three warps of 3/2 E
+// (ThinRereadElems, sessions 55-56).
 // (Float32 rows of up to 32 V measured 1.0-1.15x faster there than on the register lane groups
 // once each CTA takes one tile.) Where no tile fits, the register tiers run; the other plain
 // 16-bit rows of 2049-65536 columns take the register tiers too (faster there,
@@ -516,38 +516,51 @@ int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
 
 // Since session 55 the thinly filled 16-bit odd rows of the staged 128- to 512-thread blocks take
 // the reread blocks instead (softmax_rows_staged_kernel's kReread: the row read from the stage in
-// each pass, none of it held in registers), whose threads take 2E or 5/2 E values: half the warps
-// per row or fewer, so an SM holds about twice the rows, where these rows ran at a rate of rows
-// rather than of bytes (bfloat16 4097-5119 on 5 warps all took about 200-220 rows per us; the
-// skipped exps of their empty packs gained 0-2 us, session 55). ThinRereadElems gives the values
-// per thread of the reread block that takes a row of `width` window offsets, or 0 for the row
-// tiers:
-// - W = 64 E + 1 to 72 E: one warp of 5/2 E (the 1024-thread reread block's kernel), 80-90%
-//   filled, where the 128-thread block ran three warps 67-75% filled;
+// each pass, none of it held in registers), whose threads take 3/2 E to 9/4 E values: half the
+// warps per row or fewer, so an SM holds about twice the rows, where these rows ran at a rate of
+// rows rather than of bytes (bfloat16 4097-5119 on 5 warps all took about 200-220 rows per us;
+// the skipped exps of their empty packs gained 0-2 us, session 55). ThinRereadElems gives the
+// values per thread of the reread block that takes a row of `width` window offsets, or 0 for the
+// row tiers:
+// - W = 64 E + 1 to 72 E: one warp of 9/4 E (session 56; 5/2 E in session 55), 89-100% filled,
+//   where the 128-thread block ran three warps 67-75% filled;
 // - W = 128 E + 1 to 144 E (session 56): three warps of 3/2 E, 89-100% filled, where the
 //   256-thread block runs five warps 80-90% filled and 2E three 67-75% filled;
-// - W = 128 E + 1 to 256 E: up to 512 threads of 2E where the 256-thread block fills at most
+// - W = 144 E + 1 to 256 E: up to 512 threads of 2E where the 256-thread block fills at most
 //   15/16 of its warps (ThinOddBlockRow) and the reread block at least 5/6 of its own;
 // - W = 256 E + 1 to 512 E: up to 512 threads of 2E where the 512-thread block fills at most
 //   23/24 of its warps (rows that fill them keep it: 16383 134 / 136).
-// Measured (H200, session 55, us per call at 256 MiB, row tiers (with session 54's two tiles for
-// the thin ones) / reread block, two rounds each, within 1 us): bfloat16 2049 160 / 153 (one
-// warp of 5/2 E), 2177 154 / 147, 2305 145 / 145, 2433 139 / 143, 2559 136 / 140; 4097 149 / 159
-// (2E; 5/2 E 149), 4609 135 / 143, 5119 132 / 134, 5121 149 / 134, 5377 136 / 134, 5633 136 / 135,
-// 5889 132 / 136, 6145 138 / 141, 6657 135 / 134, 7169 135 / 134, 7681 133 / 135, 8193 136 /
-// 135-136, 8705 138 / 134, 9217 137 / 134-135, 9729 142 / 135, 10241 136 / 134, 10753 138 / 135,
-// 12289 136-137 / 134, 13313 136 / 135, 14337 136 / 135, 15361 138 / 135, 16383 134 / 136;
-// float16 2049 157-158 / 153, 4097 148 / 158, 5121 149 / 134, 9217 137 / 134. Session 56 (H200,
-// row tiers / reread block of 3/2 E, two rounds each, equal within 1 us; JAX_SOFTMAX_REREAD_THIN=3
-// of branch exp/s55-reread48, which put every row of 128 E + 1 to 512 E that the rules above leave
-// on 3/2 E): bfloat16 4097 149 / 132 (3 warps, 0.89 filled), 4353 139 / 132-133 (0.94); float16
-// 4097 148 / 132; past three warps the row tiers kept the lead: 4609 135 / 145 (4 warps, 0.75),
-// 4865 133 / 139 (0.79), 5889 131 / 133 (0.96), 6145 137 / 139-140 (5 warps), float16 6145
-// 137 / 139-140, 7681 132 / 137 (6 warps, 0.83), 11777 133 / 133, 16383 133 / 132-133. The
-// reread blocks' time follows their fill (0.96-0.89: 132-133 us, 0.83-0.79: 137-139, 0.75: 145,
-// 0.67: 159), the row tiers' their warps per row. Not measured on the H100: there the row tiers
-// stay (JAX_SOFTMAX_REREAD_THIN, read once: 1 (default) as above on
-// GPUs with the H200's DRAM bandwidth per SM cycle, AmpleDramPerSm; 2 on every GPU; 0 never).
+// The reread blocks' time follows their fill (H200, bfloat16, us per call at 256 MiB, the copy's
+// rate about 125: 0.96-0.89 filled 132-133, 0.83-0.79 137-139, 0.75 145, 0.67 159), the row
+// tiers' their warps per row; one-warp rows stay slower at the same fill (5/2 E 0.9-1.0: 140-145).
+// Measured (H200, us per call at 256 MiB, row tiers (with session 54's two tiles for the thin
+// ones) / reread block, two rounds each, within 1 us):
+// - session 55, 2E and 5/2 E: bfloat16 2049 160 / 153 (one warp of 5/2 E), 2177 154 / 147, 2305
+//   145 / 145, 2433 139 / 143, 2559 136 / 140; 4097 149 / 159 (2E; 5/2 E 149), 4609 135 / 143,
+//   5119 132 / 134, 5121 149 / 134, 5377 136 / 134, 5633 136 / 135, 5889 132 / 136, 6145 138 /
+//   141, 6657 135 / 134, 7169 135 / 134, 7681 133 / 135, 8193 136 / 135-136, 8705 138 / 134, 9217
+//   137 / 134-135, 9729 142 / 135, 10241 136 / 134, 10753 138 / 135, 12289 136-137 / 134, 13313
+//   136 / 135, 14337 136 / 135, 15361 138 / 135, 16383 134 / 136; float16 2049 157-158 / 153,
+//   4097 148 / 158, 5121 149 / 134, 9217 137 / 134.
+// - session 56, 3/2 E wherever the rules above left a row of 128 E + 1 to 512 E (branch
+//   exp/s55-reread48): bfloat16 4097 149 / 132 (3 warps, 0.89 filled), 4353 139 / 132-133 (0.94);
+//   float16 4097 148 / 132; past three warps the row tiers kept the lead: 4609 135 / 145 (4
+//   warps, 0.75), 4865 133 / 139 (0.79), 5889 131 / 133 (0.96), 6145 137 / 139-140 (5 warps),
+//   float16 6145 137 / 139-140, 7681 132 / 137 (6 warps, 0.83), 11777 133 / 133, 16383 133 /
+//   132-133.
+// - session 56, one warp of 5/2 E / 9/4 E (branch exp/s56-reread72-40): bfloat16 2049 153 / 145,
+//   2177 146 / 142, 2241 144 / 139, 2297 142 / 137. Lost there (the same branch): two warps of
+//   5/4 E (2049-2297 159-176; 2305-2559 equal or 2-3 us slower, 4609-5119 1-2 us faster or
+//   slower), two warps of 5/2 E at 4609-5119 (5-7 us slower), and 2-4 or persistent tiles per
+//   CTA on every reread row (JAX_SOFTMAX_TILES_PER_CTA: 2049 153 / 159 / 164 / 170, 4097 132 /
+//   136 / 141 / 155, 12289 133 / 139 / 145 / 155).
+// The H100 keeps the row tiers with one tile (session 56, us per call at 256 MiB, the copy's rate
+// about 177; row tiers / the reread blocks where this rule (with 5/2 E at 2049-2304) takes the row
+// / session 54's two tiles for the thin block rows): bfloat16 2049 183 / 186 / 183, 4097 181 /
+// 182-183 / 185, 4609 182 / - / 185, 5121 182 / 184 / 186, 8193 181 / 183 / 185, 12289 181 / 183 /
+// 185, 16383 182 / - / 182; float16 4097 181 / 183 / 185.
+// JAX_SOFTMAX_REREAD_THIN (read once): 1 (default) as above on GPUs with the H200's DRAM
+// bandwidth per SM cycle, AmpleDramPerSm; 2 on every GPU; 0 never.
 inline int RereadThinRows() {
   static const int mode =
       static_cast<int>(std::clamp(EnvKnob("JAX_SOFTMAX_REREAD_THIN", 1), 0L, 2L));
@@ -557,7 +570,7 @@ inline int RereadThinRows() {
 template <int kE>
 int ThinRereadElems(const DeviceInfo& dev, int64_t width) {
   if (!AmpleDramRule(RereadThinRows(), dev)) return 0;
-  if (width > 64 * kE && width <= 72 * kE) return 5 * kE / 2;
+  if (width > 64 * kE && width <= 72 * kE) return 9 * kE / 4;
   if (width > 128 * kE && width <= 144 * kE) return 3 * kE / 2;
   if (width > 128 * kE && width <= 256 * kE) {
     const bool reread_filled = 6 * width >= 5 * RowWarpValues(width, 2 * kE);  // at least 5/6
@@ -1426,9 +1439,9 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
           launched = LaunchStagedRows<T, 512, 3 * kE / 2, kVec,
                                       kRereadAccess<T, 3 * kE / 2, kAccess>, 1, /*kReread=*/true>(
               c, /*min_ctas_per_sm=*/1);
-        else if (thin == 5 * kE / 2)
-          launched = LaunchStagedRows<T, 1024, 5 * kE / 2, kVec,
-                                      kRereadAccess<T, 5 * kE / 2, kAccess>, 1, /*kReread=*/true>(
+        else if (thin == 9 * kE / 4)
+          launched = LaunchStagedRows<T, 512, 9 * kE / 4, kVec,
+                                      kRereadAccess<T, 9 * kE / 4, kAccess>, 1, /*kReread=*/true>(
               c, /*min_ctas_per_sm=*/1);
         if (launched) return launched;
       }

@@ -93,7 +93,7 @@ CASES = [  # (rows, cols, dtype)
     # warps' 5120 values) and since session 56 on the reread block of 3 warps of 48 values
     # (ThinRereadElems); 12289, 13 warps of the 512-thread block until session 55, takes the
     # reread block of 7 warps of 64 values on the H200, as 5121 (3 warps), and 2049 one warp of
-    # 80 values.
+    # 72 values (session 56; 80 in session 55).
     (7, 4097, jnp.bfloat16),
     (9, 12289, jnp.bfloat16),
     (7, 5121, jnp.bfloat16),

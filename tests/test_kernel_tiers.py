@@ -317,7 +317,7 @@ def test_odd_row_tiers(backend, device, rng, dtype):
 def test_thin_reread_rows(backend, device, rng, dtype):
     # 16-bit odd rows that the reread blocks take from the staged row tiers on the H200
     # (ThinRereadElems in ffi/softmax_launch.cuh; on the H100 under JAX_SOFTMAX_REREAD_THIN=2):
-    # W = 2049-2304 on one warp of 80 values (2049, and 2297 at its end; 2305 past it), W =
+    # W = 2049-2304 on one warp of 72 values (2049, and 2297 at its end; 2305 past it), W =
     # 4097-4608 on three warps of 48 (4097, 4353, and 4607 at its end; 4609 past it, session 56),
     # and the thinly filled rows of 4609-16384 on up to 8 warps of 64: 5121 (3 warps), 5633,
     # 7169, 8193 (5), 9729, 10753 (6), 12289 (7), 15361 (8), between rows that keep the staged
