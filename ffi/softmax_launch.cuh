@@ -516,12 +516,12 @@ int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
 
 // Since session 55 the thinly filled 16-bit odd rows of the staged 128- to 512-thread blocks take
 // the reread blocks instead (softmax_rows_staged_kernel's kReread: the row read from the stage in
-// each pass, none of it held in registers), whose threads take 3/2 E to 9/4 E values: half the
-// warps per row or fewer, so an SM holds about twice the rows, where these rows ran at a rate of
-// rows rather than of bytes (bfloat16 4097-5119 on 5 warps all took about 200-220 rows per us;
-// the skipped exps of their empty packs gained 0-2 us, session 55). ThinRereadElems gives the
-// values per thread of the reread block that takes a row of `width` window offsets, or 0 for the
-// row tiers:
+// each pass, none of it held in registers), whose threads take 3/2 E to 9/4 E values: fewer warps
+// per row (half or fewer; 3 of 5 at W = 4097-4608), so an SM holds more rows, where these rows
+// ran at a rate of rows rather than of bytes (bfloat16 4097-5119 on 5 warps all took about 200-220
+// rows per us; the skipped exps of their empty packs gained 0-2 us, session 55). ThinRereadElems
+// gives the values per thread of the reread block that takes a row of `width` window offsets, or
+// 0 for the row tiers:
 // - W = 64 E + 1 to 72 E: one warp of 9/4 E (session 56; 5/2 E in session 55), 89-100% filled,
 //   where the 128-thread block ran three warps 67-75% filled;
 // - W = 128 E + 1 to 144 E (session 56): three warps of 3/2 E, 89-100% filled, where the
