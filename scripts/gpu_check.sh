@@ -140,7 +140,7 @@ with_test_k() { if [ -n "${TEST_K:-}" ]; then echo "($TEST_K) and ($1)"; else ec
 if want test; then
   # The suite in parallel processes (a GPU test spends most of its time in XLA's compiler, on the
   # CPU; one process ran past a device call's 10 minutes). -k selects by test and module name;
-  # the shards cover every test once: the kernel-tier module in eleven (the staged-ring,
+  # the shards cover every test once: the kernel-tier module in twelve (the staged-ring,
   # dependent-call and causal-size tests were one shard until session 28, which ran past 320 s
   # beside the others; the odd-row tests one with the rest until session 38, past 470 s on the
   # H100; the past-top rows of session 41 their own, tiers_odd already taking 437 s there, with
@@ -149,13 +149,16 @@ if want test; then
   # staged rows of session 52 beside the causal sizes, whose shard took 27 s then; the block rows
   # since session 54, when the module's other tests, one shard, ran past 495 s on the H200 with
   # 46 of 54 done, and alone took 381 s, 155 of them in these four tests; session 55's thin
-  # reread rows apart, tiers_odd having taken 437 s on the H100), the rest in two.
+  # reread rows apart, tiers_odd having taken 437 s on the H100; the staged-ring rows in a shard
+  # per dtype since session 56, when as one they took 480 s of the 495 allowed on the H200), the
+  # rest in two.
   # The kernel-tier module's own shards (name:selection); tiers_rest takes the module's other
   # tests, so the selections are written once here and joined for it.
   tier_shards=(
     "tiers_boundaries:tier_boundaries"
     "tiers_long:two_pass or many_long_rows"
-    "tiers_ring:staged_ring"
+    "tiers_ring_f32:staged_ring and f32"
+    "tiers_ring_bf16:staged_ring and bf16"
     "tiers_dependent:dependent_calls or mid_backward_rows"
     "tiers_causal:causal_attention_sizes or long_staged_rows"
     "tiers_odd:odd_row_tiers"
@@ -167,7 +170,7 @@ if want test; then
   tiers_split=
   shards=()
   for shard in "${tier_shards[@]}"; do
-    tiers_split+="${tiers_split:+ or }${shard#*:}"
+    tiers_split+="${tiers_split:+ or }(${shard#*:})"
     shards+=("${shard%%:*}:test_kernel_tiers and (${shard#*:})")
   done
   shards+=(
