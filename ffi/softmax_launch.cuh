@@ -572,7 +572,7 @@ int ThinRereadElems(const DeviceInfo& dev, int64_t width) {
   if (!AmpleDramRule(RereadThinRows(), dev)) return 0;
   if (width > 64 * kE && width <= 72 * kE) return 9 * kE / 4;
   if (width > 128 * kE && width <= 144 * kE) return 3 * kE / 2;
-  if (width > 128 * kE && width <= 256 * kE) {
+  if (width > 144 * kE && width <= 256 * kE) {
     const bool reread_filled = 6 * width >= 5 * RowWarpValues(width, 2 * kE);  // at least 5/6
     return ThinOddBlockRow<kE>(width) && reread_filled ? 2 * kE : 0;
   }
@@ -1266,6 +1266,15 @@ Launched LaunchStagedRows(const LaunchCtx& c, int min_ctas_per_sm = 1,
                 "softmax staged kernel", c.p, plan.tiles);
 }
 
+// A reread block (softmax_rows_staged_kernel's kReread) of up to kGroup threads of kElems values,
+// one row per tile, on the access mode its rows take (kRereadAccess): the staged tiers' one form
+// of these launches (LaunchStagedTier).
+template <typename T, int kGroup, int kElems, int kVec, Access kAccess>
+Launched LaunchRereadRows(const LaunchCtx& c, int min_ctas_per_sm) {
+  return LaunchStagedRows<T, kGroup, kElems, kVec, kRereadAccess<T, kElems, kAccess>, 1,
+                          /*kReread=*/true>(c, min_ctas_per_sm);
+}
+
 // The staged backward block (softmax_bwd_staged_kernel): up to 512 threads of 64 values (16-bit
 // rows of up to 32768 columns), as many warps as the row needs, one row per tile and
 // TilesPerCta() tiles per CTA (one by default, as the forward's reread blocks: the other CTAs on
@@ -1406,9 +1415,8 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
     if (reread && n > 512 * kE && n <= 1024 * kE) {
       // (Plain 16-bit rows of cols % 16 == 8 take the windowed kernel since session 51, inside
       // LaunchStagedRows; JAX_SOFTMAX_COPY_ALIGN=16 keeps them plain.)
-      const Launched launched =
-          LaunchStagedRows<T, 512, 2 * kE, kVec, kRereadAccess<T, 2 * kE, kAccess>, 1,
-                           /*kReread=*/true>(c, /*min_ctas_per_sm=*/kFloatRows ? 2 : 1);
+      const Launched launched = LaunchRereadRows<T, 512, 2 * kE, kVec, kAccess>(
+          c, /*min_ctas_per_sm=*/kFloatRows ? 2 : 1);
       if (launched || kPlain16) return launched;
     }
     // 16-bit rows of 1024 E + 1 to 2048 E columns on one reread CTA of up to 1024 threads where
@@ -1418,14 +1426,11 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
       const int long_mode = RereadLongRows();
       if (reread && long_mode >= 1 && n > 1024 * kE && n <= 2048 * kE) {
         if (Launched launched =
-                LaunchStagedRows<T, 1024, 2 * kE, kVec, kRereadAccess<T, 2 * kE, kAccess>, 1,
-                                 /*kReread=*/true>(c, /*min_ctas_per_sm=*/2))
+                LaunchRereadRows<T, 1024, 2 * kE, kVec, kAccess>(c, /*min_ctas_per_sm=*/2))
           return launched;
         if (long_mode == 2)
           if (Launched launched =
-                  LaunchStagedRows<T, 1024, 5 * kE / 2, kVec,
-                                   kRereadAccess<T, 5 * kE / 2, kAccess>, 1, /*kReread=*/true>(
-                      c, /*min_ctas_per_sm=*/2))
+                  LaunchRereadRows<T, 1024, 5 * kE / 2, kVec, kAccess>(c, /*min_ctas_per_sm=*/2))
             return launched;
       }
       // The thin odd rows of the staged row tiers (ThinRereadElems).
@@ -1433,16 +1438,11 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
         const int thin = ThinRereadElems<kE>(c.dev, n);
         Launched launched;
         if (thin == 2 * kE)
-          launched = LaunchStagedRows<T, 512, 2 * kE, kVec, kRereadAccess<T, 2 * kE, kAccess>, 1,
-                                      /*kReread=*/true>(c, /*min_ctas_per_sm=*/1);
+          launched = LaunchRereadRows<T, 512, 2 * kE, kVec, kAccess>(c, /*min_ctas_per_sm=*/1);
         else if (thin == 3 * kE / 2)
-          launched = LaunchStagedRows<T, 512, 3 * kE / 2, kVec,
-                                      kRereadAccess<T, 3 * kE / 2, kAccess>, 1, /*kReread=*/true>(
-              c, /*min_ctas_per_sm=*/1);
+          launched = LaunchRereadRows<T, 512, 3 * kE / 2, kVec, kAccess>(c, /*min_ctas_per_sm=*/1);
         else if (thin == 9 * kE / 4)
-          launched = LaunchStagedRows<T, 512, 9 * kE / 4, kVec,
-                                      kRereadAccess<T, 9 * kE / 4, kAccess>, 1, /*kReread=*/true>(
-              c, /*min_ctas_per_sm=*/1);
+          launched = LaunchRereadRows<T, 512, 9 * kE / 4, kVec, kAccess>(c, /*min_ctas_per_sm=*/1);
         if (launched) return launched;
       }
     }

@@ -285,9 +285,9 @@ def test_odd_row_rings(backend, device, rng, dtype):
     # session 54 also the staged blocks of 256 and 512 threads where a row fills at most 15/16 of
     # its warps (on the H200; on every GPU under JAX_SOFTMAX_ODD_BLOCK_TILES=2): 4097, 5121, 8193
     # and 12289 on 5, 6, 9 and 13 warps, and 16383, which fills its 16 and keeps one tile (since
-    # session 55 the H200 runs 5121, 8193 and 12289 on the reread blocks, ThinRereadElems; the
-    # `replaced` step of gpu_check.sh runs these widths on the staged blocks through
-    # test_thin_reread_rows under JAX_SOFTMAX_REREAD_THIN=0).
+    # sessions 55-56 the H200 runs 2049, 4097, 5121, 8193 and 12289 on the reread blocks,
+    # ThinRereadElems; the `replaced` step of gpu_check.sh runs these widths on the staged tiers
+    # through test_thin_reread_rows under JAX_SOFTMAX_REREAD_THIN=0).
     # Both ends of each tier, both sides of the H100's 3072, in an odd number of rows
     # (rows_past_one_wave), so that a CTA's second tile is the partial last one or missing;
     # gpu_check.sh runs it again under JAX_SOFTMAX_TILES_PER_CTA=1 and =3 (rings of three stages).
