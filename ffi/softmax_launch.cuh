@@ -77,8 +77,8 @@
 // of up to 1024 threads where two fit an SM (2E values to W = 49152, 5/2 E to 57272:
 // RereadLongRows, session 53); and on the H200 16-bit odd rows of 64 E + 1 to 72 E, and those of
 // 128 E + 1 to 512 E that fill their staged block's warps thinly, on such blocks too: one warp of
-// 9/4 E, or up to 512 threads of 2E or (128 E + 1 to 144 E) three warps of 3/2 E
-// (ThinRereadElems, sessions 55-56).
+// 9/4 E, or up to 512 threads of 2E, or (128 E + 1 to 144 E) three warps of 3/2 E, or (192 E + 1
+// to 220 E) four warps of 7/4 E (ThinRereadElems, sessions 55-57).
 // (Float32 rows of up to 32 V measured 1.0-1.15x faster there than on the register lane groups
 // once each CTA takes one tile.) Where no tile fits, the register tiers run; the other plain
 // 16-bit rows of 2049-65536 columns take the register tiers too (faster there,
@@ -526,6 +526,8 @@ int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
 //   where the 128-thread block ran three warps 67-75% filled;
 // - W = 128 E + 1 to 144 E (session 56): three warps of 3/2 E, 89-100% filled, where the
 //   256-thread block runs five warps 80-90% filled and 2E three 67-75% filled;
+// - W = 192 E + 1 to 220 E (session 57): four warps of 7/4 E, where the 256-thread block runs
+//   seven warps (two tiles per CTA to 208 E) at the same fill, 86-98%, and 2E's four fill 75-86%;
 // - W = 144 E + 1 to 256 E: up to 512 threads of 2E where the 256-thread block fills at most
 //   15/16 of its warps (ThinOddBlockRow) and the reread block at least 5/6 of its own;
 // - W = 256 E + 1 to 512 E: up to 512 threads of 2E where the 512-thread block fills at most
@@ -548,6 +550,12 @@ int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
 //   warps, 0.75), 4865 133 / 139 (0.79), 5889 131 / 133 (0.96), 6145 137 / 139-140 (5 warps),
 //   float16 6145 137 / 139-140, 7681 132 / 137 (6 warps, 0.83), 11777 133 / 133, 16383 133 /
 //   132-133.
+// - session 57, four warps of 7/4 E (branch exp/s57-next): bfloat16 6145 138 / 133, 6273 136 /
+//   133-134, 6401 135 / 133, 6529 135 / 134, 6655 135-136 / 134, 6785 137 / 134, 6913 135 / 134,
+//   7041 134 / 134, 7167 133 / 134; float16 6145 137 / 133, 6401 135 / 133. Lost or equal there:
+//   7/4 E where 2E fills thinly (5121 134 / 134, 5249 134 / 135 on three warps; 8193 135 / 134,
+//   8705 134 / 134 on five) and one warp of 5/2 E on the 512-thread kernel (2305 144 / 145, 2433
+//   139 / 143, 2559 136 / 140: a one-warp row's cost, not the 1024-thread block's).
 // - session 56, one warp of 5/2 E / 9/4 E (branch exp/s56-reread72-40): bfloat16 2049 153 / 145,
 //   2177 146 / 142, 2241 144 / 139, 2297 142 / 137. Lost there (the same branch): two warps of
 //   5/4 E (2049-2297 159-176; 2305-2559 equal or 2-3 us slower, 4609-5119 1-2 us faster or
@@ -572,6 +580,7 @@ int ThinRereadElems(const DeviceInfo& dev, int64_t width) {
   if (!AmpleDramRule(RereadThinRows(), dev)) return 0;
   if (width > 64 * kE && width <= 72 * kE) return 9 * kE / 4;
   if (width > 128 * kE && width <= 144 * kE) return 3 * kE / 2;
+  if (width > 192 * kE && width <= 220 * kE) return 7 * kE / 4;
   if (width > 144 * kE && width <= 256 * kE) {
     const bool reread_filled = 6 * width >= 5 * RowWarpValues(width, 2 * kE);  // at least 5/6
     return ThinOddBlockRow<kE>(width) && reread_filled ? 2 * kE : 0;
@@ -1441,6 +1450,8 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
           launched = LaunchRereadRows<T, 512, 2 * kE, kVec, kAccess>(c, /*min_ctas_per_sm=*/1);
         else if (thin == 3 * kE / 2)
           launched = LaunchRereadRows<T, 512, 3 * kE / 2, kVec, kAccess>(c, /*min_ctas_per_sm=*/1);
+        else if (thin == 7 * kE / 4)
+          launched = LaunchRereadRows<T, 512, 7 * kE / 4, kVec, kAccess>(c, /*min_ctas_per_sm=*/1);
         else if (thin == 9 * kE / 4)
           launched = LaunchRereadRows<T, 512, 9 * kE / 4, kVec, kAccess>(c, /*min_ctas_per_sm=*/1);
         if (launched) return launched;

@@ -300,7 +300,7 @@ if want replaced; then
   # whose longest took 448 of its 482 s on the H200 in session 51, more jobs would run it past a
   # call's limit).
   # The thinly filled 16-bit odd rows that the reread blocks took from the staged row tiers on
-  # the H200 in sessions 55-56 (ThinRereadElems), on those tiers again (JAX_SOFTMAX_REREAD_THIN=0:
+  # the H200 in sessions 55-57 (ThinRereadElems), on those tiers again (JAX_SOFTMAX_REREAD_THIN=0:
   # the H100's default; session 54's two tiles per CTA for the blocks' thin rows). (Not
   # odd_row_rings: its widths that the knob moves, 2049, 4097, 5121, 8193 and 12289, are
   # thin_reread_rows' too, with the same rows.)

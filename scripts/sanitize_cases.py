@@ -92,9 +92,10 @@ CASES = [  # (rows, cols, dtype)
     # H200 in session 54 with two tiles per CTA (OddRowTilesPerCta: the row fills 4104 of the
     # warps' 5120 values) and since session 56 on the reread block of 3 warps of 48 values
     # (ThinRereadElems); 12289, 13 warps of the 512-thread block until session 55, takes the
-    # reread block of 7 warps of 64 values on the H200, as 5121 (3 warps), and 2049 one warp of
-    # 72 values (session 56; 80 in session 55).
+    # reread block of 7 warps of 64 values on the H200, as 5121 (3 warps), 2049 one warp of 72
+    # values (session 56; 80 in session 55) and 6145 four warps of 56 (session 57).
     (7, 4097, jnp.bfloat16),
+    (9, 6145, jnp.bfloat16),
     (9, 12289, jnp.bfloat16),
     (7, 5121, jnp.bfloat16),
     (11, 2049, jnp.bfloat16),
