@@ -108,10 +108,12 @@
 #include <climits>
 #include <cmath>
 #include <cstdlib>
+#include <iterator>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "common.h"
 #include "softmax_kernels.cuh"
@@ -521,20 +523,24 @@ int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
 // ran at a rate of rows rather than of bytes (bfloat16 4097-5119 on 5 warps all took about 200-220
 // rows per us; the skipped exps of their empty packs gained 0-2 us, session 55). ThinRereadElems
 // gives the values per thread of the reread block that takes a row of `width` window offsets, or
-// 0 for the row tiers:
+// 0 for the row tiers. First the fixed shapes (kThinRereadShapes):
 // - W = 64 E + 1 to 72 E: one warp of 9/4 E (session 56; 5/2 E in session 55), 89-100% filled,
 //   where the 128-thread block ran three warps 67-75% filled;
 // - W = 128 E + 1 to 144 E (session 56): three warps of 3/2 E, 89-100% filled, where the
 //   256-thread block runs five warps 80-90% filled and 2E three 67-75% filled;
 // - W = 192 E + 1 to 220 E (session 57): four warps of 7/4 E, where the 256-thread block runs
 //   seven warps (two tiles per CTA to 208 E) at the same fill, 86-98%, and 2E's four fill 75-86%;
-// - W = 144 E + 1 to 256 E: up to 512 threads of 2E where the 256-thread block fills at most
-//   15/16 of its warps (ThinOddBlockRow) and the reread block at least 5/6 of its own;
+// then 2E where the staged block fills its warps thinly:
+// - W = 144 E + 1 to 256 E (but the fixed shape's 192 E + 1 to 220 E): up to 512 threads of 2E
+//   where the 256-thread block fills at most 15/16 of its warps (ThinOddBlockRow) and the reread
+//   block at least 5/6 of its own;
 // - W = 256 E + 1 to 512 E: up to 512 threads of 2E where the 512-thread block fills at most
 //   23/24 of its warps (rows that fill them keep it: 16383 134 / 136).
 // The reread blocks' time follows their fill (H200, bfloat16, us per call at 256 MiB, the copy's
 // rate about 125: 0.96-0.89 filled 132-133, 0.83-0.79 137-139, 0.75 145, 0.67 159), the row
-// tiers' their warps per row; one-warp rows stay slower at the same fill (5/2 E 0.9-1.0: 140-145).
+// tiers' their warps per row; one-warp rows stay slower at the same fill (5/2 E 0.9-1.0: 140-145):
+// the SM holds at most 32 CTAs, so 32 one-warp rows (ncu, session 57: 29.9 warps per SM at 2049,
+// 44 for the three-warp rows of 4097).
 // Measured (H200, us per call at 256 MiB, row tiers (with session 54's two tiles for the thin
 // ones) / reread block, two rounds each, within 1 us):
 // - session 55, 2E and 5/2 E: bfloat16 2049 160 / 153 (one warp of 5/2 E), 2177 154 / 147, 2305
@@ -550,18 +556,18 @@ int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
 //   warps, 0.75), 4865 133 / 139 (0.79), 5889 131 / 133 (0.96), 6145 137 / 139-140 (5 warps),
 //   float16 6145 137 / 139-140, 7681 132 / 137 (6 warps, 0.83), 11777 133 / 133, 16383 133 /
 //   132-133.
-// - session 57, four warps of 7/4 E (branch exp/s57-next): bfloat16 6145 138 / 133, 6273 136 /
-//   133-134, 6401 135 / 133, 6529 135 / 134, 6655 135-136 / 134, 6785 137 / 134, 6913 135 / 134,
-//   7041 134 / 134, 7167 133 / 134; float16 6145 137 / 133, 6401 135 / 133. Lost or equal there:
-//   7/4 E where 2E fills thinly (5121 134 / 134, 5249 134 / 135 on three warps; 8193 135 / 134,
-//   8705 134 / 134 on five) and one warp of 5/2 E on the 512-thread kernel (2305 144 / 145, 2433
-//   139 / 143, 2559 136 / 140: a one-warp row's cost, not the 1024-thread block's).
 // - session 56, one warp of 5/2 E / 9/4 E (branch exp/s56-reread72-40): bfloat16 2049 153 / 145,
 //   2177 146 / 142, 2241 144 / 139, 2297 142 / 137. Lost there (the same branch): two warps of
 //   5/4 E (2049-2297 159-176; 2305-2559 equal or 2-3 us slower, 4609-5119 1-2 us faster or
 //   slower), two warps of 5/2 E at 4609-5119 (5-7 us slower), and 2-4 or persistent tiles per
 //   CTA on every reread row (JAX_SOFTMAX_TILES_PER_CTA: 2049 153 / 159 / 164 / 170, 4097 132 /
 //   136 / 141 / 155, 12289 133 / 139 / 145 / 155).
+// - session 57, four warps of 7/4 E (branch exp/s57-next): bfloat16 6145 138 / 133, 6273 136 /
+//   133-134, 6401 135 / 133, 6529 135 / 134, 6655 135-136 / 134, 6785 137 / 134, 6913 135 / 134,
+//   7041 134 / 134, 7167 133 / 134; float16 6145 137 / 133, 6401 135 / 133. Lost or equal there:
+//   7/4 E where 2E fills thinly (5121 134 / 134, 5249 134 / 135 on three warps; 8193 135 / 134,
+//   8705 134 / 134 on five) and one warp of 5/2 E on the 512-thread kernel (2305 144 / 145, 2433
+//   139 / 143, 2559 136 / 140: a one-warp row's cost, not the 1024-thread block's).
 // The H100 keeps the row tiers with one tile (session 56, us per call at 256 MiB, the copy's rate
 // about 177; row tiers / the reread blocks where this rule (with 5/2 E at 2049-2304) takes the row
 // / session 54's two tiles for the thin block rows): bfloat16 2049 183 / 186 / 183, 4097 181 /
@@ -575,12 +581,23 @@ inline int RereadThinRows() {
   return mode;
 }
 
+// The fixed shapes: rows of W = from_e * E + 1 to to_e * E on quarter_e / 4 E values per thread.
+// LaunchThinRereadRows instantiates one reread kernel for each.
+struct ThinRereadShape {
+  int from_e, to_e, quarter_e;
+  constexpr int Elems(int e) const { return quarter_e * e / 4; }
+};
+inline constexpr ThinRereadShape kThinRereadShapes[] = {
+    {64, 72, 9},    // one warp of 9/4 E (session 56)
+    {128, 144, 6},  // three warps of 3/2 E (session 56)
+    {192, 220, 7},  // four warps of 7/4 E (session 57)
+};
+
 template <int kE>
 int ThinRereadElems(const DeviceInfo& dev, int64_t width) {
   if (!AmpleDramRule(RereadThinRows(), dev)) return 0;
-  if (width > 64 * kE && width <= 72 * kE) return 9 * kE / 4;
-  if (width > 128 * kE && width <= 144 * kE) return 3 * kE / 2;
-  if (width > 192 * kE && width <= 220 * kE) return 7 * kE / 4;
+  for (const ThinRereadShape& shape : kThinRereadShapes)
+    if (width > shape.from_e * kE && width <= shape.to_e * kE) return shape.Elems(kE);
   if (width > 144 * kE && width <= 256 * kE) {
     const bool reread_filled = 6 * width >= 5 * RowWarpValues(width, 2 * kE);  // at least 5/6
     return ThinOddBlockRow<kE>(width) && reread_filled ? 2 * kE : 0;
@@ -1284,6 +1301,20 @@ Launched LaunchRereadRows(const LaunchCtx& c, int min_ctas_per_sm) {
                           /*kReread=*/true>(c, min_ctas_per_sm);
 }
 
+// The thin odd rows' reread block of up to 512 threads of `elems` values (ThinRereadElems: 2E, or
+// a fixed shape's, kShape indexing kThinRereadShapes); nullopt for any other count.
+template <typename T, int kE, int kVec, Access kAccess, size_t... kShape>
+Launched LaunchThinRereadRows(const LaunchCtx& c, int elems, std::index_sequence<kShape...>) {
+  if (elems == 2 * kE) return LaunchRereadRows<T, 512, 2 * kE, kVec, kAccess>(c, 1);
+  Launched launched;
+  ((elems == kThinRereadShapes[kShape].Elems(kE)
+        ? void(launched = LaunchRereadRows<T, 512, kThinRereadShapes[kShape].Elems(kE), kVec,
+                                           kAccess>(c, /*min_ctas_per_sm=*/1))
+        : void()),
+   ...);
+  return launched;
+}
+
 // The staged backward block (softmax_bwd_staged_kernel): up to 512 threads of 64 values (16-bit
 // rows of up to 32768 columns), as many warps as the row needs, one row per tile and
 // TilesPerCta() tiles per CTA (one by default, as the forward's reread blocks: the other CTAs on
@@ -1444,17 +1475,10 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
       }
       // The thin odd rows of the staged row tiers (ThinRereadElems).
       if constexpr (kOdd16Rows<T, kAccess>) {
-        const int thin = ThinRereadElems<kE>(c.dev, n);
-        Launched launched;
-        if (thin == 2 * kE)
-          launched = LaunchRereadRows<T, 512, 2 * kE, kVec, kAccess>(c, /*min_ctas_per_sm=*/1);
-        else if (thin == 3 * kE / 2)
-          launched = LaunchRereadRows<T, 512, 3 * kE / 2, kVec, kAccess>(c, /*min_ctas_per_sm=*/1);
-        else if (thin == 7 * kE / 4)
-          launched = LaunchRereadRows<T, 512, 7 * kE / 4, kVec, kAccess>(c, /*min_ctas_per_sm=*/1);
-        else if (thin == 9 * kE / 4)
-          launched = LaunchRereadRows<T, 512, 9 * kE / 4, kVec, kAccess>(c, /*min_ctas_per_sm=*/1);
-        if (launched) return launched;
+        if (const int thin = ThinRereadElems<kE>(c.dev, n))
+          if (Launched launched = LaunchThinRereadRows<T, kE, kVec, kAccess>(
+                  c, thin, std::make_index_sequence<std::size(kThinRereadShapes)>{}))
+            return launched;
       }
     }
   }
