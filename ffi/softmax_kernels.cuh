@@ -2184,6 +2184,21 @@ constexpr int kMaxStages = 4;
 template <Access kAccess, int kCluster, int kRowsPerBlock>
 constexpr bool kCopyAligned = kAccess == Access::kWindowed && kCluster == 1 && kRowsPerBlock == 1;
 
+// Bytes of a staged tile of `elems` elements: a windowed tile also holds the few elements before
+// its first row and after its last that share their vectors (staged_tile), and up to
+// align_bytes - 16 bytes before that (CopyAlignBytes).
+template <typename T, int kVec, Access kAccess>
+__host__ __device__ constexpr uint64_t StagedTileBytes(uint64_t elems, int align_bytes) {
+  return (elems + (kAccess == Access::kWindowed ? 2 * kVec : 0)) * sizeof(T) + (align_bytes - 16);
+}
+// The reread kernel's tiles of several one-warp rows (kRowSlots, since session 58) copy each row into a slot of its own, a tile of one row in 128-byte multiples, as
+// one-row tiles are copied: a windowed reread row rewrites the slots around its window
+// (whole_window), which a contiguous tile of several rows would share with the neighbours.
+template <typename T, int kVec, Access kAccess>
+__host__ __device__ constexpr uint64_t RereadSlotBytes(uint64_t cols, int align_bytes) {
+  return (StagedTileBytes<T, kVec, kAccess>(cols, align_bytes) + 127) / 128 * 128;
+}
+
 // A range of x that a stage holds: elements [first, first + bulk) copied by cp.async.bulk, then
 // [first + bulk, first + elems) by ordinary loads. A windowed range rounded up to whole vectors
 // can reach up to kVec - 1 elements past the end of x at the last row: x's last elements (fewer
@@ -2261,13 +2276,13 @@ __device__ __forceinline__ StagedRange staged_wrap(const RowParams& p, int64_t r
 // A windowed row's window in a stage made whole vectors, so that a pass reads every vector as a
 // plain row's (the reread blocks, forward and backward): the first vector's slots before the row
 // take the wrapped columns (window offset W on) or `outside`, and where the row ends before W the
-// slots after it take `outside`. These slots are the row's own (its tile's copy); the caller
-// syncs the block before the stage is read.
+// slots after it take `outside`. These slots are the row's own (its tile's copy, or its slot of
+// a stage of several rows: kRowSlots); t is the thread's index among the row's threads; the
+// caller syncs the block before the stage is read.
 template <typename Loader>
 __device__ __forceinline__ void whole_window(typename Loader::Elem* window, const Loader& l,
-                                             typename Loader::Elem outside) {
+                                             typename Loader::Elem outside, int t) {
   const int width = Loader::window_width(l.cols), end = l.shift + l.cols;
-  const int t = static_cast<int>(threadIdx.x);
   if (t < l.shift) window[t] = t < l.nwrap() ? window[width + t] : outside;
   if (t < Loader::kVecWidth && end + t < width) window[end + t] = outside;
 }
@@ -2303,8 +2318,11 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
   // loaders read them.
   constexpr bool kStagesWrap = kAccess == Access::kWindowed && kCluster > 1;
   using Loader = RowLoader<T, kVec, /*kBwd=*/false, kAccess, kStagesWrap ? int(kChunk) : 0>;
-  static_assert(!kReread || (Loader::kPairFwd && kCluster == 1 && kRows == 1 && kGroup > 32),
-                "reread rows: 16-bit or float32 plain or windowed rows, one per CTA");
+  static_assert(!kReread || (Loader::kPairFwd && kCluster == 1 && kRows == 1 && kGroup >= 32),
+                "reread rows: 16-bit or float32 plain or windowed rows, one per CTA or warp");
+  // Reread rows of one warp each, kRowsPerBlock per CTA (since session 58): each in a stage slot of
+  // its own (RereadSlotBytes), so that the CTA is not one warp (the SM holds at most 32 CTAs).
+  constexpr bool kRowSlots = kReread && kRowsPerBlock > 1;
 
   extern __shared__ __align__(128) unsigned char staged_smem[];
   __shared__ uint64_t full[kMaxStages];
@@ -2322,13 +2340,37 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
   const int64_t num_ctas = kCluster > 1 ? grid.count : gridDim.x;
   const int64_t num_tiles = (p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   const int stages = tiles.stages;
-  const int copy_align = kCopyAligned<kAccess, kCluster, kRowsPerBlock> ? tiles.copy_align : 0;
+  const int copy_align =
+      kCopyAligned<kAccess, kCluster, kRowSlots ? 1 : kRowsPerBlock> ? tiles.copy_align : 0;
+  // kRowSlots: a row's slot, in elements (the stage holds kRowsPerBlock of them).
+  const int64_t slot_elems = int64_t(tiles.stage_bytes / kRowsPerBlock) / int64_t(sizeof(T));
 
   // Thread 0 only: fill `stage` with the tile of rows from row0 (kRowsPerBlock rows, fewer at the
   // end). The ordinary loads of x's last elements (a windowed tile at the end of x) land before
   // the arrival, which releases them to the waiting threads with the bulk copy.
   auto fill = [&](int stage, int64_t row0) {
     T* dst = reinterpret_cast<T*>(staged_smem + size_t(stage) * tiles.stage_bytes);
+    if constexpr (kRowSlots) {
+      // Each row of the tile as a one-row tile into its slot; the ordinary loads of x's last
+      // elements first, then one arrival for all the rows' bytes, then their bulk copies.
+      const int nrows = static_cast<int>(std::min<int64_t>(p.rows - row0, kRowsPerBlock));
+      uint32_t bytes = 0;
+      for (int r = 0; r < nrows; ++r) {
+        const StagedRange t = staged_tile<T, kVec, 1, 1, kAccess>(p, row0 + r, 0, kChunk, copy_align);
+        const T* src = static_cast<const T*>(p.in) + t.first;
+        if constexpr (kAccess == Access::kWindowed)
+          for (int64_t i = t.bulk; i < t.elems; ++i) dst[r * slot_elems + i] = src[i];
+        bytes += static_cast<uint32_t>(t.bulk * sizeof(T));
+      }
+      mbarrier_arrive_expect_tx(&full[stage], bytes);
+      for (int r = 0; r < nrows; ++r) {
+        const StagedRange t = staged_tile<T, kVec, 1, 1, kAccess>(p, row0 + r, 0, kChunk, copy_align);
+        if (t.bulk)
+          bulk_load_shared(dst + r * slot_elems, static_cast<const T*>(p.in) + t.first,
+                           static_cast<uint32_t>(t.bulk * sizeof(T)), &full[stage]);
+      }
+      return;
+    }
     const StagedRange t = staged_tile<T, kVec, kRowsPerBlock, kCluster, kAccess>(
         p, row0, col_base, kChunk, copy_align);
     const T* src = static_cast<const T*>(p.in) + t.first;
@@ -2397,6 +2439,16 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
       const int local = r * (kBlock / kGroup) + group;
       const int64_t row = row0 + local;
       loaders[r] = Loader(p, row, row < p.rows);
+      if constexpr (kRowSlots) {
+        // The row's slot (a row past the end keeps its slot's start: nothing stored from it).
+        const int64_t first =
+            row < p.rows ? staged_tile<T, kVec, 1, 1, kAccess>(p, row, 0, kChunk, copy_align).first
+                         : 0;
+        loaders[r].in = row < p.rows ? stage_in + local * slot_elems +
+                                           (loaders[r].in - static_cast<const T*>(p.in) - first)
+                                     : stage_in + local * slot_elems;
+        return;
+      }
       // Read x from the stage instead of global memory (bias and mask still come from global
       // memory, usually L2: they are broadcast): the loader's window start lies as far into the
       // stage as into the tile in x. Its loads read no vector past the causal limit, where a
@@ -2424,7 +2476,10 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
       // Reread windowed rows: the stage's window made whole vectors that the passes read as
       // they are (RawPacksStaged), -inf around the row (whole_window).
       if constexpr (kReread && Loader::kWraps) {
-        whole_window(const_cast<T*>(loaders[0].in), loaders[0], from_acc<T>(neg_inf<A>()));
+        if (!kRowSlots || row0 + group < p.rows)
+          // (threadIdx.x where the row has the block: lane kept live spilled 8 bytes, 512 x 72.)
+          whole_window(const_cast<T*>(loaders[0].in), loaders[0], from_acc<T>(neg_inf<A>()),
+                       kRowSlots ? lane : int(threadIdx.x));
         __syncthreads();
       }
     } else if constexpr (Loader::kPlain || Ops::kSplit) {
@@ -2567,8 +2622,8 @@ __global__ void __launch_bounds__(kGroup, MinBlocksPerSm(kGroup))  // 64 registe
     mbarrier_wait(&full[stage], phase);
     if constexpr (Loader::kWraps) {
       // Zeros around the row: they add nothing to the dot product and are never stored.
-      whole_window(const_cast<T*>(loader.in), loader, from_acc<T>(A(0)));
-      whole_window(const_cast<T*>(loader.grad), loader, from_acc<T>(A(0)));
+      whole_window(const_cast<T*>(loader.in), loader, from_acc<T>(A(0)), int(threadIdx.x));
+      whole_window(const_cast<T*>(loader.grad), loader, from_acc<T>(A(0)), int(threadIdx.x));
       __syncthreads();
     }
     // Whole vectors up to the row's last one (the window's last where a windowed row wraps).

@@ -525,7 +525,7 @@ int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
 // gives the values per thread of the reread block that takes a row of `width` window offsets, or
 // 0 for the row tiers. First the fixed shapes (kThinRereadShapes):
 // - W = 64 E + 1 to 72 E: one warp of 9/4 E (session 56; 5/2 E in session 55), 89-100% filled,
-//   where the 128-thread block ran three warps 67-75% filled;
+//   where the 128-thread block ran three warps 67-75% filled; four such rows per CTA (session 58);
 // - W = 128 E + 1 to 144 E (session 56): three warps of 3/2 E, 89-100% filled, where the
 //   256-thread block runs five warps 80-90% filled and 2E three 67-75% filled;
 // - W = 192 E + 1 to 220 E (session 57): four warps of 7/4 E, where the 256-thread block runs
@@ -538,9 +538,9 @@ int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
 //   23/24 of its warps (rows that fill them keep it: 16383 134 / 136).
 // The reread blocks' time follows their fill (H200, bfloat16, us per call at 256 MiB, the copy's
 // rate about 125: 0.96-0.89 filled 132-133, 0.83-0.79 137-139, 0.75 145, 0.67 159), the row
-// tiers' their warps per row; one-warp rows stay slower at the same fill (5/2 E 0.9-1.0: 140-145):
-// the SM holds at most 32 CTAs, so 32 one-warp rows (ncu, session 57: 29.9 warps per SM at 2049,
-// 44 for the three-warp rows of 4097).
+// tiers' their warps per row; one-warp rows, one per CTA, stayed slower at the same fill (5/2 E
+// 0.9-1.0: 140-145): the SM holds at most 32 CTAs, so 32 one-warp rows (ncu, session 57: 29.9
+// warps per SM at 2049, 44 for the three-warp rows of 4097); four per CTA, 44.7 (session 58).
 // Measured (H200, us per call at 256 MiB, row tiers (with session 54's two tiles for the thin
 // ones) / reread block, two rounds each, within 1 us):
 // - session 55, 2E and 5/2 E: bfloat16 2049 160 / 153 (one warp of 5/2 E), 2177 154 / 147, 2305
@@ -568,6 +568,11 @@ int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
 //   7/4 E where 2E fills thinly (5121 134 / 134, 5249 134 / 135 on three warps; 8193 135 / 134,
 //   8705 134 / 134 on five) and one warp of 5/2 E on the 512-thread kernel (2305 144 / 145, 2433
 //   139 / 143, 2559 136 / 140: a one-warp row's cost, not the 1024-thread block's).
+// - session 58, four one-warp rows per 128-thread CTA (branch exp/s57-warprows; one row per CTA /
+//   four): bfloat16 9/4 E 2049 145 / 136, 2113 145 / 137, 2177 142 / 137, 2241 139 / 136, 2297
+//   137 / 136; float16 2049 145 / 136. 5/2 E so (row tiers / four-row CTAs) won at 2305 only: 144
+//   / 140 (float16 143 / 140), 2337 142 / 142, 2369 141 / 142, 2401 139 / 142, 2433 139 / 141,
+//   2559 135 / 140; those rows keep the row tiers.
 // The H100 keeps the row tiers with one tile (session 56, us per call at 256 MiB, the copy's rate
 // about 177; row tiers / the reread blocks where this rule (with 5/2 E at 2049-2304) takes the row
 // / session 54's two tiles for the thin block rows): bfloat16 2049 183 / 186 / 183, 4097 181 /
@@ -582,13 +587,18 @@ inline int RereadThinRows() {
 }
 
 // The fixed shapes: rows of W = from_e * E + 1 to to_e * E on quarter_e / 4 E values per thread.
-// LaunchThinRereadRows instantiates one reread kernel for each.
+// LaunchThinRereadRows instantiates one reread kernel for each: a shape whose rows fit one warp
+// (32 threads of quarter_e / 4 E values hold to_e E) runs four rows per 128-thread CTA, each in a
+// stage slot of its own (the reread kernel's kRowSlots, session 58): a CTA of one warp stops at
+// the SM's 32 resident blocks (ncu, session 57: 29.9 warps per SM at 2049; 44.7 with four rows
+// per CTA, session 58); the others run a block of up to 512 threads, one row per CTA.
 struct ThinRereadShape {
   int from_e, to_e, quarter_e;
   constexpr int Elems(int e) const { return quarter_e * e / 4; }
+  constexpr int Group() const { return 8 * quarter_e >= to_e ? 32 : 512; }
 };
 inline constexpr ThinRereadShape kThinRereadShapes[] = {
-    {64, 72, 9},    // one warp of 9/4 E (session 56)
+    {64, 72, 9},    // one warp of 9/4 E (session 56), four rows per CTA (session 58)
     {128, 144, 6},  // three warps of 3/2 E (session 56)
     {192, 220, 7},  // four warps of 7/4 E (session 57)
 };
@@ -1233,14 +1243,6 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
 // caller uses the register tiers); otherwise the launch's outcome.
 using Launched = std::optional<ffi::Error>;
 
-// Bytes of a staged tile of `elems` elements: a windowed tile also holds the few elements before
-// its first row and after its last that share their vectors (staged_tile), and up to
-// align_bytes - 16 bytes before that (CopyAlignBytes).
-template <typename T, int kVec, Access kAccess>
-uint64_t StagedTileBytes(uint64_t elems, int align_bytes) {
-  return (elems + (kAccess == Access::kWindowed ? 2 * kVec : 0)) * sizeof(T) + (align_bytes - 16);
-}
-
 // CTAs of a staged row launch: tiles_per_cta tiles each, or (0) persistent waves of the CTAs
 // that fit the GPU.
 inline int StagedGrid(int64_t tiles, int tiles_per_cta, int ctas_per_sm, const DeviceInfo& dev) {
@@ -1263,10 +1265,13 @@ Launched LaunchStagedRows(const LaunchCtx& c, int min_ctas_per_sm = 1,
                           int tiles_per_cta = TilesPerCta()) {
   using Tier = RowTier<kGroup, kElems, kVec, kRows>;
   constexpr int kRowsPerBlock = Tier::kRowsPerBlock;
+  // Reread tiles of several one-warp rows copy each row as a one-row tile (RereadSlotBytes).
+  constexpr bool kRowSlots = kReread && kRowsPerBlock > 1;
+  constexpr int kCopyRows = kRowSlots ? 1 : kRowsPerBlock;
   const int block_copy_align = kReread ? 2 : BlockCopyAlign();
   const bool copy_aligned = block_copy_align >= 1;
   if constexpr (sizeof(T) == 2 && kAccess == Access::kPlain &&
-                kCopyAligned<Access::kWindowed, 1, kRowsPerBlock>) {
+                kCopyAligned<Access::kWindowed, 1, kCopyRows>) {
     if (block_copy_align >= 2 && RoundedCopyRows<kVec>(c.p.cols))
       return LaunchStagedRows<T, kGroup, kElems, kVec, Access::kWindowed, kRows, kReread>(
           c, min_ctas_per_sm, tiles_per_cta);
@@ -1278,9 +1283,11 @@ Launched LaunchStagedRows(const LaunchCtx& c, int min_ctas_per_sm = 1,
   auto reg = BlocksPerSm<kernel, Tier::kBlock>(c.device, block);
   if (reg.has_error()) return reg.error();
   const int align_bytes =
-      kCopyAligned<kAccess, 1, kRowsPerBlock> && copy_aligned ? CopyAlignBytes() : 16;
-  const uint64_t tile = StagedTileBytes<T, kVec, kAccess>(
-      uint64_t(kRowsPerBlock) * uint64_t(c.p.cols), align_bytes);
+      kCopyAligned<kAccess, 1, kCopyRows> && copy_aligned ? CopyAlignBytes() : 16;
+  const uint64_t tile =
+      kRowSlots ? kRowsPerBlock * RereadSlotBytes<T, kVec, kAccess>(uint64_t(c.p.cols), align_bytes)
+                : StagedTileBytes<T, kVec, kAccess>(uint64_t(kRowsPerBlock) * uint64_t(c.p.cols),
+                                                    align_bytes);
   StagePlan plan = PlanStages(tile, *reg, c.dev, tiles_per_cta);
   plan.tiles.copy_align = align_bytes / static_cast<int>(sizeof(T));
   if (plan.tiles.stages == 0 || plan.ctas_per_sm < min_ctas_per_sm ||
@@ -1293,23 +1300,26 @@ Launched LaunchStagedRows(const LaunchCtx& c, int min_ctas_per_sm = 1,
 }
 
 // A reread block (softmax_rows_staged_kernel's kReread) of up to kGroup threads of kElems values,
-// one row per tile, on the access mode its rows take (kRereadAccess): the staged tiers' one form
-// of these launches (LaunchStagedTier).
+// one row per tile (kGroup = 32: four one-warp rows per tile, each in a stage slot of its own,
+// kRowSlots), on the access mode its rows take (kRereadAccess): the staged
+// tiers' one form of these launches (LaunchStagedTier).
 template <typename T, int kGroup, int kElems, int kVec, Access kAccess>
 Launched LaunchRereadRows(const LaunchCtx& c, int min_ctas_per_sm) {
   return LaunchStagedRows<T, kGroup, kElems, kVec, kRereadAccess<T, kElems, kAccess>, 1,
                           /*kReread=*/true>(c, min_ctas_per_sm);
 }
 
-// The thin odd rows' reread block of up to 512 threads of `elems` values (ThinRereadElems: 2E, or
+// The thin odd rows' reread block of up to 512 threads of `elems` values (a one-warp shape's four
+// rows per 128-thread CTA: ThinRereadShape::Group) (ThinRereadElems: 2E, or
 // a fixed shape's, kShape indexing kThinRereadShapes); nullopt for any other count.
 template <typename T, int kE, int kVec, Access kAccess, size_t... kShape>
 Launched LaunchThinRereadRows(const LaunchCtx& c, int elems, std::index_sequence<kShape...>) {
   if (elems == 2 * kE) return LaunchRereadRows<T, 512, 2 * kE, kVec, kAccess>(c, 1);
   Launched launched;
   ((elems == kThinRereadShapes[kShape].Elems(kE)
-        ? void(launched = LaunchRereadRows<T, 512, kThinRereadShapes[kShape].Elems(kE), kVec,
-                                           kAccess>(c, /*min_ctas_per_sm=*/1))
+        ? void(launched = LaunchRereadRows<T, kThinRereadShapes[kShape].Group(),
+                                           kThinRereadShapes[kShape].Elems(kE), kVec, kAccess>(
+                   c, /*min_ctas_per_sm=*/1))
         : void()),
    ...);
   return launched;

@@ -93,7 +93,8 @@ CASES = [  # (rows, cols, dtype)
     # warps' 5120 values) and since session 56 on the reread block of 3 warps of 48 values
     # (ThinRereadElems); 12289, 13 warps of the 512-thread block until session 55, takes the
     # reread block of 7 warps of 64 values on the H200, as 5121 (3 warps), 2049 one warp of 72
-    # values (session 56; 80 in session 55) and 6145 four warps of 56 (session 57).
+    # values (session 56; 80 in session 55; four such rows per CTA since session 58: 11 rows end on
+    # a tile of three) and 6145 four warps of 56 (session 57).
     (7, 4097, jnp.bfloat16),
     (9, 6145, jnp.bfloat16),
     (9, 12289, jnp.bfloat16),

@@ -317,15 +317,17 @@ def test_odd_row_tiers(backend, device, rng, dtype):
 def test_thin_reread_rows(backend, device, rng, dtype):
     # 16-bit odd rows that the reread blocks take from the staged row tiers on the H200
     # (ThinRereadElems in ffi/softmax_launch.cuh; on the H100 under JAX_SOFTMAX_REREAD_THIN=2):
-    # W = 2049-2304 on one warp of 72 values (2049, and 2297 at its end; 2305 past it), W =
-    # 4097-4608 on three warps of 48 (4097, 4353, and 4607 at its end; 4609 past it, session 56),
-    # W = 6145-7040 on four warps of 56 (6145, 6655, and 7039 at its end; 6143 before it and 7041
-    # past it, session 57), and the thinly filled rows of 4609-16384 on up to 8 warps of 64: 5121
-    # (3 warps), 5633, 7169, 8193 (5), 9729, 10753 (6), 12289 (7), 15361 (8), between rows that
-    # keep the staged blocks (4609, 5889, 6143, 7041, 7681, 11777, 16383). Both sides of each
-    # bound, in an odd number of rows (rows_past_one_wave), so that the last CTA's row is partial.
-    sizes = [2049, 2297, 2305, 4097, 4353, 4607, 4609, 5121, 5633, 5889, 6143, 6145, 6655, 7039,
-             7041, 7169, 7681, 8193, 9729, 10753, 11777, 12289, 15361, 16383]
+    # W = 2049-2304 on one warp of 72 values, four rows per CTA since session 58 (2049, 2113, and
+    # 2297 at its end; 2305 past it; their 2047, 1985 and 1827 rows end on tiles of 3, 1 and 3
+    # rows), W = 4097-4608 on three warps of 48 (4097, 4353, and 4607 at its end; 4609 past it,
+    # session 56), W = 6145-7040 on four warps of 56 (6145, 6655, and 7039 at its end; 6143
+    # before it and 7041 past it, session 57), and the thinly filled rows of 4609-16384 on up to
+    # 8 warps of 64: 5121 (3 warps), 5633, 7169, 8193 (5), 9729, 10753 (6), 12289 (7), 15361 (8),
+    # between rows that keep the staged blocks (4609, 5889, 6143, 7041, 7681, 11777, 16383). Both
+    # sides of each bound, in an odd number of rows (rows_past_one_wave), so that the last CTA's
+    # row is partial.
+    sizes = [2049, 2113, 2297, 2305, 4097, 4353, 4607, 4609, 5121, 5633, 5889, 6143, 6145, 6655,
+             7039, 7041, 7169, 7681, 8193, 9729, 10753, 11777, 12289, 15361, 16383]
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
 
 
