@@ -570,9 +570,9 @@ int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
 //   139 / 143, 2559 136 / 140: a one-warp row's cost, not the 1024-thread block's).
 // - session 58, four one-warp rows per 128-thread CTA (branch exp/s57-warprows; one row per CTA /
 //   four): bfloat16 9/4 E 2049 145 / 136, 2113 145 / 137, 2177 142 / 137, 2241 139 / 136, 2297
-//   137 / 136; float16 2049 145 / 136. 5/2 E so (row tiers / four-row CTAs) won at 2305 only: 144
-//   / 140 (float16 143 / 140), 2337 142 / 142, 2369 141 / 142, 2401 139 / 142, 2433 139 / 141,
-//   2559 135 / 140; those rows keep the row tiers.
+//   137 / 136; float16 2049 145 / 136. One-warp rows of 5/2 E four per CTA (row tiers / those)
+//   won at 2305 only: 144 / 140 (float16 143 / 140), 2337 142 / 142, 2369 141 / 142, 2401 139 /
+//   142, 2433 139 / 141, 2559 135 / 140; those rows keep the row tiers.
 // The H100 keeps the row tiers with one tile (session 56, us per call at 256 MiB, the copy's rate
 // about 177; row tiers / the reread blocks where this rule (with 5/2 E at 2049-2304) takes the row
 // / session 54's two tiles for the thin block rows): bfloat16 2049 183 / 186 / 183, 4097 181 /
