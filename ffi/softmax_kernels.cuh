@@ -2191,9 +2191,10 @@ template <typename T, int kVec, Access kAccess>
 __host__ __device__ constexpr uint64_t StagedTileBytes(uint64_t elems, int align_bytes) {
   return (elems + (kAccess == Access::kWindowed ? 2 * kVec : 0)) * sizeof(T) + (align_bytes - 16);
 }
-// The reread kernel's tiles of several one-warp rows (kRowSlots, since session 58) copy each row into a slot of its own, a tile of one row in 128-byte multiples, as
-// one-row tiles are copied: a windowed reread row rewrites the slots around its window
-// (whole_window), which a contiguous tile of several rows would share with the neighbours.
+// The reread kernel's tiles of several one-warp rows (kRowSlots, since session 58) copy each row
+// into a slot of its own, a tile of one row in 128-byte multiples, as one-row tiles are copied: a
+// windowed reread row rewrites the slots around its window (whole_window), which a contiguous
+// tile of several rows would share with the neighbours.
 template <typename T, int kVec, Access kAccess>
 __host__ __device__ constexpr uint64_t RereadSlotBytes(uint64_t cols, int align_bytes) {
   return (StagedTileBytes<T, kVec, kAccess>(cols, align_bytes) + 127) / 128 * 128;
@@ -2320,8 +2321,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
   using Loader = RowLoader<T, kVec, /*kBwd=*/false, kAccess, kStagesWrap ? int(kChunk) : 0>;
   static_assert(!kReread || (Loader::kPairFwd && kCluster == 1 && kRows == 1 && kGroup >= 32),
                 "reread rows: 16-bit or float32 plain or windowed rows, one per CTA or warp");
-  // Reread rows of one warp each, kRowsPerBlock per CTA (since session 58): each in a stage slot of
-  // its own (RereadSlotBytes), so that the CTA is not one warp (the SM holds at most 32 CTAs).
+  // Reread rows of one warp each, kRowsPerBlock per CTA (since session 58): each in a stage slot
+  // of its own (RereadSlotBytes), so that the CTA is not one warp (the SM holds at most 32 CTAs).
   constexpr bool kRowSlots = kReread && kRowsPerBlock > 1;
 
   extern __shared__ __align__(128) unsigned char staged_smem[];
