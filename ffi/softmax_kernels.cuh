@@ -2357,7 +2357,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
       const int nrows = static_cast<int>(std::min<int64_t>(p.rows - row0, kRowsPerBlock));
       uint32_t bytes = 0;
       for (int r = 0; r < nrows; ++r) {
-        const StagedRange t = staged_tile<T, kVec, 1, 1, kAccess>(p, row0 + r, 0, kChunk, copy_align);
+        const StagedRange t =
+            staged_tile<T, kVec, 1, 1, kAccess>(p, row0 + r, 0, kChunk, copy_align);
         const T* src = static_cast<const T*>(p.in) + t.first;
         if constexpr (kAccess == Access::kWindowed)
           for (int64_t i = t.bulk; i < t.elems; ++i) dst[r * slot_elems + i] = src[i];
@@ -2365,7 +2366,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
       }
       mbarrier_arrive_expect_tx(&full[stage], bytes);
       for (int r = 0; r < nrows; ++r) {
-        const StagedRange t = staged_tile<T, kVec, 1, 1, kAccess>(p, row0 + r, 0, kChunk, copy_align);
+        const StagedRange t =
+            staged_tile<T, kVec, 1, 1, kAccess>(p, row0 + r, 0, kChunk, copy_align);
         if (t.bulk)
           bulk_load_shared(dst + r * slot_elems, static_cast<const T*>(p.in) + t.first,
                            static_cast<uint32_t>(t.bulk * sizeof(T)), &full[stage]);
