@@ -2353,7 +2353,10 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
     T* dst = reinterpret_cast<T*>(staged_smem + size_t(stage) * tiles.stage_bytes);
     if constexpr (kRowSlots) {
       // Each row of the tile as a one-row tile into its slot; the ordinary loads of x's last
-      // elements first, then one arrival for all the rows' bytes, then their bulk copies.
+      // elements first, then one arrival for all the rows' bytes, then their bulk copies. Each
+      // row's range is worked out again for its copy rather than kept from the first loop: four
+      // ranges held across the arrival cost registers in a 40-register kernel, the arithmetic
+      // only thread 0's few instructions.
       const int nrows = static_cast<int>(std::min<int64_t>(p.rows - row0, kRowsPerBlock));
       uint32_t bytes = 0;
       for (int r = 0; r < nrows; ++r) {
@@ -2443,13 +2446,14 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
       const int64_t row = row0 + local;
       loaders[r] = Loader(p, row, row < p.rows);
       if constexpr (kRowSlots) {
-        // The row's slot (a row past the end keeps its slot's start: nothing stored from it).
-        const int64_t first =
-            row < p.rows ? staged_tile<T, kVec, 1, 1, kAccess>(p, row, 0, kChunk, copy_align).first
-                         : 0;
-        loaders[r].in = row < p.rows ? stage_in + local * slot_elems +
-                                           (loaders[r].in - static_cast<const T*>(p.in) - first)
-                                     : stage_in + local * slot_elems;
+        // The row's window as far into its slot as into its one-row tile in x (a row past the
+        // end keeps its slot's start: nothing stored from it).
+        const T* slot = stage_in + local * slot_elems;
+        loaders[r].in = row < p.rows
+                            ? slot + (loaders[r].in - static_cast<const T*>(p.in) -
+                                      staged_tile<T, kVec, 1, 1, kAccess>(p, row, 0, kChunk,
+                                                                          copy_align).first)
+                            : slot;
         return;
       }
       // Read x from the stage instead of global memory (bias and mask still come from global
@@ -2480,7 +2484,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
       // they are (RawPacksStaged), -inf around the row (whole_window).
       if constexpr (kReread && Loader::kWraps) {
         if (!kRowSlots || row0 + group < p.rows)
-          // (threadIdx.x where the row has the block: lane kept live spilled 8 bytes, 512 x 72.)
+          // (A one-row block passes threadIdx.x, not the lane: keeping the lane live there spilled
+          // 8 bytes in a 512-thread kernel, session 58's branch.)
           whole_window(const_cast<T*>(loaders[0].in), loaders[0], from_acc<T>(neg_inf<A>()),
                        kRowSlots ? lane : int(threadIdx.x));
         __syncthreads();

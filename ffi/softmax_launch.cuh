@@ -1301,17 +1301,17 @@ Launched LaunchStagedRows(const LaunchCtx& c, int min_ctas_per_sm = 1,
 
 // A reread block (softmax_rows_staged_kernel's kReread) of up to kGroup threads of kElems values,
 // one row per tile (kGroup = 32: four one-warp rows per tile, each in a stage slot of its own,
-// kRowSlots), on the access mode its rows take (kRereadAccess): the staged
-// tiers' one form of these launches (LaunchStagedTier).
+// kRowSlots), on the access mode its rows take (kRereadAccess): the staged tiers' one form of
+// these launches (LaunchStagedTier).
 template <typename T, int kGroup, int kElems, int kVec, Access kAccess>
 Launched LaunchRereadRows(const LaunchCtx& c, int min_ctas_per_sm) {
   return LaunchStagedRows<T, kGroup, kElems, kVec, kRereadAccess<T, kElems, kAccess>, 1,
                           /*kReread=*/true>(c, min_ctas_per_sm);
 }
 
-// The thin odd rows' reread block of up to 512 threads of `elems` values (a one-warp shape's four
-// rows per 128-thread CTA: ThinRereadShape::Group) (ThinRereadElems: 2E, or
-// a fixed shape's, kShape indexing kThinRereadShapes); nullopt for any other count.
+// The thin odd rows' reread block of `elems` values per thread (ThinRereadElems: 2E, or a fixed
+// shape's, kShape indexing kThinRereadShapes): up to 512 threads, or four one-warp rows per
+// 128-thread CTA (ThinRereadShape::Group); nullopt for any other count.
 template <typename T, int kE, int kVec, Access kAccess, size_t... kShape>
 Launched LaunchThinRereadRows(const LaunchCtx& c, int elems, std::index_sequence<kShape...>) {
   if (elems == 2 * kE) return LaunchRereadRows<T, 512, 2 * kE, kVec, kAccess>(c, 1);
