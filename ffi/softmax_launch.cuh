@@ -899,6 +899,16 @@ inline long RawWideKnob() {
   return knob;
 }
 
+// JAX_SOFTMAX_FLOAT_WARP_ROWS (read once; experiment, session 59): the float32 windowed forward
+// rows of 32 x 2V + 1 to 32 x 4V window columns (W = 257-512; the staged tiers leave them) take
+// one warp of 4 vectors per lane and row (0, the default), a warp of two such rows (1), or half a
+// warp of 8 vectors per lane (2): the last two halve the shuffle rounds per row (1: two
+// independent chains per warp; 2: one chain of four rounds serving both halves).
+inline long FloatWarpRows() {
+  static const long mode = EnvKnob("JAX_SOFTMAX_FLOAT_WARP_ROWS", 0);
+  return mode;
+}
+
 // JAX_SOFTMAX_BWD_BLOCKS (read once; A/B runs): 0 leaves the plain 16-bit backward rows of
 // 512 x 2E + 1 to 512 x 3E columns on the clusters of 2E (LaunchTier says which rows and why).
 inline bool BackwardWideBlocks() {
@@ -1769,6 +1779,13 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // values fit 32 registers; 16-bit backward rows hold twice that and spilled at 64).
   constexpr int kRowsTwoVec = 2 * (2 * kVec) * (kBwd ? 2 : 1) <= 32 ? 2 : 1;
   if constexpr (2 * kVec <= kEB) if (n <= 32 * 2 * kVec) JS_ROWS(32, 2 * kVec, kRowsTwoVec);
+  if constexpr (std::is_same_v<T, float> && !kBwd && kAccess == Access::kWindowed) {
+    if (n > 32 * 2 * kVec && n <= 32 * 4 * kVec) {
+      const long mode = FloatWarpRows();
+      if (mode == 1) JS_ROWS(32, 4 * kVec, 2);
+      if (mode == 2) JS_ROWS(16, 8 * kVec, 1);
+    }
+  }
   if constexpr (4 * kVec <= kEB) if (n <= 32 * 4 * kVec) JS_ROWS(32, 4 * kVec, 1);
   if constexpr (8 * kVec <= kEB) if (n <= 32 * 8 * kVec) JS_ROWS(32, 8 * kVec, 1);
   if constexpr (16 * kVec <= kEB) if (n <= 32 * 16 * kVec) JS_ROWS(32, 16 * kVec, 1);
