@@ -16,7 +16,8 @@
 //                           take two rows per group instead of the staged tiers (session 43,
 //                           ShortRegisterRows)
 //   cols <= 32 * E          one warp per row, E' <= E elements per lane (E' the smallest power
-//                           of two that fits)
+//                           of two that fits); on the H200 float32 windowed forward rows of
+//                           W = 257-452 take half a warp of 8 vectors (FloatHalfWarpRows)
 //   cols <= 512 * E         one block of G = 64..512 threads per row, E elements per thread,
 //                           launched with only the warps the row needs (RowThreads): a row just
 //                           past a power of two no longer leaves half of them empty (16-bit
@@ -899,14 +900,26 @@ inline long RawWideKnob() {
   return knob;
 }
 
-// JAX_SOFTMAX_FLOAT_WARP_ROWS (read once; experiment, session 59): the float32 windowed forward
-// rows of 32 x 2V + 1 to 32 x 4V window columns (W = 257-512; the staged tiers leave them) take
-// one warp of 4 vectors per lane and row (0, the default), a warp of two such rows (1), or half a
-// warp of 8 vectors per lane (2): the last two halve the shuffle rounds per row (1: two
-// independent chains per warp; 2: one chain of four rounds serving both halves).
-inline long FloatWarpRows() {
-  static const long mode = EnvKnob("JAX_SOFTMAX_FLOAT_WARP_ROWS", 0);
-  return mode;
+// Float32 windowed forward rows (odd lengths; the staged tiers leave them to the register tiers)
+// of W = 257-452 window columns: half a warp per row, 8 vectors per lane (two rows per warp),
+// rather than a warp of 4 vectors per lane. One shuffle chain of four rounds then serves both
+// half-warps' rows, where the whole warp spent five rounds on one row: with 1.3-1.8 KiB per row,
+// the per-row reductions (and the warp's wait for them) weigh on these short rows. 64 registers
+// instead of 52 (ptxas sm_90a, no spills): 8 CTAs of 128 threads per SM instead of 9.
+// Measured (H200, session 59, us per call at 256 MiB, two rounds each, one warp / half warps):
+// 319 (W = 320) 147 / 133 (85% -> 94% of the copy; Triton 94%), 321 (W = 324) 148 / 132, 383 139
+// / 132, 449 (W = 452) 137 / 133; but 463 (W = 464) 135 / 144, 479 134 / 146, 495 133 / 144,
+// 505 134 / 143, 511 132 / 143. So W up to 452 (456 and 460 not measured; the rows of 257-319
+// neither: W = 320 gained most). Two rows per warp of 4 vectors per lane instead (the register
+// tiers' kRowsTwoVec shape, 64 registers) gained 1-2 us at 319-383 and lost 4 at 511. The H100
+// has not run these rows (AmpleDramPerSm: the H200's rule).
+// JAX_SOFTMAX_FLOAT_HALF_WARPS (read once; A/B runs): 0 keeps the one-warp rows, 2 takes half
+// warps for all of W = 257-512 on every GPU; unset, the rule above.
+inline bool FloatHalfWarpRows(const DeviceInfo& dev, int64_t width) {
+  static const long knob = EnvKnob("JAX_SOFTMAX_FLOAT_HALF_WARPS", -1);
+  if (knob == 0) return false;
+  if (knob == 2) return true;
+  return AmpleDramPerSm(dev) && width <= 452;
 }
 
 // JAX_SOFTMAX_BWD_BLOCKS (read once; A/B runs): 0 leaves the plain 16-bit backward rows of
@@ -1779,13 +1792,10 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // values fit 32 registers; 16-bit backward rows hold twice that and spilled at 64).
   constexpr int kRowsTwoVec = 2 * (2 * kVec) * (kBwd ? 2 : 1) <= 32 ? 2 : 1;
   if constexpr (2 * kVec <= kEB) if (n <= 32 * 2 * kVec) JS_ROWS(32, 2 * kVec, kRowsTwoVec);
-  if constexpr (std::is_same_v<T, float> && !kBwd && kAccess == Access::kWindowed) {
-    if (n > 32 * 2 * kVec && n <= 32 * 4 * kVec) {
-      const long mode = FloatWarpRows();
-      if (mode == 1) JS_ROWS(32, 4 * kVec, 2);
-      if (mode == 2) JS_ROWS(16, 8 * kVec, 1);
-    }
-  }
+  // Float32 windowed forward rows of W = 257-452: half-warp rows (FloatHalfWarpRows).
+  if constexpr (std::is_same_v<T, float> && !kBwd && kAccess == Access::kWindowed)
+    if (n > 32 * 2 * kVec && n <= 32 * 4 * kVec && FloatHalfWarpRows(c.dev, n))
+      JS_ROWS(16, 8 * kVec, 1);
   if constexpr (4 * kVec <= kEB) if (n <= 32 * 4 * kVec) JS_ROWS(32, 4 * kVec, 1);
   if constexpr (8 * kVec <= kEB) if (n <= 32 * 8 * kVec) JS_ROWS(32, 8 * kVec, 1);
   if constexpr (16 * kVec <= kEB) if (n <= 32 * 16 * kVec) JS_ROWS(32, 16 * kVec, 1);

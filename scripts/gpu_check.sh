@@ -259,6 +259,10 @@ if want test; then
   # default (JAX_SOFTMAX_REREAD_BLOCKS=0).
   test_job reread_blocks_off JAX_SOFTMAX_REREAD_BLOCKS=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and reread_block_rows")"
+  # The float32 odd rows' half-warp rows (the H200's rule for W = 257-452) on all of W = 257-512
+  # and on every GPU (JAX_SOFTMAX_FLOAT_HALF_WARPS=2).
+  test_job float_half_warps JAX_SOFTMAX_FLOAT_HALF_WARPS=2 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and float_half_warp_rows")"
   wait_tests
   test_job tiers_big XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 -- -k "$(with_test_k "test_kernel_tiers and ($big)")"
   wait_tests

@@ -81,6 +81,10 @@ CASES = [  # (rows, cols, dtype)
     (7, 20003, jnp.float32),
     (5, 24576, jnp.float32),
     (301, 1001, jnp.float32),  # register warp tier (windowed float32 rows stage beyond 2^16)
+    # float32 odd rows of W = 257-452 on half-warp rows of 8 vectors (the H200's rule since
+    # session 59, FloatHalfWarpRows; every GPU under JAX_SOFTMAX_FLOAT_HALF_WARPS=2): 13 rows, so
+    # that the last CTA's eight rows (two per warp) are partial
+    (13, 319, jnp.float32),
     # Forward rows of 2^k - 1 wrap their last columns into their first vector: a staged block
     # (16383: 512 x 32) and a staged cluster of 16 x 512, whose first CTA stages them in a slot.
     (9, 16383, jnp.bfloat16),
