@@ -903,7 +903,7 @@ inline long RawWideKnob() {
 // Float32 windowed forward rows (odd lengths; the staged tiers leave them to the register tiers)
 // of W = 257-452 window columns: half a warp per row, 8 vectors per lane (two rows per warp),
 // rather than a warp of 4 vectors per lane. One shuffle chain of four rounds then serves both
-// half-warps' rows, where the whole warp spent five rounds on one row: with 1.3-1.8 KiB per row,
+// half-warps' rows, where the whole warp spent five rounds on one row: with 1.0-1.8 KiB per row,
 // the per-row reductions (and the warp's wait for them) weigh on these short rows. 64 registers
 // instead of 52 (ptxas sm_90a, no spills): 8 CTAs of 128 threads per SM instead of 9.
 // Measured (H200, session 59, us per call at 256 MiB, two rounds each, one warp / half warps):
@@ -914,7 +914,7 @@ inline long RawWideKnob() {
 // tiers' kRowsTwoVec shape, 64 registers) gained 1-2 us at 319-383 and lost 4 at 511. The H100
 // has not run these rows (AmpleDramPerSm: the H200's rule).
 // JAX_SOFTMAX_FLOAT_HALF_WARPS (read once; A/B runs): 0 keeps the one-warp rows, 2 takes half
-// warps for all of W = 257-512 on every GPU; unset, the rule above.
+// warps for all of W = 257-512 on every GPU; unset (or any other value), the rule above.
 inline bool FloatHalfWarpRows(const DeviceInfo& dev, int64_t width) {
   static const long knob = EnvKnob("JAX_SOFTMAX_FLOAT_HALF_WARPS", -1);
   if (knob == 0) return false;

@@ -317,11 +317,11 @@ def test_float_half_warp_rows(backend, device, rng):
     # Float32 odd rows of W = 257-452 window columns on half-warp rows of 8 vectors per lane
     # (FloatHalfWarpRows in ffi/softmax_launch.cuh: the H200's rule since session 59; on every GPU
     # for all of W = 257-512 under JAX_SOFTMAX_FLOAT_HALF_WARPS=2, which gpu_check.sh runs too):
-    # the one-warp tier below (W = 256) and its first row past it (257), the middle (319, 321,
-    # 383), the rule's last width (449-451, W = 452), the first rows past it (453, W = 456; 461,
-    # W = 464) and the tier's top (511, W = 512) and the next tier (513), in an odd number of
-    # rows (rows_past_one_wave), so that the last CTA's rows are partial and the row starts take
-    # every alignment.
+    # the tier below (W = 256: a warp of two rows) and the first row past it (257), the middle
+    # (319, 321, 383), the rule's last width (449-451, W = 452), the first rows past it (453,
+    # W = 456; 461, W = 464), the tier's top (511, W = 512) and the next tier (513), in an odd
+    # number of rows (rows_past_one_wave), so that the last CTA's rows are partial and the row
+    # starts take every alignment.
     sizes = [255, 257, 259, 319, 321, 383, 449, 450, 451, 453, 455, 461, 511, 513]
     check_sizes(device, rng, jnp.float32, sizes, rows_past_one_wave)
 
