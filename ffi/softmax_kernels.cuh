@@ -2195,6 +2195,13 @@ __host__ __device__ constexpr uint64_t StagedTileBytes(uint64_t elems, int align
 // into a slot of its own, a tile of one row in 128-byte multiples, as one-row tiles are copied: a
 // windowed reread row rewrites the slots around its window (whole_window), which a contiguous
 // tile of several rows would share with the neighbours.
+// Whether a staged kernel's stage holds its tile's rows in slots of their own (kRowSlots: reread
+// rows of one warp each, several per CTA), and how many rows each of its copies takes (one per
+// slot, else the whole tile): the launcher sizes the stage by these, the kernel fills it by them.
+template <bool kReread, int kRowsPerBlock>
+constexpr bool kRereadRowSlots = kReread && kRowsPerBlock > 1;
+template <bool kReread, int kRowsPerBlock>
+constexpr int kStagedCopyRows = kRereadRowSlots<kReread, kRowsPerBlock> ? 1 : kRowsPerBlock;
 template <typename T, int kVec, Access kAccess>
 __host__ __device__ constexpr uint64_t RereadSlotBytes(uint64_t cols, int align_bytes) {
   return (StagedTileBytes<T, kVec, kAccess>(cols, align_bytes) + 127) / 128 * 128;
@@ -2323,7 +2330,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
                 "reread rows: 16-bit or float32 plain or windowed rows, one per CTA or warp");
   // Reread rows of one warp each, kRowsPerBlock per CTA (since session 58): each in a stage slot
   // of its own (RereadSlotBytes), so that the CTA is not one warp (the SM holds at most 32 CTAs).
-  constexpr bool kRowSlots = kReread && kRowsPerBlock > 1;
+  constexpr bool kRowSlots = kRereadRowSlots<kReread, kRowsPerBlock>;
 
   extern __shared__ __align__(128) unsigned char staged_smem[];
   __shared__ uint64_t full[kMaxStages];
@@ -2341,8 +2348,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
   const int64_t num_ctas = kCluster > 1 ? grid.count : gridDim.x;
   const int64_t num_tiles = (p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   const int stages = tiles.stages;
-  const int copy_align =
-      kCopyAligned<kAccess, kCluster, kRowSlots ? 1 : kRowsPerBlock> ? tiles.copy_align : 0;
+  constexpr int kCopyRows = kStagedCopyRows<kReread, kRowsPerBlock>;
+  const int copy_align = kCopyAligned<kAccess, kCluster, kCopyRows> ? tiles.copy_align : 0;
   // kRowSlots: a row's slot, in elements (the stage holds kRowsPerBlock of them).
   const int64_t slot_elems = int64_t(tiles.stage_bytes / kRowsPerBlock) / int64_t(sizeof(T));
 

@@ -1289,8 +1289,8 @@ Launched LaunchStagedRows(const LaunchCtx& c, int min_ctas_per_sm = 1,
   using Tier = RowTier<kGroup, kElems, kVec, kRows>;
   constexpr int kRowsPerBlock = Tier::kRowsPerBlock;
   // Reread tiles of several one-warp rows copy each row as a one-row tile (RereadSlotBytes).
-  constexpr bool kRowSlots = kReread && kRowsPerBlock > 1;
-  constexpr int kCopyRows = kRowSlots ? 1 : kRowsPerBlock;
+  constexpr bool kRowSlots = kRereadRowSlots<kReread, kRowsPerBlock>;
+  constexpr int kCopyRows = kStagedCopyRows<kReread, kRowsPerBlock>;
   const int block_copy_align = kReread ? 2 : BlockCopyAlign();
   const bool copy_aligned = block_copy_align >= 1;
   if constexpr (sizeof(T) == 2 && kAccess == Access::kPlain &&
