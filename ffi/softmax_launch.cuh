@@ -17,12 +17,16 @@
 //                           ShortRegisterRows)
 //   cols <= 32 * E          one warp per row, E' <= E elements per lane (E' the smallest power
 //                           of two that fits); on the H200 float32 windowed forward rows of
-//                           W = 257-452 take half a warp of 8 vectors (FloatHalfWarpRows)
+//                           W = 129-228 take 8 lanes of 8 vectors, W = 229-256 16 lanes of 4
+//                           (FloatShortRowLanes), W = 257-452 half a warp of 8 vectors
+//                           (FloatHalfWarpRows)
 //   cols <= 512 * E         one block of G = 64..512 threads per row, E elements per thread,
 //                           launched with only the warps the row needs (RowThreads): a row just
 //                           past a power of two no longer leaves half of them empty (16-bit
 //                           forward rows on these tiers: only where they fill at most 5/8 of
-//                           the tier, RowThreads)
+//                           the tier, RowThreads; counts below 8 warps round up to even ones,
+//                           but on the H200 float32 windowed forward rows of W = 2049-2560 take
+//                           three warps, FloatThreeWarpRows)
 //   cols <= 512 * E * C     sm_90+: a cluster of C = 2, 4, 8, 16 blocks of 512 threads per row
 //                           (then 16 x 1024 threads), reduced through distributed shared
 //                           memory: still one read of x; rows without a mask, bias or causal
@@ -909,8 +913,12 @@ inline long RawWideKnob() {
 // Measured (H200, session 59, us per call at 256 MiB, two rounds each, one warp / half warps):
 // 319 (W = 320) 147 / 133 (85% -> 94% of the copy; Triton 94%), 321 (W = 324) 148 / 132, 383 139
 // / 132, 449 (W = 452) 137 / 133; but 463 (W = 464) 135 / 144, 479 134 / 146, 495 133 / 144,
-// 505 134 / 143, 511 132 / 143. So W up to 452 (456 and 460 not measured; the rows of 257-319
-// neither: W = 320 gained most). Two rows per warp of 4 vectors per lane instead (the register
+// 505 134 / 143, 511 132 / 143. So W up to 452 (the rows of 257-319 not measured: W = 320 gained
+// most). Session 60 (H200, one warp / half warps): 445 132 / 132, 453 (W = 456) 136 / 137, but
+// 455 (W = 456) 134 / 144, 459 134 / 140: past W = 452 the rows of cols % 4 == 3 lose, those of
+// cols % 4 == 1 hold (why was not found: ncu of 449 and 463 on half warps, 128 MiB, read DRAM at
+// 3.64 and 3.43 TB/s, the same 64 registers and 8 CTAs per SM, L1 hit rates of 17% and 31%, L2
+// 55% and 59%). Two rows per warp of 4 vectors per lane instead (the register
 // tiers' kRowsTwoVec shape, 64 registers) gained 1-2 us at 319-383 and lost 4 at 511. The H100
 // has not run these rows (AmpleDramPerSm: the H200's rule).
 // JAX_SOFTMAX_FLOAT_HALF_WARPS (read once; A/B runs): 0 keeps the one-warp rows, 2 takes half
@@ -920,6 +928,47 @@ inline bool FloatHalfWarpRows(const DeviceInfo& dev, int64_t width) {
   if (knob == 0) return false;
   if (knob == 2) return true;
   return AmpleDramPerSm(dev) && width <= 452;
+}
+
+// Float32 windowed forward rows of W = 129-256 (a warp of two rows, 2 vectors per lane, below):
+// 8 lanes per row of 8 vectors (four rows per warp) up to W = 228, 16 lanes of 4 vectors above,
+// for the reason FloatHalfWarpRows gives (fewer shuffle rounds per row: three or four instead of
+// five, and a chain serves four or two rows). 64 and 50 registers (ptxas sm_90a, no spills).
+// Measured (H200, session 60, us per call at 256 MiB, two rounds each, two rows per warp / 16
+// lanes / 8 lanes): 131 (W = 132) 181 / 159 / 145, 139 171 / 154 / 143, 161 155 / 149 / 135, 193
+// 149 / 139 / 135, 209 151 / 145 / 135, 215 149 / 146 / 135, 219 149 / 147 / 136, 223 148 / 147
+// / 135, 225 148 / 146 / 135, 227 (W = 228) 147 / 141 / 136; then 229 (W = 232) 148 / 140 / 151,
+// 231 146 / 140 / 184, 235 146 / 139 / 161, 241 145 / 138 / 166, 253 141 / 136 / 164, 255 140 /
+// 135 / 165. (8 lanes fall off a cliff past W = 228, 89% of their 256 columns, as the half warps
+// of 8 vectors did past W = 452, 88% of 512, for rows of cols % 4 == 3: why was not measured.)
+// The H100 has not run these rows (AmpleDramPerSm: the H200's rule).
+// JAX_SOFTMAX_FLOAT_SHORT_WARPS (read once; A/B runs): 0 keeps the warp of two rows, 1 takes 16
+// lanes and 2 takes 8 lanes for all of W = 129-256 on every GPU; unset (or any other value), the
+// rule above. Returns the lanes per row: 8, 16, or 32 (the warp of two rows).
+inline int FloatShortRowLanes(const DeviceInfo& dev, int64_t width) {
+  static const long knob = EnvKnob("JAX_SOFTMAX_FLOAT_SHORT_WARPS", -1);
+  if (knob == 0) return 32;
+  if (knob == 1) return 16;
+  if (knob == 2) return 8;
+  if (!AmpleDramPerSm(dev)) return 32;
+  return width <= 228 ? 8 : 16;
+}
+
+// Float32 windowed forward rows of W = 2049-2560 on the register block of 128 threads (32 values
+// each): three warps, as the row needs, rather than RowThreads' even count of four (a quarter of
+// the threads idle, and fewer CTAs per SM). Measured (H200, session 60, us per call at 256 MiB,
+// two rounds each, four warps / three): 2049 (W = 2052) 141 / 131 (89% -> 96% of the copy), 2113
+// 149 / 136, 2177 140 / 131, 2299 148 / 134, 2305 137 / 132, 2401 143 / 133, 2497 139 / 132; but
+// 2561 (W = 2564) 132 / 132 and 3071 133 / 134, so W up to 2560. Five warps rather than six
+// (W = 4097-5120) lost: 5001 132 / 134; seven rather than eight: 6401 133 / 133, 6999 133-134 /
+// 135. The float32 backward rows of 2049 held (185 / 186). The H100 has not run these rows.
+// JAX_SOFTMAX_FLOAT_THREE_WARPS (read once; A/B runs): 0 keeps four warps, 2 takes three for all
+// of W = 2049-3072 on every GPU; unset (or any other value), the rule above.
+inline bool FloatThreeWarpRows(const DeviceInfo& dev, int64_t width) {
+  static const long knob = EnvKnob("JAX_SOFTMAX_FLOAT_THREE_WARPS", -1);
+  if (knob == 0) return false;
+  if (knob == 2) return true;
+  return AmpleDramPerSm(dev) && width <= 2560;
 }
 
 // JAX_SOFTMAX_BWD_BLOCKS (read once; A/B runs): 0 leaves the plain 16-bit backward rows of
@@ -1167,8 +1216,16 @@ template <typename T, int kGroup, int kElems, int kVec, bool kBwd, Access kAcces
 ffi::Error LaunchRows(const LaunchCtx& c) {
   using Tier = RowTier<kGroup, kElems, kVec, kRows>;
   constexpr int kRowsPerBlock = Tier::kRowsPerBlock;
-  const int block =
+  int block =
       TierThreads<RowLoader<T, kVec, kBwd, kAccess>, kGroup, kElems, kAccess, true>(c.p.cols);
+  // Float32 windowed forward rows that three warps of the 128-thread block hold: three, not
+  // four, where FloatThreeWarpRows says so.
+  if constexpr (std::is_same_v<T, float> && !kBwd && kAccess == Access::kWindowed &&
+                kGroup == 128) {
+    const int64_t width = WindowWidth<kVec, kAccess>(c.p.cols);
+    if (block == 128 && width <= int64_t{96} * kElems && FloatThreeWarpRows(c.dev, width))
+      block = 96;
+  }
   const int64_t needed = (c.p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   constexpr auto kernel = softmax_rows_kernel<T, kGroup, kElems, kVec, 1, kBwd, kAccess, kRows>;
   auto per_sm = BlocksPerSm<kernel, Tier::kBlock>(c.device, block);
@@ -1791,6 +1848,14 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // One warp per row (two rows per iteration while a lane holds two vectors and the two rows'
   // values fit 32 registers; 16-bit backward rows hold twice that and spilled at 64).
   constexpr int kRowsTwoVec = 2 * (2 * kVec) * (kBwd ? 2 : 1) <= 32 ? 2 : 1;
+  // Float32 windowed forward rows of W = 129-256: 8 or 16 lanes per row (FloatShortRowLanes).
+  if constexpr (std::is_same_v<T, float> && !kBwd && kAccess == Access::kWindowed) {
+    if (n > 32 * kVec && n <= 32 * 2 * kVec) {
+      const int lanes = FloatShortRowLanes(c.dev, n);
+      if (lanes == 8) JS_ROWS(8, 8 * kVec, 1);
+      if (lanes == 16) JS_ROWS(16, 4 * kVec, 1);
+    }
+  }
   if constexpr (2 * kVec <= kEB) if (n <= 32 * 2 * kVec) JS_ROWS(32, 2 * kVec, kRowsTwoVec);
   // Float32 windowed forward rows of W = 257-452: half-warp rows (FloatHalfWarpRows).
   if constexpr (std::is_same_v<T, float> && !kBwd && kAccess == Access::kWindowed)

@@ -261,8 +261,15 @@ if want test; then
     -- -k "$(with_test_k "gpu and test_kernel_tiers and reread_block_rows")"
   # The float32 odd rows' half-warp rows (the H200's rule for W = 257-452) on all of W = 257-512
   # and on every GPU (JAX_SOFTMAX_FLOAT_HALF_WARPS=2).
-  test_job float_half_warps JAX_SOFTMAX_FLOAT_HALF_WARPS=2 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and float_half_warp_rows")"
+  # With them the float32 odd rows of W = 129-256 on 16 lanes (the H200's rule: W = 229-256) and of
+  # W = 2049-3072 on three warps (the H200's rule: W = 2049-2560), every GPU
+  # (JAX_SOFTMAX_FLOAT_SHORT_WARPS=1, JAX_SOFTMAX_FLOAT_THREE_WARPS=2), and those of W = 129-256
+  # on 8 lanes (the H200's rule: W = 129-228; JAX_SOFTMAX_FLOAT_SHORT_WARPS=2).
+  test_job float_half_warps JAX_SOFTMAX_FLOAT_HALF_WARPS=2 JAX_SOFTMAX_FLOAT_SHORT_WARPS=1 \
+    JAX_SOFTMAX_FLOAT_THREE_WARPS=2 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and (float_half_warp_rows or float_short_row_lanes or float_three_warp_rows)")"
+  test_job float_quarter_warps JAX_SOFTMAX_FLOAT_SHORT_WARPS=2 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and float_short_row_lanes")"
   wait_tests
   test_job tiers_big XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 -- -k "$(with_test_k "test_kernel_tiers and ($big)")"
   wait_tests

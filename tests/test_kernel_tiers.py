@@ -327,6 +327,34 @@ def test_float_half_warp_rows(backend, device, rng):
 
 
 @pytest.mark.gpu
+def test_float_short_row_lanes(backend, device, rng):
+    # Float32 odd rows of W = 129-256 window columns on 8 lanes of 8 vectors (to W = 228) and 16
+    # lanes of 4 vectors (from W = 232) per row (FloatShortRowLanes in ffi/softmax_launch.cuh: the
+    # H200's rule since session 60; gpu_check.sh runs it again under
+    # JAX_SOFTMAX_FLOAT_SHORT_WARPS=1 and =2, 16 and 8 lanes for all of W = 129-256 on every GPU):
+    # the lane groups below (127, W = 128) and the first row past them (129, W = 132), the middle
+    # (131, 161, 193), the last rows of 8 lanes (225, 227, W = 228), the first of 16 (229, 231,
+    # W = 232), the top (253, 255, W = 256) and the half warps past it (257), in an odd number of
+    # rows (rows_past_one_wave), so that the last CTA's rows are partial and the row starts take
+    # every alignment.
+    sizes = [127, 129, 131, 161, 193, 225, 227, 229, 231, 253, 255, 257]
+    check_sizes(device, rng, jnp.float32, sizes, rows_past_one_wave)
+
+
+@pytest.mark.gpu
+def test_float_three_warp_rows(backend, device, rng):
+    # Float32 odd rows of W = 2049-2560 on three warps of the 128-thread register block instead of
+    # four (FloatThreeWarpRows in ffi/softmax_launch.cuh: the H200's rule since session 60;
+    # gpu_check.sh runs it again under JAX_SOFTMAX_FLOAT_THREE_WARPS=2, three warps for all of
+    # W = 2049-3072 on every GPU): two warps below (2047, W = 2048), the first rows past them
+    # (2049, 2051), the middle (2113, 2305), the rule's last rows (2557, 2559, W = 2560), the
+    # first past it (2561, W = 2564), the top of three warps (3071) and four past it (3073), in
+    # an odd number of rows (rows_past_one_wave).
+    sizes = [2047, 2049, 2051, 2113, 2305, 2557, 2559, 2561, 3071, 3073]
+    check_sizes(device, rng, jnp.float32, sizes, rows_past_one_wave)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_thin_reread_rows(backend, device, rng, dtype):
     # 16-bit odd rows that the reread blocks take from the staged row tiers on the H200
