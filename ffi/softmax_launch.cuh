@@ -939,8 +939,9 @@ inline bool FloatHalfWarpRows(const DeviceInfo& dev, int64_t width) {
 // 149 / 139 / 135, 209 151 / 145 / 135, 215 149 / 146 / 135, 219 149 / 147 / 136, 223 148 / 147
 // / 135, 225 148 / 146 / 135, 227 (W = 228) 147 / 141 / 136; then 229 (W = 232) 148 / 140 / 151,
 // 231 146 / 140 / 184, 235 146 / 139 / 161, 241 145 / 138 / 166, 253 141 / 136 / 164, 255 140 /
-// 135 / 165. (8 lanes fall off a cliff past W = 228, 89% of their 256 columns, as the half warps
-// of 8 vectors did past W = 452, 88% of 512, for rows of cols % 4 == 3: why was not measured.)
+// 135 / 165. (8 lanes fall off a cliff past W = 228, 89% of their 256 columns, rows of either
+// parity; the half warps of 8 vectors past W = 452, 88% of 512, for rows of cols % 4 == 3 only:
+// why was not found, see FloatHalfWarpRows.)
 // The H100 has not run these rows (AmpleDramPerSm: the H200's rule).
 // JAX_SOFTMAX_FLOAT_SHORT_WARPS (read once; A/B runs): 0 keeps the warp of two rows, 1 takes 16
 // lanes and 2 takes 8 lanes for all of W = 129-256 on every GPU; unset (or any other value), the
