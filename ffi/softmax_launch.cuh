@@ -1191,15 +1191,17 @@ inline int RowThreads(int64_t width, int group, int elems, bool keep_filled,
 }
 
 // Threads of a CTA of a row tier (kRuntimeWarps: as many warps as the row needs, RowThreads).
-// kRegisterTier: the register kernel (softmax_rows_kernel), not the staged one.
+// kRegisterTier: the register kernel (softmax_rows_kernel), not the staged one. even_warps =
+// false: the caller's rule takes an odd count of warps where the row needs one
+// (FloatThreeWarpRows).
 template <typename Loader, int kGroup, int kElems, Access kAccess, bool kRegisterTier>
-int TierThreads(int64_t cols) {
+int TierThreads(int64_t cols, bool even_warps = true) {
   if constexpr (kRuntimeWarps<Loader, kGroup, kElems, 1>) {
     constexpr bool kKeepFilled =
         kRegisterTier && !Loader::kBackward && sizeof(typename Loader::Elem) == 2;
     constexpr bool kEvenWarps = kRegisterTier || !kOdd16Rows<typename Loader::Elem, kAccess>;
     return RowThreads(WindowWidth<Loader::kVecWidth, kAccess>(cols), kGroup, kElems, kKeepFilled,
-                      kEvenWarps);
+                      kEvenWarps && even_warps);
   } else {
     return BlockThreads(kGroup);
   }
@@ -1217,16 +1219,17 @@ template <typename T, int kGroup, int kElems, int kVec, bool kBwd, Access kAcces
 ffi::Error LaunchRows(const LaunchCtx& c) {
   using Tier = RowTier<kGroup, kElems, kVec, kRows>;
   constexpr int kRowsPerBlock = Tier::kRowsPerBlock;
-  int block =
-      TierThreads<RowLoader<T, kVec, kBwd, kAccess>, kGroup, kElems, kAccess, true>(c.p.cols);
-  // Float32 windowed forward rows that three warps of the 128-thread block hold: three, not
-  // four, where FloatThreeWarpRows says so.
+  // Float32 windowed forward rows that need three warps of the 128-thread block: three, not
+  // RowThreads' even four, where FloatThreeWarpRows says so.
+  bool even_warps = true;
   if constexpr (std::is_same_v<T, float> && !kBwd && kAccess == Access::kWindowed &&
                 kGroup == 128) {
     const int64_t width = WindowWidth<kVec, kAccess>(c.p.cols);
-    if (block == 128 && width <= int64_t{96} * kElems && FloatThreeWarpRows(c.dev, width))
-      block = 96;
+    even_warps = !(width > int64_t{64} * kElems && width <= int64_t{96} * kElems &&
+                   FloatThreeWarpRows(c.dev, width));
   }
+  const int block = TierThreads<RowLoader<T, kVec, kBwd, kAccess>, kGroup, kElems, kAccess, true>(
+      c.p.cols, even_warps);
   const int64_t needed = (c.p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   constexpr auto kernel = softmax_rows_kernel<T, kGroup, kElems, kVec, 1, kBwd, kAccess, kRows>;
   auto per_sm = BlocksPerSm<kernel, Tier::kBlock>(c.device, block);
@@ -1849,19 +1852,18 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // One warp per row (two rows per iteration while a lane holds two vectors and the two rows'
   // values fit 32 registers; 16-bit backward rows hold twice that and spilled at 64).
   constexpr int kRowsTwoVec = 2 * (2 * kVec) * (kBwd ? 2 : 1) <= 32 ? 2 : 1;
-  // Float32 windowed forward rows of W = 129-256: 8 or 16 lanes per row (FloatShortRowLanes).
+  // Float32 windowed forward rows of W = 129-256 on 8 or 16 lanes per row (FloatShortRowLanes)
+  // and of W = 257-452 on half warps (FloatHalfWarpRows), rather than the warps below.
   if constexpr (std::is_same_v<T, float> && !kBwd && kAccess == Access::kWindowed) {
-    if (n > 32 * kVec && n <= 32 * 2 * kVec) {
+    if (n <= 32 * 2 * kVec) {
       const int lanes = FloatShortRowLanes(c.dev, n);
       if (lanes == 8) JS_ROWS(8, 8 * kVec, 1);
       if (lanes == 16) JS_ROWS(16, 4 * kVec, 1);
+    } else if (n <= 32 * 4 * kVec && FloatHalfWarpRows(c.dev, n)) {
+      JS_ROWS(16, 8 * kVec, 1);
     }
   }
   if constexpr (2 * kVec <= kEB) if (n <= 32 * 2 * kVec) JS_ROWS(32, 2 * kVec, kRowsTwoVec);
-  // Float32 windowed forward rows of W = 257-452: half-warp rows (FloatHalfWarpRows).
-  if constexpr (std::is_same_v<T, float> && !kBwd && kAccess == Access::kWindowed)
-    if (n > 32 * 2 * kVec && n <= 32 * 4 * kVec && FloatHalfWarpRows(c.dev, n))
-      JS_ROWS(16, 8 * kVec, 1);
   if constexpr (4 * kVec <= kEB) if (n <= 32 * 4 * kVec) JS_ROWS(32, 4 * kVec, 1);
   if constexpr (8 * kVec <= kEB) if (n <= 32 * 8 * kVec) JS_ROWS(32, 8 * kVec, 1);
   if constexpr (16 * kVec <= kEB) if (n <= 32 * 16 * kVec) JS_ROWS(32, 16 * kVec, 1);
