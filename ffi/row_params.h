@@ -163,6 +163,9 @@ struct RowParams {
   // CUDA, the same rows: the first read also leaves y (1) or y and dy (2) in shared memory
   // (dynamic, sized by the launcher), where the second read takes them instead of from L2.
   uint8_t reread_smem = 0;
+  // CUDA, float32 plain and windowed forward rows: a warp's threads take one path for a batch's
+  // loads and stores (kWarpUniformEnds in softmax_kernels.cuh).
+  bool warp_uniform_ends = false;
   RowOrder order;         // CUDA: which rows each CTA takes (the launcher sets it)
   BroadcastView bias;     // forward only; element type = the input's
   BroadcastView mask;     // bool (one byte per element)

@@ -17,9 +17,9 @@
 //                           ShortRegisterRows)
 //   cols <= 32 * E          one warp per row, E' <= E elements per lane (E' the smallest power
 //                           of two that fits); on the H200 float32 windowed forward rows of
-//                           W = 129-228 take 8 lanes of 8 vectors, W = 229-256 16 lanes of 4
-//                           (FloatShortRowLanes), W = 257-452 half a warp of 8 vectors
-//                           (FloatHalfWarpRows)
+//                           W = 129-160 take 8 lanes of 5 vectors, W = 161-228 8 lanes of 8,
+//                           W = 229-256 16 lanes of 4 (FloatShortRowShape), W = 257-452 half a
+//                           warp of 8 vectors (FloatHalfWarpRows)
 //   cols <= 512 * E         one block of G = 64..512 threads per row, E elements per thread,
 //                           launched with only the warps the row needs (RowThreads): a row just
 //                           past a power of two no longer leaves half of them empty (16-bit
@@ -916,11 +916,14 @@ inline long RawWideKnob() {
 // 505 134 / 143, 511 132 / 143. So W up to 452 (the rows of 257-319 not measured: W = 320 gained
 // most). Session 60 (H200, one warp / half warps): 445 132 / 132, 453 (W = 456) 136 / 137, but
 // 455 (W = 456) 134 / 144, 459 134 / 140: past W = 452 the rows of cols % 4 == 3 lose, those of
-// cols % 4 == 1 hold (why was not found: ncu of 449 and 463 on half warps, 128 MiB, read DRAM at
-// 3.64 and 3.43 TB/s, the same 64 registers and 8 CTAs per SM, L1 hit rates of 17% and 31%, L2
-// 55% and 59%). Two rows per warp of 4 vectors per lane instead (the register
-// tiers' kRowsTwoVec shape, 64 registers) gained 1-2 us at 319-383 and lost 4 at 511. The H100
-// has not run these rows (AmpleDramPerSm: the H200's rule).
+// cols % 4 == 1 hold (ncu of 449 and 463 on half warps, 128 MiB, read DRAM at 3.64 and 3.43 TB/s,
+// the same 64 registers and 8 CTAs per SM, L1 hit rates of 17% and 31%, L2 55% and 59%: most
+// likely FloatShortRowShape's cliff, warps running both load paths). With one path per warp (session
+// 61, kWarpUniformEnds in softmax_kernels.cuh; H200, one warp / half warps): 455 133 / 133, 463
+// 132 / 133 (449 on half warps 133 with and without), so the rule stays at W <= 452. Two rows
+// per warp of 4 vectors per lane instead (the register tiers' kRowsTwoVec shape, 64 registers)
+// gained 1-2 us at 319-383 and lost 4 at 511. The H100 has not run these rows (AmpleDramPerSm:
+// the H200's rule).
 // JAX_SOFTMAX_FLOAT_HALF_WARPS (read once; A/B runs): 0 keeps the one-warp rows, 2 takes half
 // warps for all of W = 257-512 on every GPU; unset (or any other value), the rule above.
 inline bool FloatHalfWarpRows(const DeviceInfo& dev, int64_t width) {
@@ -930,29 +933,47 @@ inline bool FloatHalfWarpRows(const DeviceInfo& dev, int64_t width) {
   return AmpleDramPerSm(dev) && width <= 452;
 }
 
+// JAX_SOFTMAX_WARP_UNIFORM_ENDS (read once; A/B runs): 0 lets a warp's threads take the
+// whole-vector and per-vector paths of float32 plain and windowed forward rows apart, as before
+// session 61 (kWarpUniformEnds in softmax_kernels.cuh).
+inline bool WarpUniformEnds() {
+  static const bool on = EnvKnob("JAX_SOFTMAX_WARP_UNIFORM_ENDS", 1) != 0;
+  return on;
+}
+
 // Float32 windowed forward rows of W = 129-256 (a warp of two rows, 2 vectors per lane, below):
-// 8 lanes per row of 8 vectors (four rows per warp) up to W = 228, 16 lanes of 4 vectors above,
-// for the reason FloatHalfWarpRows gives (fewer shuffle rounds per row: three or four instead of
-// five, and a chain serves four or two rows). 64 and 50 registers (ptxas sm_90a, no spills).
+// 8 lanes per row (four rows per warp) of 5 vectors up to W = 160 and of 8 vectors up to
+// W = 228, 16 lanes of 4 vectors above, for the reason FloatHalfWarpRows gives (fewer shuffle
+// rounds per row: three or four instead of five, and a chain serves four or two rows). 58, 64
+// and 50 registers (ptxas sm_90a, no spills).
 // Measured (H200, session 60, us per call at 256 MiB, two rounds each, two rows per warp / 16
-// lanes / 8 lanes): 131 (W = 132) 181 / 159 / 145, 139 171 / 154 / 143, 161 155 / 149 / 135, 193
-// 149 / 139 / 135, 209 151 / 145 / 135, 215 149 / 146 / 135, 219 149 / 147 / 136, 223 148 / 147
-// / 135, 225 148 / 146 / 135, 227 (W = 228) 147 / 141 / 136; then 229 (W = 232) 148 / 140 / 151,
-// 231 146 / 140 / 184, 235 146 / 139 / 161, 241 145 / 138 / 166, 253 141 / 136 / 164, 255 140 /
-// 135 / 165. (8 lanes fall off a cliff past W = 228, 89% of their 256 columns, rows of either
-// parity; the half warps of 8 vectors past W = 452, 88% of 512, for rows of cols % 4 == 3 only:
-// why was not found, see FloatHalfWarpRows.)
+// lanes / 8 lanes of 8): 131 (W = 132) 181 / 159 / 145, 139 171 / 154 / 143, 161 155 / 149 /
+// 135, 193 149 / 139 / 135, 209 151 / 145 / 135, 215 149 / 146 / 135, 219 149 / 147 / 136, 223
+// 148 / 147 / 135, 225 148 / 146 / 135, 227 (W = 228) 147 / 141 / 136; then 229 (W = 232) 148 /
+// 140 / 151, 231 146 / 140 / 184, 235 146 / 139 / 161, 241 145 / 138 / 166, 253 141 / 136 /
+// 164, 255 140 / 135 / 165. 8 lanes fell off a cliff past W = 228, where some threads of each
+// row hold all their vectors inside it and the warp ran both load paths; since session 61 a
+// warp takes one (kWarpUniformEnds in softmax_kernels.cuh), and 8 lanes of 8 vectors run 233-255
+// at 136 us, 16 lanes at 133-136 (H200): the 16 lanes stay. The 8 lanes of 5 vectors (session
+// 61, H200, with one path per warp, 8 lanes of 8 / of 5): 131 148 / 142, 137 (W = 140) 144 /
+// 139, 149 139 / 136, 157 (W = 160) 137 / 135; without one path per warp they lost from W = 140
+// (137: 142 / 157).
 // The H100 has not run these rows (AmpleDramPerSm: the H200's rule).
 // JAX_SOFTMAX_FLOAT_SHORT_WARPS (read once; A/B runs): 0 keeps the warp of two rows, 1 takes 16
-// lanes and 2 takes 8 lanes for all of W = 129-256 on every GPU; unset (or any other value), the
-// rule above. Returns the lanes per row: 8, 16, or 32 (the warp of two rows).
-inline int FloatShortRowLanes(const DeviceInfo& dev, int64_t width) {
+// lanes of 4 and 2 takes 8 lanes of 8 for all of W = 129-256 on every GPU, 3 the H200's rule of
+// session 60 (8 lanes of 8 up to W = 228); unset (or any other value), the rule above.
+struct FloatShortShape {
+  int lanes;    // per row: 8, 16, or 32 (the warp of two rows)
+  int vectors;  // per lane
+};
+inline FloatShortShape FloatShortRowShape(const DeviceInfo& dev, int64_t width) {
   static const long knob = EnvKnob("JAX_SOFTMAX_FLOAT_SHORT_WARPS", -1);
-  if (knob == 0) return 32;
-  if (knob == 1) return 16;
-  if (knob == 2) return 8;
-  if (!AmpleDramPerSm(dev)) return 32;
-  return width <= 228 ? 8 : 16;
+  if (knob == 0) return {32, 2};
+  if (knob == 1) return {16, 4};
+  if (knob == 2) return {8, 8};
+  if (!AmpleDramPerSm(dev)) return {32, 2};
+  if (width <= 160 && knob != 3) return {8, 5};
+  return width <= 228 ? FloatShortShape{8, 8} : FloatShortShape{16, 4};
 }
 
 // Float32 windowed forward rows of W = 2049-2560 on the register block of 128 threads (32 values
@@ -1852,13 +1873,14 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // One warp per row (two rows per iteration while a lane holds two vectors and the two rows'
   // values fit 32 registers; 16-bit backward rows hold twice that and spilled at 64).
   constexpr int kRowsTwoVec = 2 * (2 * kVec) * (kBwd ? 2 : 1) <= 32 ? 2 : 1;
-  // Float32 windowed forward rows of W = 129-256 on 8 or 16 lanes per row (FloatShortRowLanes)
+  // Float32 windowed forward rows of W = 129-256 on 8 or 16 lanes per row (FloatShortRowShape)
   // and of W = 257-452 on half warps (FloatHalfWarpRows), rather than the warps below.
   if constexpr (std::is_same_v<T, float> && !kBwd && kAccess == Access::kWindowed) {
     if (n <= 32 * 2 * kVec) {
-      const int lanes = FloatShortRowLanes(c.dev, n);
-      if (lanes == 8) JS_ROWS(8, 8 * kVec, 1);
-      if (lanes == 16) JS_ROWS(16, 4 * kVec, 1);
+      const FloatShortShape shape = FloatShortRowShape(c.dev, n);
+      if (shape.lanes == 8 && shape.vectors == 5) JS_ROWS(8, 5 * kVec, 1);
+      if (shape.lanes == 8) JS_ROWS(8, 8 * kVec, 1);
+      if (shape.lanes == 16) JS_ROWS(16, 4 * kVec, 1);
     } else if (n <= 32 * 4 * kVec && FloatHalfWarpRows(c.dev, n)) {
       JS_ROWS(16, 8 * kVec, 1);
     }
@@ -2021,6 +2043,7 @@ ffi::Error LaunchSoftmax(const RowParams& p, cudaStream_t stream) {
   params.prefetch = PrefetchEnabled(*dev);
   params.order = OperandReuseOrder(p, kBwd ? 3 : 2, sizeof(T), *dev);
   params.skip_masked = !kBwd && SkipMaskedX(p);
+  params.warp_uniform_ends = WarpUniformEnds();
   const LaunchCtx ctx{params, stream, device, *dev, dev->cc_major >= 9 && DependentLaunchEnabled()};
   // XLA aligns buffers; the check costs nothing and depends on addresses, never on data.
   const bool ptrs_aligned = Aligned16(p.in) && Aligned16(p.out) &&

@@ -264,9 +264,11 @@ if want test; then
   # With them the float32 odd rows of W = 129-256 on 16 lanes (the H200's rule: W = 229-256) and of
   # W = 2049-3072 on three warps (the H200's rule: W = 2049-2560), every GPU
   # (JAX_SOFTMAX_FLOAT_SHORT_WARPS=1, JAX_SOFTMAX_FLOAT_THREE_WARPS=2), and those of W = 129-256
-  # on 8 lanes (the H200's rule: W = 129-228; JAX_SOFTMAX_FLOAT_SHORT_WARPS=2).
+  # on 8 lanes of 8 vectors (the H200's rule: W = 161-228; JAX_SOFTMAX_FLOAT_SHORT_WARPS=2). The
+  # first job lets a warp's threads take the two load and store paths apart, as before session 61
+  # (JAX_SOFTMAX_WARP_UNIFORM_ENDS=0).
   test_job float_half_warps JAX_SOFTMAX_FLOAT_HALF_WARPS=2 JAX_SOFTMAX_FLOAT_SHORT_WARPS=1 \
-    JAX_SOFTMAX_FLOAT_THREE_WARPS=2 \
+    JAX_SOFTMAX_FLOAT_THREE_WARPS=2 JAX_SOFTMAX_WARP_UNIFORM_ENDS=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (float_half_warp_rows or float_short_row_lanes or float_three_warp_rows)")"
   test_job float_quarter_warps JAX_SOFTMAX_FLOAT_SHORT_WARPS=2 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and float_short_row_lanes")"

@@ -85,11 +85,13 @@ CASES = [  # (rows, cols, dtype)
     # session 59, FloatHalfWarpRows; every GPU under JAX_SOFTMAX_FLOAT_HALF_WARPS=2): 13 rows, so
     # that the last CTA's eight rows (two per warp) are partial
     (13, 319, jnp.float32),
-    # float32 odd rows of W = 129-228 on 8 lanes of 8 vectors (the H200's rule since session 60,
-    # FloatShortRowLanes; every GPU under JAX_SOFTMAX_FLOAT_SHORT_WARPS=2): 13 rows, so that the
-    # last CTA's sixteen rows (four per warp) are partial; and of W = 2049-2560 on three warps of
-    # the 128-thread block (FloatThreeWarpRows; JAX_SOFTMAX_FLOAT_THREE_WARPS=2), rows that wrap
+    # float32 odd rows of W = 161-228 on 8 lanes of 8 vectors and of W = 129-160 on 8 lanes of 5
+    # (the H200's rules since sessions 60 and 61, FloatShortRowShape; every GPU under
+    # JAX_SOFTMAX_FLOAT_SHORT_WARPS=2, 8 vectors): 13 rows, so that the last CTA's sixteen rows
+    # (four per warp) are partial; and of W = 2049-2560 on three warps of the 128-thread block
+    # (FloatThreeWarpRows; JAX_SOFTMAX_FLOAT_THREE_WARPS=2), rows that wrap
     (13, 227, jnp.float32),
+    (13, 157, jnp.float32),
     (7, 2051, jnp.float32),
     # Forward rows of 2^k - 1 wrap their last columns into their first vector: a staged block
     # (16383: 512 x 32) and a staged cluster of 16 x 512, whose first CTA stages them in a slot.

@@ -328,16 +328,18 @@ def test_float_half_warp_rows(backend, device, rng):
 
 @pytest.mark.gpu
 def test_float_short_row_lanes(backend, device, rng):
-    # Float32 odd rows of W = 129-256 window columns on 8 lanes of 8 vectors (to W = 228) and 16
-    # lanes of 4 vectors (from W = 232) per row (FloatShortRowLanes in ffi/softmax_launch.cuh: the
-    # H200's rule since session 60; gpu_check.sh runs it again under
-    # JAX_SOFTMAX_FLOAT_SHORT_WARPS=1 and =2, 16 and 8 lanes for all of W = 129-256 on every GPU):
+    # Float32 odd rows of W = 129-256 window columns on 8 lanes of 5 vectors (to W = 160), 8 lanes
+    # of 8 vectors (to W = 228) and 16 lanes of 4 vectors (from W = 232) per row
+    # (FloatShortRowShape in ffi/softmax_launch.cuh: the H200's rule since sessions 60 and 61;
+    # gpu_check.sh runs it again under JAX_SOFTMAX_FLOAT_SHORT_WARPS=1 and =2, 16 lanes of 4 and 8
+    # lanes of 8 for all of W = 129-256 on every GPU, and with JAX_SOFTMAX_WARP_UNIFORM_ENDS=0):
     # the lane groups below (127, W = 128) and the first row past them (129, W = 132), the middle
-    # (131, 161, 193), the last rows of 8 lanes (225, 227, W = 228), the first of 16 (229, 231,
-    # W = 232), the top (253, 255, W = 256) and the half warps past it (257), in an odd number of
-    # rows (rows_past_one_wave), so that the last CTA's rows are partial and the row starts take
-    # every alignment.
-    sizes = [127, 129, 131, 161, 193, 225, 227, 229, 231, 253, 255, 257]
+    # (131, 137, 149), the last rows of 5 vectors (157, 159, W = 160), the first of 8 (161, 163,
+    # W = 164), the middle (193), the last rows of 8 vectors (225, 227, W = 228), the first of 16
+    # lanes (229, 231, W = 232), the top (253, 255, W = 256) and the half warps past it (257), in
+    # an odd number of rows (rows_past_one_wave), so that the last CTA's rows are partial and the
+    # row starts take every alignment.
+    sizes = [127, 129, 131, 137, 149, 157, 159, 161, 163, 193, 225, 227, 229, 231, 253, 255, 257]
     check_sizes(device, rng, jnp.float32, sizes, rows_past_one_wave)
 
 
