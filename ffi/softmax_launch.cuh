@@ -918,12 +918,12 @@ inline long RawWideKnob() {
 // 455 (W = 456) 134 / 144, 459 134 / 140: past W = 452 the rows of cols % 4 == 3 lose, those of
 // cols % 4 == 1 hold (ncu of 449 and 463 on half warps, 128 MiB, read DRAM at 3.64 and 3.43 TB/s,
 // the same 64 registers and 8 CTAs per SM, L1 hit rates of 17% and 31%, L2 55% and 59%: most
-// likely FloatShortRowShape's cliff, warps running both load paths). With one path per warp (session
-// 61, kWarpUniformEnds in softmax_kernels.cuh; H200, one warp / half warps): 455 133 / 133, 463
-// 132 / 133 (449 on half warps 133 with and without), so the rule stays at W <= 452. Two rows
-// per warp of 4 vectors per lane instead (the register tiers' kRowsTwoVec shape, 64 registers)
-// gained 1-2 us at 319-383 and lost 4 at 511. The H100 has not run these rows (AmpleDramPerSm:
-// the H200's rule).
+// likely FloatShortRowShape's cliff, warps running both load paths). With one path per warp
+// (session 61, kWarpUniformEnds in softmax_kernels.cuh; H200, one warp / half warps): 455 133 /
+// 133, 463 132 / 133 (449 on half warps 133 with and without), so the rule stays at W <= 452.
+// Two rows per warp of 4 vectors per lane instead (the register tiers' kRowsTwoVec shape, 64
+// registers) gained 1-2 us at 319-383 and lost 4 at 511. The H100 has not run these rows
+// (AmpleDramPerSm: the H200's rule).
 // JAX_SOFTMAX_FLOAT_HALF_WARPS (read once; A/B runs): 0 keeps the one-warp rows, 2 takes half
 // warps for all of W = 257-512 on every GPU; unset (or any other value), the rule above.
 inline bool FloatHalfWarpRows(const DeviceInfo& dev, int64_t width) {
