@@ -877,34 +877,42 @@ __device__ __forceinline__ void fetch_batch_operands(const Loader (&loaders)[kRo
 }
 
 // Float32 plain and windowed forward rows: the threads of a warp take one path for a batch's loads
-// and stores, the whole-vector one only where every thread of the warp can (batch_inside,
-// store_row; RowParams::warp_uniform_ends, JAX_SOFTMAX_WARP_UNIFORM_ENDS=0 turns it off). A row's
-// end threads (its first vector partial, its last vector partial or past the row) take the
-// per-vector path; where a warp also held threads whose vectors all lay inside, it ran both
-// paths, one after the other. Rows of a few vectors per lane, several rows per warp, have end
-// threads in every warp: float32 odd rows on 8 lanes of 8 vectors ran at 135-136 us up to W = 228
-// (every thread at a row end or past it in the last vector) and 151-184 us from W = 232 (one or
-// two threads per row with all 8 vectors inside): ncu (H200, session 61, 128 MiB) counted 14
-// global load requests per warp at 225 and 22 at 233, L1 sectors 1.2x and 1.4x the rows' own,
-// for the same DRAM bytes. Measured with the vote (H200, session 61, us per call at 256 MiB,
-// without / with): 233 (16 lanes) 142 / 136, 241 140 / 135, 255 137 / 133, 455 (one warp) 136 /
-// 133, 463 136 / 132; 8 lanes of 8 vectors at 233 171 / 136; plain rows of 256 and 4096 and odd
-// rows of 1000-50257 unchanged. 16-bit rows and the backward are left as they were (not
-// measured). The H100 has not run it.
+// and stores, the whole-vector one only where every thread of the warp can (whole_vector_path,
+// in batch_inside and store_row; RowParams::warp_uniform_ends, JAX_SOFTMAX_WARP_UNIFORM_ENDS=0
+// turns it off). A row's end threads (its first vector partial, its last vector partial or past
+// the row) take the per-vector path; where a warp also held threads whose vectors all lay inside,
+// it ran both paths, one after the other. Rows of a few vectors per lane, several rows per warp,
+// have end threads in every warp: float32 odd rows on 8 lanes of 8 vectors ran at 135-136 us up
+// to W = 228 (every thread at a row end or past it in the last vector) and 151-184 us from
+// W = 232 (one or two threads per row with all 8 vectors inside): ncu (H200, session 61, 128 MiB)
+// counted 14 global load requests per warp at 225 and 22 at 233, L1 sectors 1.2x and 1.4x the
+// rows' own, for the same DRAM bytes. Measured with the vote (H200, session 61, us per call at
+// 256 MiB, without / with): 233 (16 lanes) 142 / 136, 241 140 / 135, 255 137 / 133, 455 (one
+// warp) 136 / 133, 463 136 / 132; 8 lanes of 8 vectors at 233 171 / 136; plain rows of 256 and
+// 4096 and odd rows of 1000-50257 unchanged. 16-bit rows and the backward are left as they were
+// (not measured). The H100 has not run it.
 template <typename Loader>
 constexpr bool kWarpUniformEnds =
     Loader::kPlain && !Loader::kBackward && std::is_same_v<typename Loader::Elem, float>;
+
+// Whether this thread takes the whole-vector path, given whether its own vectors allow it
+// (`inside`): where kWarpUniformEnds and `on` (RowParams::warp_uniform_ends), only if every active
+// thread of the warp may; the per-vector path is right for any vector.
+template <typename Loader>
+__device__ __forceinline__ bool whole_vector_path(bool inside, bool on) {
+  if constexpr (kWarpUniformEnds<Loader>) {
+    if (on) return __all_sync(__activemask(), inside);
+  }
+  return inside;
+}
 
 // Plain and windowed rows whose vectors all lie inside the row (RowLoader::holds, for every row of
 // the batch; all but the threads at a row's ends, a cluster's last CTA and rows past the end):
 // every load issued first, then the values, the scale tested once. The per-vector tests of
 // load_fwd (a -inf fill and two branches per vector) were a tenth of a bfloat16 cluster row's
 // instructions (ncu source counters, session 8). Float32 and float64 load straight into v.
-// warp_uniform (kWarpUniformEnds, RowParams::warp_uniform_ends): the warp takes the whole-vector
-// path only where all its threads can, one vote; otherwise every thread takes the per-vector path,
-// which is right for any vector. Without the vote a warp whose threads disagree runs both paths
-// one after the other (the whole-vector threads' loads, then the others', each path waiting for
-// its own loads).
+// warp_uniform: RowParams::warp_uniform_ends, for the float32 rows of kWarpUniformEnds
+// (whole_vector_path).
 template <int kPacks, typename Loader, int kRows>
 __device__ __forceinline__ bool batch_inside(const Loader (&loaders)[kRows], int first, int stride,
                                              bool warp_uniform = false) {
@@ -912,8 +920,7 @@ __device__ __forceinline__ bool batch_inside(const Loader (&loaders)[kRows], int
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
     inside = inside && loaders[r].holds(first, first + (kPacks - 1) * stride);
-  if (warp_uniform) inside = __all_sync(__activemask(), inside);
-  return inside;
+  return whole_vector_path<Loader>(inside, warp_uniform);
 }
 
 template <typename Loader, int kRows, int kPacks, int kVec, typename A>
@@ -1260,10 +1267,8 @@ __device__ __forceinline__ void store_row(const RowParams& p, const Loader& load
   // Several vectors per thread: one test for all of them (one vector: its own test is as cheap,
   // and the extra path cost the 16-bit backward lane groups 3-4 points, bench session 8).
   if constexpr (Loader::kPlain && kPacks > 1) {
-    bool inside = loader.holds(first_col, first_col + (kPacks - 1) * stride);
-    if constexpr (kWarpUniformEnds<Loader>)  // one path per warp, as batch_inside
-      if (p.warp_uniform_ends) inside = __all_sync(__activemask(), inside);
-    if (inside) {
+    if (whole_vector_path<Loader>(loader.holds(first_col, first_col + (kPacks - 1) * stride),
+                                  p.warp_uniform_ends)) {
 #pragma unroll
       for (int k = 0; k < kPacks; ++k)
         store_vec_acc<kVec, kAsmStore>(dst + first_col + k * stride, out[k]);
@@ -2126,7 +2131,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
         BatchOperands<Loader, kRows, kPacks, true> ops;
         fetch_batch_operands(loaders, first_col, stride, ops);
         load_batch_fwd<true, kRows == 1>(loaders, first_col, stride, ops, v, any, p.skip_masked,
-                                          kWarpUniformEnds<Loader> && p.warp_uniform_ends);
+                                          p.warp_uniform_ends);
       }
     } else {
       // Backward rows in float values, and the other float32/float64 general forward rows: each

@@ -944,7 +944,7 @@ inline bool WarpUniformEnds() {
 // Float32 windowed forward rows of W = 129-256 (a warp of two rows, 2 vectors per lane, below):
 // 8 lanes per row (four rows per warp) of 5 vectors up to W = 160 and of 8 vectors up to
 // W = 228, 16 lanes of 4 vectors above, for the reason FloatHalfWarpRows gives (fewer shuffle
-// rounds per row: three or four instead of five, and a chain serves four or two rows). 58, 64
+// rounds per row: three or four instead of five, and a chain serves four or two rows). 56, 64
 // and 50 registers (ptxas sm_90a, no spills).
 // Measured (H200, session 60, us per call at 256 MiB, two rounds each, two rows per warp / 16
 // lanes / 8 lanes of 8): 131 (W = 132) 181 / 159 / 145, 139 171 / 154 / 143, 161 155 / 149 /
@@ -1879,8 +1879,8 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
     if (n <= 32 * 2 * kVec) {
       const FloatShortShape shape = FloatShortRowShape(c.dev, n);
       if (shape.lanes == 8 && shape.vectors == 5) JS_ROWS(8, 5 * kVec, 1);
-      if (shape.lanes == 8) JS_ROWS(8, 8 * kVec, 1);
-      if (shape.lanes == 16) JS_ROWS(16, 4 * kVec, 1);
+      if (shape.lanes == 8 && shape.vectors == 8) JS_ROWS(8, 8 * kVec, 1);
+      if (shape.lanes == 16 && shape.vectors == 4) JS_ROWS(16, 4 * kVec, 1);
     } else if (n <= 32 * 4 * kVec && FloatHalfWarpRows(c.dev, n)) {
       JS_ROWS(16, 8 * kVec, 1);
     }
