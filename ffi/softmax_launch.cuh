@@ -1817,6 +1817,14 @@ inline bool ShortRegisterRows() {
   return enabled;
 }
 
+// EXPERIMENT (session 63): windowed forward rows of up to 32 vectors (16-bit odd rows of up to
+// 256 - 7 columns, float32 of up to 128 - 3) on sm_90+: 0 the staged tiers (as before), 1 the
+// lane groups of two rows, 2 the register tiers' lane groups of four rows.
+inline int ShortWindowedRows() {
+  static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_SHORT_ODD_ROWS", 0));
+  return mode;
+}
+
 // Picks the tier (see the table at the top) for one vector width and access mode.
 template <typename T, int kVec, bool kBwd, Access kAccess>
 ffi::Error LaunchTier(const LaunchCtx& c) {
@@ -1864,7 +1872,15 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
       if constexpr (kAccess == Access::kPlain)
         if (n <= 32 * kVec && ShortRegisterRows())
           return lane_groups(std::integral_constant<int, 2>{});
-      if (Launched launched = LaunchStagedTier<T, kVec, kAccess>(c)) return *launched;
+      bool staged = true;
+      if constexpr (kAccess == Access::kWindowed) {
+        if (n <= 32 * kVec) {
+          if (ShortWindowedRows() == 1) return lane_groups(std::integral_constant<int, 2>{});
+          staged = ShortWindowedRows() != 2;
+        }
+      }
+      if (staged)
+        if (Launched launched = LaunchStagedTier<T, kVec, kAccess>(c)) return *launched;
     }
   }
 #define JS_ROWS(G, E, R) return LaunchRows<T, G, E, kVec, kBwd, kAccess, R>(c)
