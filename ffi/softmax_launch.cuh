@@ -1819,7 +1819,8 @@ inline bool ShortRegisterRows() {
 
 // EXPERIMENT (session 63): windowed forward rows of up to 32 vectors (16-bit odd rows of up to
 // 256 - 7 columns, float32 of up to 128 - 3) on sm_90+: 0 the staged tiers (as before), 1 the
-// lane groups of two rows, 2 the register tiers' lane groups of four rows.
+// lane groups of two rows, 2 the register tiers' lane groups of four rows, 3 one row on 4-16
+// lanes of two vectors, 4 one row on 4-8 lanes of four vectors.
 inline int ShortWindowedRows() {
   static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_SHORT_ODD_ROWS", 0));
   return mode;
@@ -1876,6 +1877,15 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
       if constexpr (kAccess == Access::kWindowed) {
         if (n <= 32 * kVec) {
           if (ShortWindowedRows() == 1) return lane_groups(std::integral_constant<int, 2>{});
+          if (ShortWindowedRows() == 3) {
+            if (n <= 4 * 2 * kVec) return LaunchRows<T, 4, 2 * kVec, kVec, kBwd, kAccess, 1>(c);
+            if (n <= 8 * 2 * kVec) return LaunchRows<T, 8, 2 * kVec, kVec, kBwd, kAccess, 1>(c);
+            return LaunchRows<T, 16, 2 * kVec, kVec, kBwd, kAccess, 1>(c);
+          }
+          if (ShortWindowedRows() == 4) {
+            if (n <= 4 * 4 * kVec) return LaunchRows<T, 4, 4 * kVec, kVec, kBwd, kAccess, 1>(c);
+            return LaunchRows<T, 8, 4 * kVec, kVec, kBwd, kAccess, 1>(c);
+          }
           staged = ShortWindowedRows() != 2;
         }
       }
