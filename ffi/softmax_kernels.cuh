@@ -893,8 +893,7 @@ __device__ __forceinline__ void fetch_batch_operands(const Loader (&loaders)[kRo
 // (not measured). The H100 has not run it.
 template <typename Loader>
 constexpr bool kWarpUniformEnds =
-    Loader::kPlain && !Loader::kBackward &&
-    (std::is_same_v<typename Loader::Elem, float> || sizeof(typename Loader::Elem) == 2);
+    Loader::kPlain && !Loader::kBackward && std::is_same_v<typename Loader::Elem, float>;
 
 // Whether this thread takes the whole-vector path, given whether its own vectors allow it
 // (`inside`): where kWarpUniformEnds and `on` (RowParams::warp_uniform_ends), only if every active
@@ -1034,9 +1033,8 @@ __device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], i
 // per-vector tests where every vector lies inside its row.
 template <typename Loader, int kRows, int kPacks, int kVec>
 __device__ __forceinline__ void load_batch_raw(const Loader (&loaders)[kRows], int first, int stride,
-                                               Pairs<kVec> (&xs)[kRows][kPacks],
-                                               bool warp_uniform) {
-  if (batch_inside<kPacks>(loaders, first, stride, warp_uniform)) {
+                                               Pairs<kVec> (&xs)[kRows][kPacks]) {
+  if (batch_inside<kPacks>(loaders, first, stride)) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
 #pragma unroll
@@ -1423,9 +1421,7 @@ __device__ __forceinline__ void store_raw_fwd(const RowParams& p, const Loader& 
   T* dst = loader.out_row(p, row);
   // Several vectors per thread: one test for all of them (as store_row).
   bool inside = false;
-  if constexpr (kPacks > 1)
-    inside = whole_vector_path<Loader>(loader.holds(first_col, first_col + (kPacks - 1) * stride),
-                                       p.warp_uniform_ends);
+  if constexpr (kPacks > 1) inside = loader.holds(first_col, first_col + (kPacks - 1) * stride);
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
     const PairsOf<T, kVec> xs = pack(k);
@@ -2525,7 +2521,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
     if constexpr (kRaw || kReread) {
       prepare();
       // kReread: nothing loaded here; each pass of finish_batch_raw_fwd reads the stage.
-      if constexpr (kRaw) load_batch_raw(loaders, first_col, stride, xs, p.warp_uniform_ends);
+      if constexpr (kRaw) load_batch_raw(loaders, first_col, stride, xs);
       // Reread windowed rows: the stage's window made whole vectors that the passes read as
       // they are (RawPacksStaged), -inf around the row (whole_window).
       if constexpr (kReread && Loader::kWraps) {
