@@ -2859,4 +2859,74 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
   }
 }
 
+// --- short windowed rows through shared memory -------------------------------------------------
+// Forward rows of few columns whose length is not a multiple of the vector width (windowed
+// rows: no mask, bias or causal limit; ShortOddRowsMode in softmax_launch.cuh says which, and
+// why). A CTA's rows are consecutive, so its tile is one
+// contiguous span of x whatever the rows' alignment: the CTA copies it into shared memory with
+// 16-byte loads (the span's start aligned down to 16 bytes: that first vector's leading elements
+// belong to the rows before, inside x since x starts 16-byte aligned; the last partial vector
+// element by element, so that nothing past x's end is read), each row is reduced by kGroup lanes
+// from shared memory (column c on lane c % kGroup, kPer values each), its outputs written back in
+// place, and the CTA stores the span with 16-byte stores (its first partial vector and last one
+// element by element, so that no element of another CTA's rows is written).
+constexpr int kShortRowsBlock = 128;
+
+template <typename T, int kGroup, int kPer>
+__global__ void __launch_bounds__(kShortRowsBlock, 8) softmax_short_rows_kernel(const RowParams p) {
+  using A = acc_t<T>;
+  constexpr int kVec = 16 / int(sizeof(T));
+  constexpr int kRowsPerCta = kShortRowsBlock / kGroup;
+  constexpr int kTileElems = kRowsPerCta * kGroup * kPer;
+  __shared__ __align__(16) T tile[kTileElems + kVec];
+  wait_prior_grids_release_next();
+  const int cols = static_cast<int>(p.cols);  // at most kGroup * kPer (the launcher's rule)
+  const int64_t row0 = int64_t(blockIdx.x) * kRowsPerCta;
+  const int rows_here = static_cast<int>(min(int64_t{kRowsPerCta}, p.rows - row0));
+  const int64_t first = row0 * p.cols;
+  const int lead = static_cast<int>(first % kVec);
+  const int span = lead + rows_here * cols;  // tile elements from the aligned start
+  const int whole = span / kVec;             // whole vectors from the aligned start
+  const T* src = static_cast<const T*>(p.in) + (first - lead);
+  T* dst = static_cast<T*>(p.out) + (first - lead);
+  for (int i = threadIdx.x; i < whole; i += kShortRowsBlock)
+    reinterpret_cast<uint4*>(tile)[i] = __ldg(reinterpret_cast<const uint4*>(src) + i);
+  for (int i = whole * kVec + threadIdx.x; i < span; i += kShortRowsBlock) tile[i] = src[i];
+  __syncthreads();
+  const int r = threadIdx.x / kGroup, lane = threadIdx.x % kGroup;
+  const bool live = r < rows_here;
+  T* row = tile + lead + r * cols;
+  const A scale = static_cast<A>(p.scale);
+  A v[kPer];
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int c = lane + k * kGroup;
+    v[k] = live && c < cols ? scale * to_acc(row[c]) : neg_inf<A>();
+  }
+  // One branch on log for the whole row (uniform over the grid): with a run-time log in every
+  // step the values of both (z and exp(z - max)) stayed live.
+  auto finish = [&](auto log_tag) {
+    constexpr bool kLog = decltype(log_tag)::value;
+    const FwdStats<A> st = group_fwd_stats<kGroup>(v, true, kLog);
+    if (live) {
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        const int c = lane + k * kGroup;
+        if (c < cols) row[c] = from_acc<T>(fwd_output(v[k], st, kLog));
+      }
+    }
+  };
+  if (p.log)
+    finish(std::true_type{});
+  else
+    finish(std::false_type{});
+  __syncthreads();
+  const int head_end = lead == 0 ? 0 : min(span, kVec);
+  for (int i = lead + threadIdx.x; i < head_end; i += kShortRowsBlock) dst[i] = tile[i];
+  for (int i = (lead == 0 ? 0 : 1) + threadIdx.x; i < whole; i += kShortRowsBlock)
+    reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(tile)[i];
+  for (int i = max(whole * kVec, head_end) + threadIdx.x; i < span; i += kShortRowsBlock)
+    dst[i] = tile[i];
+}
+
 }  // namespace jax_softmax

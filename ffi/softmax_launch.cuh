@@ -14,7 +14,9 @@
 //                           in flight; it moved float32 N <= 128 from 76-81% to 78-82% and left
 //                           bf16 N <= 256 at 58-65% (TUNING.md). On sm_90+ plain forward rows
 //                           take two rows per group instead of the staged tiers (session 43,
-//                           ShortRegisterRows)
+//                           ShortRegisterRows), and windowed forward rows of up to 128 columns
+//                           the short-row kernel: the CTA's rows copied into shared memory as
+//                           one span, 1, 2 or 4 lanes per row (session 63, ShortOddRowsMode)
 //   cols <= 32 * E          one warp per row, E' <= E elements per lane (E' the smallest power
 //                           of two that fits); on the H200 float32 windowed forward rows of
 //                           W = 129-160 take 8 lanes of 5 vectors, W = 161-228 8 lanes of 8,
@@ -1348,6 +1350,19 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
 // caller uses the register tiers); otherwise the launch's outcome.
 using Launched = std::optional<ffi::Error>;
 
+// Short windowed forward rows through shared memory (softmax_short_rows_kernel): one tile of
+// kShortRowsBlock / kGroup consecutive rows per CTA, kGroup lanes of 32 values per row (rows of
+// up to 32 kGroup columns); nullopt where the grid would pass its limit.
+template <typename T, int kGroup>
+Launched LaunchShortRows(const LaunchCtx& c) {
+  constexpr int64_t kRowsPerCta = kShortRowsBlock / kGroup;
+  const int64_t grid = (c.p.rows + kRowsPerCta - 1) / kRowsPerCta;
+  if (grid > INT_MAX) return std::nullopt;
+  return Launch(KernelLaunch(static_cast<unsigned>(grid), kShortRowsBlock, 0, c.stream, 1,
+                             c.dependent),
+                softmax_short_rows_kernel<T, kGroup, 32>, "softmax short-row kernel", c.p);
+}
+
 // CTAs of a staged row launch: tiles_per_cta tiles each, or (0) persistent waves of the CTAs
 // that fit the GPU.
 inline int StagedGrid(int64_t tiles, int tiles_per_cta, int ctas_per_sm, const DeviceInfo& dev) {
@@ -1817,12 +1832,22 @@ inline bool ShortRegisterRows() {
   return enabled;
 }
 
-// EXPERIMENT (session 63): windowed forward rows of up to 32 vectors (16-bit odd rows of up to
-// 256 - 7 columns, float32 of up to 128 - 3) on sm_90+: 0 the staged tiers (as before), 1 the
-// lane groups of two rows, 2 the register tiers' lane groups of four rows, 3 one row on 4-16
-// lanes of two vectors, 4 one row on 4-8 lanes of four vectors.
-inline int ShortWindowedRows() {
-  static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_SHORT_ODD_ROWS", 0));
+// Windowed forward rows (N % V != 0, no mask, bias or causal limit) of up to 128 columns on
+// sm_90+: the short-row kernel (softmax_short_rows_kernel: the CTA's rows copied into shared
+// memory as one span, 1, 2 or 4 lanes per row of up to 32, 64 or 128 columns), rather than the
+// register lane groups (float32, and 16-bit rows of up to 8 vectors) or the staged tiers (16-bit
+// rows of 9-16 vectors), which spent most of their time on rows of a few vectors each: the row
+// reductions' shuffles and per-vector tests for 16-byte windows that mostly straddle two rows.
+// Measured (H200, session 63, us per call at 256 MiB, before / short-row kernel; 125 us moves
+// the bytes at the copy's rate): float32 17 243 / 140 (1.00x -> 1.72x XLA), 33 254 / 146, 65
+// 260 / 163, 101 185 / 140, 125 161 / 161; bfloat16 17 340 / 229, 33 350 / 248, 47 421 / 210
+// (1.03x -> 2.06x), 65 286 / 282, 101 215 / 203; float16 65 285 / 282. 16-bit rows of 129-255
+// columns (8 lanes) lost: 131 241 / 253, 157 205 / 232, 199 168 / 211, 233 160 / 205, 249 157 /
+// 202, so they stay on the staged tiers. The H100 has not run it.
+// JAX_SOFTMAX_SHORT_ODD_ROWS (read once; A/B runs): 0 keeps the tiers before, 2 takes the
+// kernel for every windowed row of up to 32 vectors (16-bit to 255 columns, on 8 lanes).
+inline int ShortOddRowsMode() {
+  static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_SHORT_ODD_ROWS", 1));
   return mode;
 }
 
@@ -1873,24 +1898,22 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
       if constexpr (kAccess == Access::kPlain)
         if (n <= 32 * kVec && ShortRegisterRows())
           return lane_groups(std::integral_constant<int, 2>{});
-      bool staged = true;
       if constexpr (kAccess == Access::kWindowed) {
-        if (n <= 32 * kVec) {
-          if (ShortWindowedRows() == 1) return lane_groups(std::integral_constant<int, 2>{});
-          if (ShortWindowedRows() == 3) {
-            if (n <= 4 * 2 * kVec) return LaunchRows<T, 4, 2 * kVec, kVec, kBwd, kAccess, 1>(c);
-            if (n <= 8 * 2 * kVec) return LaunchRows<T, 8, 2 * kVec, kVec, kBwd, kAccess, 1>(c);
-            return LaunchRows<T, 16, 2 * kVec, kVec, kBwd, kAccess, 1>(c);
-          }
-          if (ShortWindowedRows() == 4) {
-            if (n <= 4 * 4 * kVec) return LaunchRows<T, 4, 4 * kVec, kVec, kBwd, kAccess, 1>(c);
-            return LaunchRows<T, 8, 4 * kVec, kVec, kBwd, kAccess, 1>(c);
-          }
-          staged = ShortWindowedRows() != 2;
+        const int mode = ShortOddRowsMode();
+        if (n <= 32 * kVec && (mode == 2 || (mode == 1 && c.p.cols <= 128))) {
+          Launched launched;
+          if (c.p.cols <= 32)
+            launched = LaunchShortRows<T, 1>(c);
+          else if (c.p.cols <= 64)
+            launched = LaunchShortRows<T, 2>(c);
+          else if (c.p.cols <= 128)
+            launched = LaunchShortRows<T, 4>(c);
+          else
+            launched = LaunchShortRows<T, 8>(c);
+          if (launched) return *launched;
         }
       }
-      if (staged)
-        if (Launched launched = LaunchStagedTier<T, kVec, kAccess>(c)) return *launched;
+      if (Launched launched = LaunchStagedTier<T, kVec, kAccess>(c)) return *launched;
     }
   }
 #define JS_ROWS(G, E, R) return LaunchRows<T, G, E, kVec, kBwd, kAccess, R>(c)

@@ -272,6 +272,13 @@ if want test; then
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (float_half_warp_rows or float_short_row_lanes or float_three_warp_rows)")"
   test_job float_quarter_warps JAX_SOFTMAX_FLOAT_SHORT_WARPS=2 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and float_short_row_lanes")"
+  # Windowed forward rows of up to 32 vectors on the short-row kernel to 255 columns (16-bit rows
+  # of 129-255 on 8 lanes; by default the staged tiers) and on the tiers they took before session
+  # 63 (JAX_SOFTMAX_SHORT_ODD_ROWS=2 and =0).
+  test_job short_odd_rows_all JAX_SOFTMAX_SHORT_ODD_ROWS=2 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")"
+  test_job short_odd_rows_off JAX_SOFTMAX_SHORT_ODD_ROWS=0 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")"
   wait_tests
   test_job tiers_big XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 -- -k "$(with_test_k "test_kernel_tiers and ($big)")"
   wait_tests

@@ -48,6 +48,11 @@ CASES = [  # (rows, cols, dtype)
     # Plain short forward rows on sm_90+: register lane groups of two rows per group (8 lanes of
     # one vector here), a last block of fewer rows than its groups take.
     (1003, 64, jnp.bfloat16),
+    # Windowed short forward rows on sm_90+: the short-row kernel (the CTA's span copied into
+    # shared memory, its first and last vectors partial; 1 and 4 lanes per row), a last CTA of
+    # fewer rows.
+    (133, 17, jnp.bfloat16),
+    (37, 101, jnp.float32),
     (2, 16384, jnp.float16),
     (3, 262144, jnp.bfloat16),
     (1, 524288, jnp.bfloat16),

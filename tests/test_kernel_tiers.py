@@ -344,6 +344,31 @@ def test_float_short_row_lanes(backend, device, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
+def test_short_windowed_rows(backend, device, rng, dtype):
+    # Forward rows of up to 32 vectors whose length is not a multiple of the vector width (N % V
+    # != 0: float32 to 127 columns, 16-bit to 255): on sm_90+ the short-row kernel's rows to 128
+    # columns (softmax_short_rows_kernel: 1, 2 or 4 lanes per row to 32, 64, 128 columns;
+    # ShortOddRowsMode in ffi/softmax_launch.cuh), the staged tiers' beyond (gpu_check.sh runs it
+    # again under JAX_SOFTMAX_SHORT_ODD_ROWS=2, the kernel on 8 lanes to 255, and =0, the tiers
+    # before): the first sizes, each lane count's top and the next size, odd and even lengths, in
+    # 2053 rows (a partial last CTA; the CTAs' tiles start at every alignment), with softmax and
+    # log_softmax, a `where` mask and the backward (other kernels), and attention_softmax's scale
+    # (taken into the kernel's rows).
+    v = VEC[dtype]
+    top = 32 * v - 1
+    sizes = [1, 2, 3, 5, 7, 9, 15, 17, 18, 31, 33, 34, 47, 63, 65, 66, 101, 127, 129, 131, 157,
+             199, 233, 250, 255]
+    sizes = [n for n in sizes if n <= top and n % v != 0]
+    check_sizes(device, rng, dtype, sizes, lambda n: 2053)
+    for n in sizes:
+        x = rounded(rng.standard_normal((2053, n)) * 3.0, dtype)
+        poison(device, x.shape, dtype, count=4)
+        y = np.asarray(js.attention_softmax(put(device, x), scale=0.37))
+        assert_close(y, np_softmax(x.astype(np.float64) * 0.37), dtype, what=f"scale N={n}")
+
+
+@pytest.mark.gpu
 def test_float_three_warp_rows(backend, device, rng):
     # Float32 odd rows of W = 2049-2560 on three warps of the 128-thread register block instead of
     # four (FloatThreeWarpRows in ffi/softmax_launch.cuh: the H200's rule since session 60;
