@@ -2862,14 +2862,14 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
 // --- short windowed rows through shared memory -------------------------------------------------
 // Forward rows of few columns whose length is not a multiple of the vector width (windowed
 // rows: no mask, bias or causal limit; ShortOddRowsMode in softmax_launch.cuh says which, and
-// why). A CTA's rows are consecutive, so its tile is one
-// contiguous span of x whatever the rows' alignment: the CTA copies it into shared memory with
-// 16-byte loads (the span's start aligned down to 16 bytes: that first vector's leading elements
-// belong to the rows before, inside x since x starts 16-byte aligned; the last partial vector
-// element by element, so that nothing past x's end is read), each row is reduced by kGroup lanes
-// from shared memory (column c on lane c % kGroup, kPer values each), its outputs written back in
-// place, and the CTA stores the span with 16-byte stores (its first partial vector and last one
-// element by element, so that no element of another CTA's rows is written).
+// why). A CTA's rows are consecutive, so its tile is one contiguous span of x whatever the rows'
+// alignment: the CTA copies it into shared memory with 16-byte loads (the span's start aligned
+// down to 16 bytes: that first vector's leading elements belong to the rows before, inside x
+// since x starts 16-byte aligned; the last partial vector element by element, so that nothing
+// past x's end is read), each row is reduced by kGroup lanes from shared memory (column c on lane
+// c % kGroup, kPer values each), its outputs written back in place, and the CTA stores the span
+// with 16-byte stores (its first partial vector and last one element by element, so that no
+// element of another CTA's rows is written).
 constexpr int kShortRowsBlock = 128;
 
 template <typename T, int kGroup, int kPer>

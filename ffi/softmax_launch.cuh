@@ -15,8 +15,8 @@
 //                           bf16 N <= 256 at 58-65% (TUNING.md). On sm_90+ plain forward rows
 //                           take two rows per group instead of the staged tiers (session 43,
 //                           ShortRegisterRows), and windowed forward rows of up to 128 columns
-//                           the short-row kernel: the CTA's rows copied into shared memory as
-//                           one span, 1, 2 or 4 lanes per row (session 63, ShortOddRowsMode)
+//                           take the short-row kernel: the CTA's rows copied into shared memory
+//                           as one span, 1, 2 or 4 lanes per row (session 63, ShortOddRowsMode)
 //   cols <= 32 * E          one warp per row, E' <= E elements per lane (E' the smallest power
 //                           of two that fits); on the H200 float32 windowed forward rows of
 //                           W = 129-160 take 8 lanes of 5 vectors, W = 161-228 8 lanes of 8,
@@ -1845,7 +1845,8 @@ inline bool ShortRegisterRows() {
 // columns (8 lanes) lost: 131 241 / 253, 157 205 / 232, 199 168 / 211, 233 160 / 205, 249 157 /
 // 202, so they stay on the staged tiers. The H100 has not run it.
 // JAX_SOFTMAX_SHORT_ODD_ROWS (read once; A/B runs): 0 keeps the tiers before, 2 takes the
-// kernel for every windowed row of up to 32 vectors (16-bit to 255 columns, on 8 lanes).
+// kernel for every windowed row of up to 32 vectors (16-bit to 255 columns, on 8 lanes). Under
+// JAX_SOFTMAX_STAGED=0 these rows take the register tiers, as before session 63.
 inline int ShortOddRowsMode() {
   static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_SHORT_ODD_ROWS", 1));
   return mode;

@@ -344,7 +344,9 @@ def test_float_short_row_lanes(backend, device, rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize(
+    "dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d]
+)
 def test_short_windowed_rows(backend, device, rng, dtype):
     # Forward rows of up to 32 vectors whose length is not a multiple of the vector width (N % V
     # != 0: float32 to 127 columns, 16-bit to 255): on sm_90+ the short-row kernel's rows to 128
