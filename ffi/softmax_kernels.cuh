@@ -2867,14 +2867,17 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
 // down to 16 bytes: that first vector's leading elements belong to the rows before, inside x
 // since x starts 16-byte aligned; the last partial vector element by element, so that nothing
 // past x's end is read), each row is reduced by kGroup lanes from shared memory (column c on lane
-// c % kGroup, kPer values each), its outputs written back in place, and the CTA stores the span
-// with 16-byte stores (its first partial vector and last one element by element, so that no
-// element of another CTA's rows is written).
+// c % kGroup, kShortRowValues values each), its outputs written back in place, and the CTA stores
+// the span with 16-byte stores (its first partial vector and last one element by element, so that
+// no element of another CTA's rows is written).
 constexpr int kShortRowsBlock = 128;
+constexpr int kShortRowValues = 32;  // per lane: a row of kGroup lanes has up to 32 kGroup columns
 
-template <typename T, int kGroup, int kPer>
-__global__ void __launch_bounds__(kShortRowsBlock, 8) softmax_short_rows_kernel(const RowParams p) {
+template <typename T, int kGroup>
+__global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBlock))
+    softmax_short_rows_kernel(const RowParams p) {
   using A = acc_t<T>;
+  constexpr int kPer = kShortRowValues;
   constexpr int kVec = 16 / int(sizeof(T));
   constexpr int kRowsPerCta = kShortRowsBlock / kGroup;
   constexpr int kTileElems = kRowsPerCta * kGroup * kPer;

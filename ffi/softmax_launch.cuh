@@ -1351,8 +1351,8 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
 using Launched = std::optional<ffi::Error>;
 
 // Short windowed forward rows through shared memory (softmax_short_rows_kernel): one tile of
-// kShortRowsBlock / kGroup consecutive rows per CTA, kGroup lanes of 32 values per row (rows of
-// up to 32 kGroup columns); nullopt where the grid would pass its limit.
+// kShortRowsBlock / kGroup consecutive rows per CTA, kGroup lanes of kShortRowValues values per
+// row; nullopt where the grid would pass its limit.
 template <typename T, int kGroup>
 Launched LaunchShortRows(const LaunchCtx& c) {
   constexpr int64_t kRowsPerCta = kShortRowsBlock / kGroup;
@@ -1360,7 +1360,7 @@ Launched LaunchShortRows(const LaunchCtx& c) {
   if (grid > INT_MAX) return std::nullopt;
   return Launch(KernelLaunch(static_cast<unsigned>(grid), kShortRowsBlock, 0, c.stream, 1,
                              c.dependent),
-                softmax_short_rows_kernel<T, kGroup, 32>, "softmax short-row kernel", c.p);
+                softmax_short_rows_kernel<T, kGroup>, "softmax short-row kernel", c.p);
 }
 
 // CTAs of a staged row launch: tiles_per_cta tiles each, or (0) persistent waves of the CTAs
@@ -1900,14 +1900,16 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
         if (n <= 32 * kVec && ShortRegisterRows())
           return lane_groups(std::integral_constant<int, 2>{});
       if constexpr (kAccess == Access::kWindowed) {
+        // The fewest lanes that hold the row (1, 2, 4, or 8 past the rule's 4 lanes).
+        constexpr int64_t kV = kShortRowValues;
         const int mode = ShortOddRowsMode();
-        if (n <= 32 * kVec && (mode == 2 || (mode == 1 && c.p.cols <= 128))) {
+        if (n <= 32 * kVec && (mode == 2 || (mode == 1 && c.p.cols <= 4 * kV))) {
           Launched launched;
-          if (c.p.cols <= 32)
+          if (c.p.cols <= 1 * kV)
             launched = LaunchShortRows<T, 1>(c);
-          else if (c.p.cols <= 64)
+          else if (c.p.cols <= 2 * kV)
             launched = LaunchShortRows<T, 2>(c);
-          else if (c.p.cols <= 128)
+          else if (c.p.cols <= 4 * kV)
             launched = LaunchShortRows<T, 4>(c);
           else
             launched = LaunchShortRows<T, 8>(c);

@@ -343,6 +343,10 @@ def test_float_short_row_lanes(backend, device, rng):
     check_sizes(device, rng, jnp.float32, sizes, rows_past_one_wave)
 
 
+# attention_softmax with a scale over a list of arrays, in one jitted call.
+_scaled_many = jax.jit(lambda xs: [js.attention_softmax(x, scale=0.37) for x in xs])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d]
@@ -363,11 +367,15 @@ def test_short_windowed_rows(backend, device, rng, dtype):
              199, 233, 250, 255]
     sizes = [n for n in sizes if n <= top and n % v != 0]
     check_sizes(device, rng, dtype, sizes, lambda n: 2053)
-    for n in sizes:
-        x = rounded(rng.standard_normal((2053, n)) * 3.0, dtype)
+    # The scaled rows of every size in one jitted call, as check_sizes (one compilation).
+    xs = [rounded(rng.standard_normal((2053, n)) * 3.0, dtype) for n in sizes]
+    placed = [put(device, x) for x in xs]
+    for x in xs:
         poison(device, x.shape, dtype, count=4)
-        y = np.asarray(js.attention_softmax(put(device, x), scale=0.37))
-        assert_close(y, np_softmax(x.astype(np.float64) * 0.37), dtype, what=f"scale N={n}")
+    ys = _scaled_many(placed)
+    for x, y in zip(xs, ys):
+        assert_close(np.asarray(y), np_softmax(x.astype(np.float64) * 0.37), dtype,
+                     what=f"scale N={x.shape[1]}")
 
 
 @pytest.mark.gpu
