@@ -2860,69 +2860,123 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
 }
 
 // --- short windowed rows through shared memory -------------------------------------------------
-// Forward rows of few columns whose length is not a multiple of the vector width (windowed
-// rows: no mask, bias or causal limit; ShortOddRowsMode in softmax_launch.cuh says which, and
-// why). A CTA's rows are consecutive, so its tile is one contiguous span of x whatever the rows'
-// alignment: the CTA copies it into shared memory with 16-byte loads (the span's start aligned
-// down to 16 bytes: that first vector's leading elements belong to the rows before, inside x
-// since x starts 16-byte aligned; the last partial vector element by element, so that nothing
-// past x's end is read), each row is reduced by kGroup lanes from shared memory (column c on lane
-// c % kGroup, kShortRowValues values each), its outputs written back in place, and the CTA stores
-// the span with 16-byte stores (its first partial vector and last one element by element, so that
-// no element of another CTA's rows is written).
+// Rows of few columns whose length is not a multiple of the vector width (windowed rows: no
+// mask, bias or causal limit; ShortOddRowsMode and ShortOddBwdMode in softmax_launch.cuh say
+// which, and why). A CTA's rows are consecutive, so its tile is one contiguous span of each
+// operand whatever the rows' alignment: the CTA copies it into shared memory with 16-byte loads
+// (the span's start aligned down to 16 bytes: that first vector's leading elements belong to the
+// rows before, inside the operand since it starts 16-byte aligned; the last partial vector
+// element by element, so that nothing past its end is read), each row is reduced by kGroup lanes
+// from shared memory (column c on lane c % kGroup), its outputs written back in place, and the
+// CTA stores the span with 16-byte stores (its first partial vector and last one element by
+// element, so that no element of another CTA's rows is written). A tile holds rows_per_cta rows,
+// a multiple of kShortRowsBlock / kGroup (one pass of rows): each thread takes its rows in turn,
+// so that a CTA's copies move more bytes at once than one pass holds (the launcher's table,
+// ShortRowsTuningFor, sizes the tiles).
 constexpr int kShortRowsBlock = 128;
 constexpr int kShortRowValues = 32;  // per lane: a row of kGroup lanes has up to 32 kGroup columns
 
+// Shared-memory elements of one operand's tile of `elems` elements starting anywhere in a vector
+// of kVec: the aligned-down start's lead of up to kVec - 1, rounded up to whole vectors (so that
+// a second operand's tile starts 16-byte aligned).
+__host__ __device__ constexpr int64_t ShortRowsSlots(int64_t elems, int64_t vec) {
+  return (elems + 2 * vec - 1) / vec * vec;
+}
+
+// Copies n_vec 16-byte vectors of each of kSpans spans from global into shared memory. Batched,
+// eight vectors per thread (over the spans) are loaded before any is stored, so that they are in
+// flight together; the plain loop compiles to a remainder loop of up to three iterations, each
+// store waiting for its own load, then a body unrolled by four (PTX, session 63), which suits
+// tiles of many vectors per thread (ShortRowsTuningFor picks per dtype and direction).
+template <int kSpans>
+__device__ __forceinline__ void copy_spans_to_smem(uint4* const (&dst)[kSpans],
+                                                   const uint4* const (&src)[kSpans], int n_vec,
+                                                   bool batched) {
+  if (!batched) {
+    for (int i = threadIdx.x; i < n_vec; i += kShortRowsBlock)
+#pragma unroll
+      for (int s = 0; s < kSpans; ++s) dst[s][i] = __ldg(src[s] + i);
+    return;
+  }
+  constexpr int kPerSpan = 8 / kSpans;
+  for (int base = 0; base < n_vec; base += kShortRowsBlock * kPerSpan) {
+    uint4 buf[kSpans][kPerSpan];
+#pragma unroll
+    for (int j = 0; j < kPerSpan; ++j) {
+      const int i = base + j * kShortRowsBlock + int(threadIdx.x);
+#pragma unroll
+      for (int s = 0; s < kSpans; ++s)
+        if (i < n_vec) buf[s][j] = __ldg(src[s] + i);
+    }
+#pragma unroll
+    for (int j = 0; j < kPerSpan; ++j) {
+      const int i = base + j * kShortRowsBlock + int(threadIdx.x);
+#pragma unroll
+      for (int s = 0; s < kSpans; ++s)
+        if (i < n_vec) dst[s][i] = buf[s][j];
+    }
+  }
+}
+
+// Forward: kShortRowValues values per lane (rows of up to kGroup * kShortRowValues columns). The
+// tile sits in dynamic shared memory: ShortRowsSlots(rows_per_cta * cols, kVec) elements.
 template <typename T, int kGroup>
 __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBlock))
-    softmax_short_rows_kernel(const RowParams p) {
+    softmax_short_rows_kernel(const RowParams p, int rows_per_cta, bool batched_copy) {
   using A = acc_t<T>;
   constexpr int kPer = kShortRowValues;
   constexpr int kVec = 16 / int(sizeof(T));
-  constexpr int kRowsPerCta = kShortRowsBlock / kGroup;
-  constexpr int kTileElems = kRowsPerCta * kGroup * kPer;
-  __shared__ __align__(16) T tile[kTileElems + kVec];
+  constexpr int kRowsPerPass = kShortRowsBlock / kGroup;
+  extern __shared__ __align__(16) unsigned char short_rows_smem[];
+  T* tile = reinterpret_cast<T*>(short_rows_smem);
   wait_prior_grids_release_next();
   const int cols = static_cast<int>(p.cols);  // at most kGroup * kPer (the launcher's rule)
-  const int64_t row0 = int64_t(blockIdx.x) * kRowsPerCta;
-  const int rows_here = static_cast<int>(min(int64_t{kRowsPerCta}, p.rows - row0));
+  const int64_t row0 = int64_t(blockIdx.x) * rows_per_cta;
+  const int rows_here = static_cast<int>(min(int64_t{rows_per_cta}, p.rows - row0));
   const int64_t first = row0 * p.cols;
   const int lead = static_cast<int>(first % kVec);
   const int span = lead + rows_here * cols;  // tile elements from the aligned start
   const int whole = span / kVec;             // whole vectors from the aligned start
   const T* src = static_cast<const T*>(p.in) + (first - lead);
   T* dst = static_cast<T*>(p.out) + (first - lead);
-  for (int i = threadIdx.x; i < whole; i += kShortRowsBlock)
-    reinterpret_cast<uint4*>(tile)[i] = __ldg(reinterpret_cast<const uint4*>(src) + i);
+  {
+    uint4* const to[1] = {reinterpret_cast<uint4*>(tile)};
+    const uint4* const from[1] = {reinterpret_cast<const uint4*>(src)};
+    copy_spans_to_smem<1>(to, from, whole, batched_copy);
+  }
   for (int i = whole * kVec + threadIdx.x; i < span; i += kShortRowsBlock) tile[i] = src[i];
   __syncthreads();
-  const int r = threadIdx.x / kGroup, lane = threadIdx.x % kGroup;
-  const bool live = r < rows_here;
-  T* row = tile + lead + r * cols;
+  const int lane = threadIdx.x % kGroup;
   const A scale = static_cast<A>(p.scale);
-  A v[kPer];
+  const bool log = p.log;
+  // Every thread runs every pass (the group's shuffles), rows past the tile's end included.
+  for (int r = threadIdx.x / kGroup; r < rows_per_cta; r += kRowsPerPass) {
+    const bool live = r < rows_here;
+    T* row = tile + lead + r * cols;
+    A v[kPer];
 #pragma unroll
-  for (int k = 0; k < kPer; ++k) {
-    const int c = lane + k * kGroup;
-    v[k] = live && c < cols ? scale * to_acc(row[c]) : neg_inf<A>();
-  }
-  // One branch on log for the whole row (uniform over the grid): with a run-time log in every
-  // step the values of both (z and exp(z - max)) stayed live.
-  auto finish = [&](auto log_tag) {
-    constexpr bool kLog = decltype(log_tag)::value;
-    const FwdStats<A> st = group_fwd_stats<kGroup>(v, true, kLog);
-    if (live) {
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) {
-        const int c = lane + k * kGroup;
-        if (c < cols) row[c] = from_acc<T>(fwd_output(v[k], st, kLog));
-      }
+    for (int k = 0; k < kPer; ++k) {
+      const int c = lane + k * kGroup;
+      v[k] = live && c < cols ? scale * to_acc(row[c]) : neg_inf<A>();
     }
-  };
-  if (p.log)
-    finish(std::true_type{});
-  else
-    finish(std::false_type{});
+    // One branch on log for the whole row (uniform over the grid): with a run-time log in every
+    // step the values of both (z and exp(z - max)) stayed live.
+    auto finish = [&](auto log_tag) {
+      constexpr bool kLog = decltype(log_tag)::value;
+      const FwdStats<A> st = group_fwd_stats<kGroup>(v, true, kLog);
+      if (live) {
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) {
+          const int c = lane + k * kGroup;
+          if (c < cols) row[c] = from_acc<T>(fwd_output(v[k], st, kLog));
+        }
+      }
+    };
+    if (log)
+      finish(std::true_type{});
+    else
+      finish(std::false_type{});
+  }
   __syncthreads();
   const int head_end = lead == 0 ? 0 : min(span, kVec);
   for (int i = lead + threadIdx.x; i < head_end; i += kShortRowsBlock) dst[i] = tile[i];
@@ -2930,6 +2984,68 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
     reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(tile)[i];
   for (int i = max(whole * kVec, head_end) + threadIdx.x; i < span; i += kShortRowsBlock)
     dst[i] = tile[i];
+}
+
+// Backward: y's and dy's spans in shared memory (ShortRowsSlots(rows_per_cta * cols, kVec)
+// elements each, y's first); each row takes sum(y * dy) (softmax) or sum(dy) (log-softmax) on
+// kGroup lanes reading both from there, then writes dx over y in place, and the CTA stores that
+// span. Nothing of a row is held in registers (two reads of shared memory per element instead),
+// so a row's length is bounded only by the tile.
+template <typename T, int kGroup>
+__global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBlock))
+    softmax_short_rows_bwd_kernel(const RowParams p, int rows_per_cta, bool batched_copy) {
+  using A = acc_t<T>;
+  constexpr int kVec = 16 / int(sizeof(T));
+  constexpr int kRowsPerPass = kShortRowsBlock / kGroup;
+  extern __shared__ __align__(16) unsigned char short_rows_bwd_smem[];
+  wait_prior_grids_release_next();
+  const int cols = static_cast<int>(p.cols);
+  const int64_t row0 = int64_t(blockIdx.x) * rows_per_cta;
+  const int rows_here = static_cast<int>(min(int64_t{rows_per_cta}, p.rows - row0));
+  const int64_t first = row0 * p.cols;
+  const int lead = static_cast<int>(first % kVec);
+  const int span = lead + rows_here * cols;
+  const int whole = span / kVec;
+  const int span_slots = ShortRowsSlots(rows_per_cta * cols, kVec);
+  T* ys = reinterpret_cast<T*>(short_rows_bwd_smem);
+  T* gs = ys + span_slots;
+  const T* y_src = static_cast<const T*>(p.in) + (first - lead);
+  const T* g_src = static_cast<const T*>(p.grad_in) + (first - lead);
+  T* dst = static_cast<T*>(p.out) + (first - lead);
+  {
+    uint4* const to[2] = {reinterpret_cast<uint4*>(ys), reinterpret_cast<uint4*>(gs)};
+    const uint4* const from[2] = {reinterpret_cast<const uint4*>(y_src),
+                                  reinterpret_cast<const uint4*>(g_src)};
+    copy_spans_to_smem<2>(to, from, whole, batched_copy);
+  }
+  for (int i = whole * kVec + threadIdx.x; i < span; i += kShortRowsBlock) {
+    ys[i] = y_src[i];
+    gs[i] = g_src[i];
+  }
+  __syncthreads();
+  const int lane = threadIdx.x % kGroup;
+  const A scale = static_cast<A>(p.scale);
+  const bool log = p.log;
+  for (int r = threadIdx.x / kGroup; r < rows_per_cta; r += kRowsPerPass) {
+    const bool live = r < rows_here;
+    T* y_row = ys + lead + r * cols;
+    const T* g_row = gs + lead + r * cols;
+    A part = A(0);
+    if (live)
+      for (int c = lane; c < cols; c += kGroup)
+        part += bwd_term(to_acc(y_row[c]), to_acc(g_row[c]), log);
+    const A dot = group_allreduce<kGroup>(Sum<A>{part}).s;
+    if (live)
+      for (int c = lane; c < cols; c += kGroup)
+        y_row[c] = from_acc<T>(bwd_output(to_acc(y_row[c]), to_acc(g_row[c]), true, dot, scale, log));
+  }
+  __syncthreads();
+  const int head_end = lead == 0 ? 0 : min(span, kVec);
+  for (int i = lead + threadIdx.x; i < head_end; i += kShortRowsBlock) dst[i] = ys[i];
+  for (int i = (lead == 0 ? 0 : 1) + threadIdx.x; i < whole; i += kShortRowsBlock)
+    reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(ys)[i];
+  for (int i = max(whole * kVec, head_end) + threadIdx.x; i < span; i += kShortRowsBlock)
+    dst[i] = ys[i];
 }
 
 }  // namespace jax_softmax

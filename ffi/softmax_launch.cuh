@@ -16,7 +16,9 @@
 //                           take two rows per group instead of the staged tiers (session 43,
 //                           ShortRegisterRows), and windowed forward rows of up to 128 columns
 //                           take the short-row kernel: the CTA's rows copied into shared memory
-//                           as one span, 1, 2 or 4 lanes per row (session 63, ShortOddRowsMode)
+//                           as one span, 1, 2 or 4 lanes per row (session 63, ShortOddRowsMode;
+//                           tiles of several passes of rows since session 64), and windowed
+//                           backward rows of up to 64 columns its backward (ShortOddBwdMode)
 //   cols <= 32 * E          one warp per row, E' <= E elements per lane (E' the smallest power
 //                           of two that fits); on the H200 float32 windowed forward rows of
 //                           W = 129-160 take 8 lanes of 5 vectors, W = 161-228 8 lanes of 8,
@@ -1350,17 +1352,59 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
 // caller uses the register tiers); otherwise the launch's outcome.
 using Launched = std::optional<ffi::Error>;
 
-// Short windowed forward rows through shared memory (softmax_short_rows_kernel): one tile of
-// kShortRowsBlock / kGroup consecutive rows per CTA, kGroup lanes of kShortRowValues values per
-// row; nullopt where the grid would pass its limit.
-template <typename T, int kGroup>
+// Tiles and copies of the short-row kernels (softmax_short_rows_kernel and its backward), by
+// direction and element size: the tile's KiB over all operands (whole passes of rows, at least
+// one, at most 16) and whether the copy into shared memory is batched (copy_spans_to_smem).
+// Measured (H200, session 64, us per call at 256 MiB; one pass of rows and the plain copy as in
+// session 63 / the table's choice; 125 us moves a forward's bytes at the copy's rate, 187 a
+// backward's): forward bfloat16 (24 KiB, plain) 17 238 / 164, 33 257 / 186, 65 288 / 250, 101
+// 207 / 147; float32 (12 KiB, batched) 17 147 / 128, 65 163 / 145, 125 162 / 133. Forward
+// bfloat16 batched lost against plain at 24 KiB (33 186 / 190, 101 147 / 152) and float32 at
+// 24 KiB plain lost at 17 and 125 (133, 162). Backward (24 KiB, plain), against the register lane
+// groups: bfloat16 17 393 / 239, 33 406 / 237; float32 17 248 / 188; batched copies moved none
+// of them by more than 12 us.
+// JAX_SOFTMAX_SHORT_TILE_KIB (0-46; 0 one pass of rows) and JAX_SOFTMAX_SHORT_COPY_BATCH (0 or
+// 1) override the table for A/B runs (read once).
+struct ShortRowsTuning {
+  int tile_kib;
+  bool batched_copy;
+};
+inline ShortRowsTuning ShortRowsTuningFor(bool bwd, size_t elem_bytes) {
+  static const long tile_knob = EnvKnob("JAX_SOFTMAX_SHORT_TILE_KIB", -1);
+  static const long batch_knob = EnvKnob("JAX_SOFTMAX_SHORT_COPY_BATCH", -1);
+  ShortRowsTuning t = !bwd && elem_bytes == 4 ? ShortRowsTuning{12, true} : ShortRowsTuning{24, false};
+  if (tile_knob >= 0) t.tile_kib = static_cast<int>(std::min<long>(tile_knob, 46));
+  if (batch_knob >= 0) t.batched_copy = batch_knob == 1;
+  return t;
+}
+
+// Launches a short-row kernel (forward, or backward with kBwd: y's and dy's tiles) over tiles
+// of whole passes of kShortRowsBlock / kGroup consecutive rows; nullopt where the grid would
+// pass its limit or the tile the default 48 KiB of shared memory.
+template <typename T, int kGroup, bool kBwd>
 Launched LaunchShortRows(const LaunchCtx& c) {
-  constexpr int64_t kRowsPerCta = kShortRowsBlock / kGroup;
-  const int64_t grid = (c.p.rows + kRowsPerCta - 1) / kRowsPerCta;
+  constexpr int64_t kRowsPerPass = kShortRowsBlock / kGroup;
+  constexpr int64_t kOperands = kBwd ? 2 : 1;
+  const ShortRowsTuning tuning = ShortRowsTuningFor(kBwd, sizeof(T));
+  const int64_t pass_bytes = kOperands * kRowsPerPass * c.p.cols * int64_t(sizeof(T));
+  const int64_t passes =
+      std::clamp<int64_t>(int64_t(tuning.tile_kib) * 1024 / pass_bytes, 1, 16);
+  const int64_t rows_per_cta = passes * kRowsPerPass;
+  const int64_t grid = (c.p.rows + rows_per_cta - 1) / rows_per_cta;
   if (grid > INT_MAX) return std::nullopt;
-  return Launch(KernelLaunch(static_cast<unsigned>(grid), kShortRowsBlock, 0, c.stream, 1,
-                             c.dependent),
-                softmax_short_rows_kernel<T, kGroup>, "softmax short-row kernel", c.p);
+  const size_t smem = size_t(kOperands) *
+                      size_t(ShortRowsSlots(rows_per_cta * c.p.cols, 16 / int64_t(sizeof(T)))) *
+                      sizeof(T);
+  if (smem > 48 * 1024) return std::nullopt;
+  const KernelLaunch launch(static_cast<unsigned>(grid), kShortRowsBlock, smem, c.stream, 1,
+                            c.dependent);
+  if constexpr (kBwd)
+    return Launch(launch, softmax_short_rows_bwd_kernel<T, kGroup>,
+                  "softmax short-row backward kernel", c.p, static_cast<int>(rows_per_cta),
+                  tuning.batched_copy);
+  else
+    return Launch(launch, softmax_short_rows_kernel<T, kGroup>, "softmax short-row kernel", c.p,
+                  static_cast<int>(rows_per_cta), tuning.batched_copy);
 }
 
 // CTAs of a staged row launch: tiles_per_cta tiles each, or (0) persistent waves of the CTAs
@@ -1844,11 +1888,25 @@ inline bool ShortRegisterRows() {
 // (1.03x -> 2.06x), 65 286 / 282, 101 215 / 203; float16 65 285 / 282. 16-bit rows of 129-255
 // columns (8 lanes) lost: 131 241 / 253, 157 205 / 232, 199 168 / 211, 233 160 / 205, 249 157 /
 // 202, so they stay on the staged tiers. The H100 has not run it.
+// Session 64 gave the kernel tiles of several passes of rows (ShortRowsTuningFor).
 // JAX_SOFTMAX_SHORT_ODD_ROWS (read once; A/B runs): 0 keeps the tiers before, 2 takes the
 // kernel for every windowed row of up to 32 vectors (16-bit to 255 columns, on 8 lanes). Under
 // JAX_SOFTMAX_STAGED=0 these rows take the register tiers, as before session 63.
 inline int ShortOddRowsMode() {
   static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_SHORT_ODD_ROWS", 1));
+  return mode;
+}
+
+// Windowed backward rows of up to 64 columns on sm_90+: the short-row backward kernel (y's and
+// dy's tiles in shared memory, 1 or 2 lanes per row), rather than the register lane groups.
+// Measured (H200, session 64, us per call at 256 MiB, lane groups / kernel; 187 us moves the
+// bytes at the copy's rate): bfloat16 17 393 / 239, 33 406 / 237; float32 17 248 / 188. Rows
+// of 65-128 columns (4 lanes) were mixed: float32 65 257 / 236, 125 185 / 230; bfloat16 65 414 /
+// 471, 101 327 / 291, so they keep the lane groups.
+// JAX_SOFTMAX_SHORT_ODD_BWD (read once; A/B runs): 0 keeps the lane groups, 2 takes the kernel
+// for rows of up to 128 columns.
+inline int ShortOddBwdMode() {
+  static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_SHORT_ODD_BWD", 1));
   return mode;
 }
 
@@ -1906,13 +1964,13 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
         if (n <= 32 * kVec && (mode == 2 || (mode == 1 && c.p.cols <= 4 * kV))) {
           Launched launched;
           if (c.p.cols <= 1 * kV)
-            launched = LaunchShortRows<T, 1>(c);
+            launched = LaunchShortRows<T, 1, false>(c);
           else if (c.p.cols <= 2 * kV)
-            launched = LaunchShortRows<T, 2>(c);
+            launched = LaunchShortRows<T, 2, false>(c);
           else if (c.p.cols <= 4 * kV)
-            launched = LaunchShortRows<T, 4>(c);
+            launched = LaunchShortRows<T, 4, false>(c);
           else
-            launched = LaunchShortRows<T, 8>(c);
+            launched = LaunchShortRows<T, 8, false>(c);
           if (launched) return *launched;
         }
       }
@@ -1920,6 +1978,21 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
     }
   }
 #define JS_ROWS(G, E, R) return LaunchRows<T, G, E, kVec, kBwd, kAccess, R>(c)
+  // Short windowed backward rows (ShortOddBwdMode), one or two lanes per row (four past the
+  // rule's 64 columns).
+  if constexpr (kBwd && kAccess == Access::kWindowed && sizeof(T) <= 4) {
+    const int mode = ShortOddBwdMode();
+    if (mode != 0 && c.dev.cc_major >= 9 && n <= 32 * kVec && c.p.cols <= (mode == 2 ? 128 : 64)) {
+      Launched launched;
+      if (c.p.cols <= 32)
+        launched = LaunchShortRows<T, 1, true>(c);
+      else if (c.p.cols <= 64)
+        launched = LaunchShortRows<T, 2, true>(c);
+      else
+        launched = LaunchShortRows<T, 4, true>(c);
+      if (launched) return *launched;
+    }
+  }
   constexpr int kRowsShort = kBwd ? 2 : 4;  // backward: two values per element, 90 registers at 4
   if (n <= 32 * kVec) return lane_groups(std::integral_constant<int, kRowsShort>{});
   // One warp per row (two rows per iteration while a lane holds two vectors and the two rows'

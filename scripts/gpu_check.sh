@@ -279,6 +279,14 @@ if want test; then
     -- -k "$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")"
   test_job short_odd_rows_off JAX_SOFTMAX_SHORT_ODD_ROWS=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")"
+  # The short-row kernels' other tables (session 64): the backward to 128 columns, with one pass
+  # of rows per CTA and batched copies, then with the largest tiles and plain copies.
+  test_job short_rows_one_pass_batched JAX_SOFTMAX_SHORT_ODD_ROWS=2 JAX_SOFTMAX_SHORT_ODD_BWD=2 \
+    JAX_SOFTMAX_SHORT_TILE_KIB=0 JAX_SOFTMAX_SHORT_COPY_BATCH=1 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")"
+  test_job short_rows_big_tiles_plain JAX_SOFTMAX_SHORT_ODD_ROWS=2 JAX_SOFTMAX_SHORT_ODD_BWD=2 \
+    JAX_SOFTMAX_SHORT_TILE_KIB=46 JAX_SOFTMAX_SHORT_COPY_BATCH=0 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")"
   wait_tests
   test_job tiers_big XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 -- -k "$(with_test_k "test_kernel_tiers and ($big)")"
   wait_tests

@@ -53,6 +53,11 @@ CASES = [  # (rows, cols, dtype)
     # fewer rows.
     (133, 17, jnp.bfloat16),
     (37, 101, jnp.float32),
+    # The same kernels with tiles of several passes of rows (session 64) and a last CTA whose last
+    # pass holds few live rows: forward float32 rows of 5 columns (4 passes of 128 rows per CTA),
+    # backward bfloat16 rows of 33 (2 lanes, 2 passes of 64 rows of y and dy).
+    (2100, 5, jnp.float32),
+    (1500, 33, jnp.bfloat16),
     (2, 16384, jnp.float16),
     (3, 262144, jnp.bfloat16),
     (1, 524288, jnp.bfloat16),

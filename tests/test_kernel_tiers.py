@@ -358,9 +358,12 @@ def test_short_windowed_rows(backend, device, rng, dtype):
     # ShortOddRowsMode in ffi/softmax_launch.cuh), the staged tiers' beyond (gpu_check.sh runs it
     # again under JAX_SOFTMAX_SHORT_ODD_ROWS=2, the kernel on 8 lanes to 255, and =0, the tiers
     # before): the first sizes, each lane count's top and the next size, odd and even lengths, in
-    # 2053 rows (a partial last CTA; the CTAs' tiles start at every alignment), with softmax and
-    # log_softmax, a `where` mask and the backward (other kernels), and attention_softmax's scale
-    # (taken into the kernel's rows).
+    # 2053 rows (a partial last CTA, and a last pass of rows with few or none live in tiles of
+    # several passes; the CTAs' tiles start at every alignment), with softmax and log_softmax, a
+    # `where` mask (other kernels) and the backward (its short-row kernel to 64 columns,
+    # ShortOddBwdMode; to 128 under the gpu_check.sh jobs that set JAX_SOFTMAX_SHORT_ODD_BWD=2,
+    # with one pass of rows and batched copies or the largest tiles and plain copies), and
+    # attention_softmax's scale (taken into the kernel's rows).
     v = VEC[dtype]
     top = 32 * v - 1
     sizes = [1, 2, 3, 5, 7, 9, 15, 17, 18, 31, 33, 34, 47, 63, 65, 66, 101, 127, 129, 131, 157,
