@@ -3037,7 +3037,8 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
     const A dot = group_allreduce<kGroup>(Sum<A>{part}).s;
     if (live)
       for (int c = lane; c < cols; c += kGroup)
-        y_row[c] = from_acc<T>(bwd_output(to_acc(y_row[c]), to_acc(g_row[c]), true, dot, scale, log));
+        y_row[c] =
+            from_acc<T>(bwd_output(to_acc(y_row[c]), to_acc(g_row[c]), true, dot, scale, log));
   }
   __syncthreads();
   const int head_end = lead == 0 ? 0 : min(span, kVec);

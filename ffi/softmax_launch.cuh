@@ -16,9 +16,10 @@
 //                           take two rows per group instead of the staged tiers (session 43,
 //                           ShortRegisterRows), and windowed forward rows of up to 128 columns
 //                           take the short-row kernel: the CTA's rows copied into shared memory
-//                           as one span, 1, 2 or 4 lanes per row (session 63, ShortOddRowsMode;
-//                           tiles of several passes of rows since session 64), and windowed
-//                           backward rows of up to 64 columns its backward (ShortOddBwdMode)
+//                           as one span, 1-8 lanes per row (session 63, ShortOddRowsMode; tiles
+//                           of several passes of rows and 16-bit rows of 129-255 columns since
+//                           session 64), and windowed backward rows of up to 64 columns its
+//                           backward (ShortOddBwdMode)
 //   cols <= 32 * E          one warp per row, E' <= E elements per lane (E' the smallest power
 //                           of two that fits); on the H200 float32 windowed forward rows of
 //                           W = 129-160 take 8 lanes of 5 vectors, W = 161-228 8 lanes of 8,
@@ -1372,7 +1373,8 @@ struct ShortRowsTuning {
 inline ShortRowsTuning ShortRowsTuningFor(bool bwd, size_t elem_bytes) {
   static const long tile_knob = EnvKnob("JAX_SOFTMAX_SHORT_TILE_KIB", -1);
   static const long batch_knob = EnvKnob("JAX_SOFTMAX_SHORT_COPY_BATCH", -1);
-  ShortRowsTuning t = !bwd && elem_bytes == 4 ? ShortRowsTuning{12, true} : ShortRowsTuning{24, false};
+  ShortRowsTuning t =
+      !bwd && elem_bytes == 4 ? ShortRowsTuning{12, true} : ShortRowsTuning{24, false};
   if (tile_knob >= 0) t.tile_kib = static_cast<int>(std::min<long>(tile_knob, 46));
   if (batch_knob >= 0) t.batched_copy = batch_knob == 1;
   return t;
@@ -1876,21 +1878,23 @@ inline bool ShortRegisterRows() {
   return enabled;
 }
 
-// Windowed forward rows (N % V != 0, no mask, bias or causal limit) of up to 128 columns on
-// sm_90+: the short-row kernel (softmax_short_rows_kernel: the CTA's rows copied into shared
-// memory as one span, 1, 2 or 4 lanes per row of up to 32, 64 or 128 columns), rather than the
-// register lane groups (float32, and 16-bit rows of up to 8 vectors) or the staged tiers (16-bit
-// rows of 9-16 vectors), which spent most of their time on rows of a few vectors each: the row
-// reductions' shuffles and per-vector tests for 16-byte windows that mostly straddle two rows.
-// Measured (H200, session 63, us per call at 256 MiB, before / short-row kernel; 125 us moves
-// the bytes at the copy's rate): float32 17 243 / 140 (1.00x -> 1.72x XLA), 33 254 / 146, 65
-// 260 / 163, 101 185 / 140, 125 161 / 161; bfloat16 17 340 / 229, 33 350 / 248, 47 421 / 210
-// (1.03x -> 2.06x), 65 286 / 282, 101 215 / 203; float16 65 285 / 282. 16-bit rows of 129-255
-// columns (8 lanes) lost: 131 241 / 253, 157 205 / 232, 199 168 / 211, 233 160 / 205, 249 157 /
-// 202, so they stay on the staged tiers. The H100 has not run it.
-// Session 64 gave the kernel tiles of several passes of rows (ShortRowsTuningFor).
-// JAX_SOFTMAX_SHORT_ODD_ROWS (read once; A/B runs): 0 keeps the tiers before, 2 takes the
-// kernel for every windowed row of up to 32 vectors (16-bit to 255 columns, on 8 lanes). Under
+// Windowed forward rows (N % V != 0, no mask, bias or causal limit) of up to 32 vectors on sm_90+
+// (float32 to 127 columns, 16-bit to 255): the short-row kernel (softmax_short_rows_kernel: the
+// CTA's rows copied into shared memory as one span, 1, 2, 4 or 8 lanes per row of up to 32, 64,
+// 128 or 256 columns), rather than the register lane groups (float32, and 16-bit rows of up to 8
+// vectors) or the staged tiers (16-bit rows of 9-32 vectors), which spent most of their time on
+// rows of a few vectors each: the row reductions' shuffles and per-vector tests for 16-byte
+// windows that mostly straddle two rows.
+// Measured (H200, session 63, us per call at 256 MiB, before / short-row kernel of one pass of
+// rows; 125 us moves the bytes at the copy's rate): float32 17 243 / 140 (1.00x -> 1.72x XLA), 33
+// 254 / 146, 65 260 / 163, 101 185 / 140, 125 161 / 161; bfloat16 17 340 / 229, 33 350 / 248, 47
+// 421 / 210 (1.03x -> 2.06x), 65 286 / 282, 101 215 / 203; float16 65 285 / 282. 16-bit rows of
+// 129-255 columns (8 lanes) lost then: 131 241 / 253, 157 205 / 232, 199 168 / 211, 233 160 /
+// 205, 249 157 / 202. With session 64's tiles of several passes (ShortRowsTuningFor) they gain
+// (staged / kernel): bfloat16 131 242 / 199, 157 205 / 168, 199 169 / 151, 233 161 / 145, 249
+// 157 / 146; float16 131 241 / 198, 199 169 / 151. The H100 has not run it.
+// JAX_SOFTMAX_SHORT_ODD_ROWS (read once; A/B runs): 0 keeps the tiers before session 63, 2
+// session 63's rule (rows of up to 128 columns; 16-bit 129-255 on the staged tiers). Under
 // JAX_SOFTMAX_STAGED=0 these rows take the register tiers, as before session 63.
 inline int ShortOddRowsMode() {
   static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_SHORT_ODD_ROWS", 1));
@@ -1958,10 +1962,10 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
         if (n <= 32 * kVec && ShortRegisterRows())
           return lane_groups(std::integral_constant<int, 2>{});
       if constexpr (kAccess == Access::kWindowed) {
-        // The fewest lanes that hold the row (1, 2, 4, or 8 past the rule's 4 lanes).
+        // The fewest lanes that hold the row (1, 2, 4, or 8: 16-bit rows past 128 columns).
         constexpr int64_t kV = kShortRowValues;
         const int mode = ShortOddRowsMode();
-        if (n <= 32 * kVec && (mode == 2 || (mode == 1 && c.p.cols <= 4 * kV))) {
+        if (n <= 32 * kVec && (mode == 1 || (mode == 2 && c.p.cols <= 4 * kV))) {
           Launched launched;
           if (c.p.cols <= 1 * kV)
             launched = LaunchShortRows<T, 1, false>(c);

@@ -272,19 +272,19 @@ if want test; then
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (float_half_warp_rows or float_short_row_lanes or float_three_warp_rows)")"
   test_job float_quarter_warps JAX_SOFTMAX_FLOAT_SHORT_WARPS=2 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and float_short_row_lanes")"
-  # Windowed forward rows of up to 32 vectors on the short-row kernel to 255 columns (16-bit rows
-  # of 129-255 on 8 lanes; by default the staged tiers) and on the tiers they took before session
-  # 63 (JAX_SOFTMAX_SHORT_ODD_ROWS=2 and =0).
-  test_job short_odd_rows_all JAX_SOFTMAX_SHORT_ODD_ROWS=2 \
+  # Windowed forward rows of up to 32 vectors under session 63's rule (16-bit rows of 129-255 on
+  # the staged tiers; by default the short-row kernel on 8 lanes since session 64) and on the
+  # tiers they took before session 63 (JAX_SOFTMAX_SHORT_ODD_ROWS=2 and =0).
+  test_job short_odd_rows_staged16 JAX_SOFTMAX_SHORT_ODD_ROWS=2 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")"
   test_job short_odd_rows_off JAX_SOFTMAX_SHORT_ODD_ROWS=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")"
   # The short-row kernels' other tables (session 64): the backward to 128 columns, with one pass
   # of rows per CTA and batched copies, then with the largest tiles and plain copies.
-  test_job short_rows_one_pass_batched JAX_SOFTMAX_SHORT_ODD_ROWS=2 JAX_SOFTMAX_SHORT_ODD_BWD=2 \
+  test_job short_rows_one_pass_batched JAX_SOFTMAX_SHORT_ODD_BWD=2 \
     JAX_SOFTMAX_SHORT_TILE_KIB=0 JAX_SOFTMAX_SHORT_COPY_BATCH=1 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")"
-  test_job short_rows_big_tiles_plain JAX_SOFTMAX_SHORT_ODD_ROWS=2 JAX_SOFTMAX_SHORT_ODD_BWD=2 \
+  test_job short_rows_big_tiles_plain JAX_SOFTMAX_SHORT_ODD_BWD=2 \
     JAX_SOFTMAX_SHORT_TILE_KIB=46 JAX_SOFTMAX_SHORT_COPY_BATCH=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")"
   wait_tests

@@ -352,17 +352,17 @@ _scaled_many = jax.jit(lambda xs: [js.attention_softmax(x, scale=0.37) for x in 
     "dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d]
 )
 def test_short_windowed_rows(backend, device, rng, dtype):
-    # Forward rows of up to 32 vectors whose length is not a multiple of the vector width (N % V
-    # != 0: float32 to 127 columns, 16-bit to 255): on sm_90+ the short-row kernel's rows to 128
-    # columns (softmax_short_rows_kernel: 1, 2 or 4 lanes per row to 32, 64, 128 columns;
-    # ShortOddRowsMode in ffi/softmax_launch.cuh), the staged tiers' beyond (gpu_check.sh runs it
-    # again under JAX_SOFTMAX_SHORT_ODD_ROWS=2, the kernel on 8 lanes to 255, and =0, the tiers
-    # before): the first sizes, each lane count's top and the next size, odd and even lengths, in
-    # 2053 rows (a partial last CTA, and a last pass of rows with few or none live in tiles of
+    # Forward rows of up to 32 vectors whose length is not a multiple of the vector width (N % V !=
+    # 0: float32 to 127 columns, 16-bit to 255): on sm_90+ the short-row kernel's rows
+    # (softmax_short_rows_kernel: 1, 2, 4 or 8 lanes per row to 32, 64, 128, 256 columns;
+    # ShortOddRowsMode in ffi/softmax_launch.cuh; gpu_check.sh runs it again under
+    # JAX_SOFTMAX_SHORT_ODD_ROWS=2, 16-bit rows past 128 columns on the staged tiers, and =0, the
+    # tiers before): the first sizes, each lane count's top and the next size, odd and even lengths,
+    # in 2053 rows (a partial last CTA, and a last pass of rows with few or none live in tiles of
     # several passes; the CTAs' tiles start at every alignment), with softmax and log_softmax, a
     # `where` mask (other kernels) and the backward (its short-row kernel to 64 columns,
-    # ShortOddBwdMode; to 128 under the gpu_check.sh jobs that set JAX_SOFTMAX_SHORT_ODD_BWD=2,
-    # with one pass of rows and batched copies or the largest tiles and plain copies), and
+    # ShortOddBwdMode; to 128 under the gpu_check.sh jobs that set JAX_SOFTMAX_SHORT_ODD_BWD=2, with
+    # one pass of rows and batched copies or the largest tiles and plain copies), and
     # attention_softmax's scale (taken into the kernel's rows).
     v = VEC[dtype]
     top = 32 * v - 1
