@@ -2918,6 +2918,65 @@ __device__ __forceinline__ void copy_spans_to_smem(uint4* const (&dst)[kSpans],
   }
 }
 
+// A CTA's span in the short-row kernels: its rows' elements of each operand, from the start
+// aligned down to 16 bytes.
+struct ShortRowsSpan {
+  int rows_here;  // the CTA's rows (the last CTA's may be fewer than rows_per_cta)
+  int lead;       // elements of the rows before, ahead of the first row in its vector
+  int span;       // tile elements from the aligned start
+  int whole;      // whole vectors from the aligned start
+  int64_t start;  // the aligned start, in elements of the operand
+};
+
+template <int kVec>
+__device__ __forceinline__ ShortRowsSpan short_rows_span(const RowParams& p, int rows_per_cta) {
+  const int64_t row0 = int64_t(blockIdx.x) * rows_per_cta;
+  ShortRowsSpan s;
+  s.rows_here = static_cast<int>(min(int64_t{rows_per_cta}, p.rows - row0));
+  const int64_t first = row0 * p.cols;
+  s.lead = static_cast<int>(first % kVec);
+  s.span = s.lead + s.rows_here * static_cast<int>(p.cols);
+  s.whole = s.span / kVec;
+  s.start = first - s.lead;
+  return s;
+}
+
+// Copies kSpans operands' spans into their tiles: the whole vectors with copy_spans_to_smem, the
+// last partial vector element by element (nothing past the operand's end is read).
+template <typename T, int kSpans>
+__device__ __forceinline__ void load_short_spans(T* const (&tiles)[kSpans],
+                                                 const T* const (&srcs)[kSpans],
+                                                 const ShortRowsSpan& s, bool batched) {
+  constexpr int kVec = 16 / int(sizeof(T));
+  {
+    uint4* to[kSpans];
+    const uint4* from[kSpans];
+#pragma unroll
+    for (int k = 0; k < kSpans; ++k) {
+      to[k] = reinterpret_cast<uint4*>(tiles[k]);
+      from[k] = reinterpret_cast<const uint4*>(srcs[k]);
+    }
+    copy_spans_to_smem<kSpans>(to, from, s.whole, batched);
+  }
+  for (int i = s.whole * kVec + threadIdx.x; i < s.span; i += kShortRowsBlock)
+#pragma unroll
+    for (int k = 0; k < kSpans; ++k) tiles[k][i] = srcs[k][i];
+}
+
+// Stores a tile's span over dst (both from the aligned start) with 16-byte stores, its first
+// partial vector and last one element by element, so that no element of another CTA's rows is
+// written.
+template <typename T>
+__device__ __forceinline__ void store_short_span(T* dst, const T* tile, const ShortRowsSpan& s) {
+  constexpr int kVec = 16 / int(sizeof(T));
+  const int head_end = s.lead == 0 ? 0 : min(s.span, kVec);
+  for (int i = s.lead + threadIdx.x; i < head_end; i += kShortRowsBlock) dst[i] = tile[i];
+  for (int i = (s.lead == 0 ? 0 : 1) + threadIdx.x; i < s.whole; i += kShortRowsBlock)
+    reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(tile)[i];
+  for (int i = max(s.whole * kVec, head_end) + threadIdx.x; i < s.span; i += kShortRowsBlock)
+    dst[i] = tile[i];
+}
+
 // Forward: kShortRowValues values per lane (rows of up to kGroup * kShortRowValues columns). The
 // tile sits in dynamic shared memory: ShortRowsSlots(rows_per_cta * cols, kVec) elements.
 template <typename T, int kGroup>
@@ -2931,28 +2990,22 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
   T* tile = reinterpret_cast<T*>(short_rows_smem);
   wait_prior_grids_release_next();
   const int cols = static_cast<int>(p.cols);  // at most kGroup * kPer (the launcher's rule)
-  const int64_t row0 = int64_t(blockIdx.x) * rows_per_cta;
-  const int rows_here = static_cast<int>(min(int64_t{rows_per_cta}, p.rows - row0));
-  const int64_t first = row0 * p.cols;
-  const int lead = static_cast<int>(first % kVec);
-  const int span = lead + rows_here * cols;  // tile elements from the aligned start
-  const int whole = span / kVec;             // whole vectors from the aligned start
-  const T* src = static_cast<const T*>(p.in) + (first - lead);
-  T* dst = static_cast<T*>(p.out) + (first - lead);
+  const ShortRowsSpan sp = short_rows_span<kVec>(p, rows_per_cta);
+  const T* src = static_cast<const T*>(p.in) + sp.start;
+  T* dst = static_cast<T*>(p.out) + sp.start;
   {
-    uint4* const to[1] = {reinterpret_cast<uint4*>(tile)};
-    const uint4* const from[1] = {reinterpret_cast<const uint4*>(src)};
-    copy_spans_to_smem<1>(to, from, whole, batched_copy);
+    T* const tiles[1] = {tile};
+    const T* const srcs[1] = {src};
+    load_short_spans<T, 1>(tiles, srcs, sp, batched_copy);
   }
-  for (int i = whole * kVec + threadIdx.x; i < span; i += kShortRowsBlock) tile[i] = src[i];
   __syncthreads();
   const int lane = threadIdx.x % kGroup;
   const A scale = static_cast<A>(p.scale);
   const bool log = p.log;
   // Every thread runs every pass (the group's shuffles), rows past the tile's end included.
   for (int r = threadIdx.x / kGroup; r < rows_per_cta; r += kRowsPerPass) {
-    const bool live = r < rows_here;
-    T* row = tile + lead + r * cols;
+    const bool live = r < sp.rows_here;
+    T* row = tile + sp.lead + r * cols;
     A v[kPer];
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
@@ -2978,12 +3031,7 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
       finish(std::false_type{});
   }
   __syncthreads();
-  const int head_end = lead == 0 ? 0 : min(span, kVec);
-  for (int i = lead + threadIdx.x; i < head_end; i += kShortRowsBlock) dst[i] = tile[i];
-  for (int i = (lead == 0 ? 0 : 1) + threadIdx.x; i < whole; i += kShortRowsBlock)
-    reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(tile)[i];
-  for (int i = max(whole * kVec, head_end) + threadIdx.x; i < span; i += kShortRowsBlock)
-    dst[i] = tile[i];
+  store_short_span(dst, tile, sp);
 }
 
 // Backward: y's and dy's spans in shared memory (ShortRowsSlots(rows_per_cta * cols, kVec)
@@ -3000,36 +3048,23 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
   extern __shared__ __align__(16) unsigned char short_rows_bwd_smem[];
   wait_prior_grids_release_next();
   const int cols = static_cast<int>(p.cols);
-  const int64_t row0 = int64_t(blockIdx.x) * rows_per_cta;
-  const int rows_here = static_cast<int>(min(int64_t{rows_per_cta}, p.rows - row0));
-  const int64_t first = row0 * p.cols;
-  const int lead = static_cast<int>(first % kVec);
-  const int span = lead + rows_here * cols;
-  const int whole = span / kVec;
-  const int span_slots = ShortRowsSlots(rows_per_cta * cols, kVec);
+  const ShortRowsSpan sp = short_rows_span<kVec>(p, rows_per_cta);
   T* ys = reinterpret_cast<T*>(short_rows_bwd_smem);
-  T* gs = ys + span_slots;
-  const T* y_src = static_cast<const T*>(p.in) + (first - lead);
-  const T* g_src = static_cast<const T*>(p.grad_in) + (first - lead);
-  T* dst = static_cast<T*>(p.out) + (first - lead);
+  T* gs = ys + ShortRowsSlots(rows_per_cta * cols, kVec);
   {
-    uint4* const to[2] = {reinterpret_cast<uint4*>(ys), reinterpret_cast<uint4*>(gs)};
-    const uint4* const from[2] = {reinterpret_cast<const uint4*>(y_src),
-                                  reinterpret_cast<const uint4*>(g_src)};
-    copy_spans_to_smem<2>(to, from, whole, batched_copy);
-  }
-  for (int i = whole * kVec + threadIdx.x; i < span; i += kShortRowsBlock) {
-    ys[i] = y_src[i];
-    gs[i] = g_src[i];
+    T* const tiles[2] = {ys, gs};
+    const T* const srcs[2] = {static_cast<const T*>(p.in) + sp.start,
+                              static_cast<const T*>(p.grad_in) + sp.start};
+    load_short_spans<T, 2>(tiles, srcs, sp, batched_copy);
   }
   __syncthreads();
   const int lane = threadIdx.x % kGroup;
   const A scale = static_cast<A>(p.scale);
   const bool log = p.log;
   for (int r = threadIdx.x / kGroup; r < rows_per_cta; r += kRowsPerPass) {
-    const bool live = r < rows_here;
-    T* y_row = ys + lead + r * cols;
-    const T* g_row = gs + lead + r * cols;
+    const bool live = r < sp.rows_here;
+    T* y_row = ys + sp.lead + r * cols;
+    const T* g_row = gs + sp.lead + r * cols;
     A part = A(0);
     if (live)
       for (int c = lane; c < cols; c += kGroup)
@@ -3041,12 +3076,7 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
             from_acc<T>(bwd_output(to_acc(y_row[c]), to_acc(g_row[c]), true, dot, scale, log));
   }
   __syncthreads();
-  const int head_end = lead == 0 ? 0 : min(span, kVec);
-  for (int i = lead + threadIdx.x; i < head_end; i += kShortRowsBlock) dst[i] = ys[i];
-  for (int i = (lead == 0 ? 0 : 1) + threadIdx.x; i < whole; i += kShortRowsBlock)
-    reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(ys)[i];
-  for (int i = max(whole * kVec, head_end) + threadIdx.x; i < span; i += kShortRowsBlock)
-    dst[i] = ys[i];
+  store_short_span(static_cast<T*>(p.out) + sp.start, ys, sp);
 }
 
 }  // namespace jax_softmax
