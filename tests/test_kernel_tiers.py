@@ -343,8 +343,15 @@ def test_float_short_row_lanes(backend, device, rng):
     check_sizes(device, rng, jnp.float32, sizes, rows_past_one_wave)
 
 
-# attention_softmax with a scale over a list of arrays, in one jitted call.
-_scaled_many = jax.jit(lambda xs: [js.attention_softmax(x, scale=0.37) for x in xs])
+# attention_softmax with a scale over a list of (scores, cotangent) pairs, in one jitted call:
+# each one's output and the cotangent of its scores.
+@jax.jit
+def _scaled_many(pairs):
+    outs = []
+    for x, g in pairs:
+        y, vjp = jax.vjp(lambda s: js.attention_softmax(s, scale=0.37), x)
+        outs.append((y, vjp(g)[0]))
+    return outs
 
 
 @pytest.mark.gpu
@@ -372,13 +379,14 @@ def test_short_windowed_rows(backend, device, rng, dtype):
     check_sizes(device, rng, dtype, sizes, lambda n: 2053)
     # The scaled rows of every size in one jitted call, as check_sizes (one compilation).
     xs = [rounded(rng.standard_normal((2053, n)) * 3.0, dtype) for n in sizes]
-    placed = [put(device, x) for x in xs]
+    gs = [rounded(rng.standard_normal(x.shape), dtype) for x in xs]
+    placed = [put(device, x, g) for x, g in zip(xs, gs)]
     for x in xs:
-        poison(device, x.shape, dtype, count=4)
-    ys = _scaled_many(placed)
-    for x, y in zip(xs, ys):
-        assert_close(np.asarray(y), np_softmax(x.astype(np.float64) * 0.37), dtype,
-                     what=f"scale N={x.shape[1]}")
+        poison(device, x.shape, dtype, count=8)
+    # Outputs and the scores' cotangents (the backward short-row kernel's scale, to 64 columns).
+    for x, g, (y, dx) in zip(xs, gs, _scaled_many(placed)):
+        z = x.astype(np.float64) * 0.37
+        check_scores_vjp(y, dx, z, g, None, 0.37, dtype, f"scale N={x.shape[1]}")
 
 
 @pytest.mark.gpu
