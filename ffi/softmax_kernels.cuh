@@ -2883,41 +2883,6 @@ __host__ __device__ constexpr int64_t ShortRowsSlots(int64_t elems, int64_t vec)
   return (elems + 2 * vec - 1) / vec * vec;
 }
 
-// Copies n_vec 16-byte vectors of each of kSpans spans from global into shared memory. Batched,
-// eight vectors per thread (over the spans) are loaded before any is stored, so that they are in
-// flight together; the plain loop compiles to a remainder loop of up to three iterations, each
-// store waiting for its own load, then a body unrolled by four (PTX, session 63), which suits
-// tiles of many vectors per thread (ShortRowsTuningFor picks per dtype and direction).
-template <int kSpans>
-__device__ __forceinline__ void copy_spans_to_smem(uint4* const (&dst)[kSpans],
-                                                   const uint4* const (&src)[kSpans], int n_vec,
-                                                   bool batched) {
-  if (!batched) {
-    for (int i = threadIdx.x; i < n_vec; i += kShortRowsBlock)
-#pragma unroll
-      for (int s = 0; s < kSpans; ++s) dst[s][i] = __ldg(src[s] + i);
-    return;
-  }
-  constexpr int kPerSpan = 8 / kSpans;
-  for (int base = 0; base < n_vec; base += kShortRowsBlock * kPerSpan) {
-    uint4 buf[kSpans][kPerSpan];
-#pragma unroll
-    for (int j = 0; j < kPerSpan; ++j) {
-      const int i = base + j * kShortRowsBlock + int(threadIdx.x);
-#pragma unroll
-      for (int s = 0; s < kSpans; ++s)
-        if (i < n_vec) buf[s][j] = __ldg(src[s] + i);
-    }
-#pragma unroll
-    for (int j = 0; j < kPerSpan; ++j) {
-      const int i = base + j * kShortRowsBlock + int(threadIdx.x);
-#pragma unroll
-      for (int s = 0; s < kSpans; ++s)
-        if (i < n_vec) dst[s][i] = buf[s][j];
-    }
-  }
-}
-
 // A CTA's span in the short-row kernels: its rows' elements of each operand, from the start
 // aligned down to 16 bytes.
 struct ShortRowsSpan {
@@ -2941,26 +2906,57 @@ __device__ __forceinline__ ShortRowsSpan short_rows_span(const RowParams& p, int
   return s;
 }
 
-// Copies kSpans operands' spans into their tiles: the whole vectors with copy_spans_to_smem, the
-// last partial vector element by element (nothing past the operand's end is read).
+// Copies kSpans operands' spans into their tiles: the whole vectors with 16-byte loads, the last
+// partial vector element by element (nothing past the operand's end is read). Batched, eight
+// vectors per thread (over the spans) are loaded before any is stored, so that they are in flight
+// together; the plain loop compiles to a remainder loop of up to three iterations, each store
+// waiting for its own load, then a body unrolled by four (PTX, session 63), which suits tiles of
+// many vectors per thread (ShortRowsTuningFor picks per dtype and direction).
 template <typename T, int kSpans>
 __device__ __forceinline__ void load_short_spans(T* const (&tiles)[kSpans],
                                                  const T* const (&srcs)[kSpans],
                                                  const ShortRowsSpan& s, bool batched) {
   constexpr int kVec = 16 / int(sizeof(T));
-  {
-    uint4* to[kSpans];
-    const uint4* from[kSpans];
+  const auto dst = [&](int k) { return reinterpret_cast<uint4*>(tiles[k]); };
+  const auto src = [&](int k) { return reinterpret_cast<const uint4*>(srcs[k]); };
+  if (!batched) {
+    for (int i = threadIdx.x; i < s.whole; i += kShortRowsBlock)
 #pragma unroll
-    for (int k = 0; k < kSpans; ++k) {
-      to[k] = reinterpret_cast<uint4*>(tiles[k]);
-      from[k] = reinterpret_cast<const uint4*>(srcs[k]);
+      for (int k = 0; k < kSpans; ++k) dst(k)[i] = __ldg(src(k) + i);
+  } else {
+    constexpr int kPerSpan = 8 / kSpans;
+    for (int base = 0; base < s.whole; base += kShortRowsBlock * kPerSpan) {
+      uint4 buf[kSpans][kPerSpan];
+#pragma unroll
+      for (int j = 0; j < kPerSpan; ++j) {
+        const int i = base + j * kShortRowsBlock + int(threadIdx.x);
+#pragma unroll
+        for (int k = 0; k < kSpans; ++k)
+          if (i < s.whole) buf[k][j] = __ldg(src(k) + i);
+      }
+#pragma unroll
+      for (int j = 0; j < kPerSpan; ++j) {
+        const int i = base + j * kShortRowsBlock + int(threadIdx.x);
+#pragma unroll
+        for (int k = 0; k < kSpans; ++k)
+          if (i < s.whole) dst(k)[i] = buf[k][j];
+      }
     }
-    copy_spans_to_smem<kSpans>(to, from, s.whole, batched);
   }
   for (int i = s.whole * kVec + threadIdx.x; i < s.span; i += kShortRowsBlock)
 #pragma unroll
     for (int k = 0; k < kSpans; ++k) tiles[k][i] = srcs[k][i];
+}
+
+// Runs row_fn(live, offset) for this thread's rows of a tile of rows_per_cta rows (kGroup lanes
+// per row, a pass of kShortRowsBlock / kGroup rows at a time): offset is the row's first element
+// in the tile. Every thread runs every pass (the group's shuffles), rows past the CTA's last
+// (live false) included.
+template <int kGroup, typename RowFn>
+__device__ __forceinline__ void for_short_tile_rows(int rows_per_cta, const ShortRowsSpan& s,
+                                                    int cols, RowFn&& row_fn) {
+  for (int r = threadIdx.x / kGroup; r < rows_per_cta; r += kShortRowsBlock / kGroup)
+    row_fn(r < s.rows_here, s.lead + r * cols);
 }
 
 // Stores a tile's span over dst (both from the aligned start) with 16-byte stores, its first
@@ -2985,7 +2981,6 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
   using A = acc_t<T>;
   constexpr int kPer = kShortRowValues;
   constexpr int kVec = 16 / int(sizeof(T));
-  constexpr int kRowsPerPass = kShortRowsBlock / kGroup;
   extern __shared__ __align__(16) unsigned char short_rows_smem[];
   T* tile = reinterpret_cast<T*>(short_rows_smem);
   wait_prior_grids_release_next();
@@ -3002,10 +2997,8 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
   const int lane = threadIdx.x % kGroup;
   const A scale = static_cast<A>(p.scale);
   const bool log = p.log;
-  // Every thread runs every pass (the group's shuffles), rows past the tile's end included.
-  for (int r = threadIdx.x / kGroup; r < rows_per_cta; r += kRowsPerPass) {
-    const bool live = r < sp.rows_here;
-    T* row = tile + sp.lead + r * cols;
+  for_short_tile_rows<kGroup>(rows_per_cta, sp, cols, [&](bool live, int offset) {
+    T* row = tile + offset;
     A v[kPer];
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
@@ -3029,7 +3022,7 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
       finish(std::true_type{});
     else
       finish(std::false_type{});
-  }
+  });
   __syncthreads();
   store_short_span(dst, tile, sp);
 }
@@ -3044,7 +3037,6 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
     softmax_short_rows_bwd_kernel(const RowParams p, int rows_per_cta, bool batched_copy) {
   using A = acc_t<T>;
   constexpr int kVec = 16 / int(sizeof(T));
-  constexpr int kRowsPerPass = kShortRowsBlock / kGroup;
   extern __shared__ __align__(16) unsigned char short_rows_bwd_smem[];
   wait_prior_grids_release_next();
   const int cols = static_cast<int>(p.cols);
@@ -3061,10 +3053,9 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
   const int lane = threadIdx.x % kGroup;
   const A scale = static_cast<A>(p.scale);
   const bool log = p.log;
-  for (int r = threadIdx.x / kGroup; r < rows_per_cta; r += kRowsPerPass) {
-    const bool live = r < sp.rows_here;
-    T* y_row = ys + sp.lead + r * cols;
-    const T* g_row = gs + sp.lead + r * cols;
+  for_short_tile_rows<kGroup>(rows_per_cta, sp, cols, [&](bool live, int offset) {
+    T* y_row = ys + offset;
+    const T* g_row = gs + offset;
     A part = A(0);
     if (live)
       for (int c = lane; c < cols; c += kGroup)
@@ -3074,7 +3065,7 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
       for (int c = lane; c < cols; c += kGroup)
         y_row[c] =
             from_acc<T>(bwd_output(to_acc(y_row[c]), to_acc(g_row[c]), true, dot, scale, log));
-  }
+  });
   __syncthreads();
   store_short_span(static_cast<T*>(p.out) + sp.start, ys, sp);
 }

@@ -1355,7 +1355,7 @@ using Launched = std::optional<ffi::Error>;
 
 // Tiles and copies of the short-row kernels (softmax_short_rows_kernel and its backward), by
 // direction and element size: the tile's KiB over all operands (whole passes of rows, at least
-// one, at most 16) and whether the copy into shared memory is batched (copy_spans_to_smem).
+// one, at most 16) and whether the copy into shared memory is batched (load_short_spans).
 // Measured (H200, session 64, us per call at 256 MiB; one pass of rows and the plain copy as in
 // session 63 / the table's choice; 125 us moves a forward's bytes at the copy's rate, 187 a
 // backward's): forward bfloat16 (24 KiB, plain) 17 238 / 164, 33 257 / 186, 65 288 / 250, 101
@@ -1407,6 +1407,21 @@ Launched LaunchShortRows(const LaunchCtx& c) {
   else
     return Launch(launch, softmax_short_rows_kernel<T, kGroup>, "softmax short-row kernel", c.p,
                   static_cast<int>(rows_per_cta), tuning.batched_copy);
+}
+
+// The short-row kernel on the fewest lanes that hold the row: 1, 2, 4 or 8 lanes for rows of up
+// to 1, 2, 4 or 8 kShortRowValues columns (the backward rule's rows end at 4).
+template <typename T, bool kBwd>
+Launched LaunchShortRowsFewestLanes(const LaunchCtx& c) {
+  constexpr int64_t kV = kShortRowValues;
+  if (c.p.cols <= 1 * kV) return LaunchShortRows<T, 1, kBwd>(c);
+  if (c.p.cols <= 2 * kV) return LaunchShortRows<T, 2, kBwd>(c);
+  if constexpr (kBwd) {
+    return LaunchShortRows<T, 4, kBwd>(c);
+  } else {
+    if (c.p.cols <= 4 * kV) return LaunchShortRows<T, 4, kBwd>(c);
+    return LaunchShortRows<T, 8, kBwd>(c);
+  }
 }
 
 // CTAs of a staged row launch: tiles_per_cta tiles each, or (0) persistent waves of the CTAs
@@ -1962,40 +1977,21 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
         if (n <= 32 * kVec && ShortRegisterRows())
           return lane_groups(std::integral_constant<int, 2>{});
       if constexpr (kAccess == Access::kWindowed) {
-        // The fewest lanes that hold the row (1, 2, 4, or 8: 16-bit rows past 128 columns).
-        constexpr int64_t kV = kShortRowValues;
         const int mode = ShortOddRowsMode();
-        if (n <= 32 * kVec && (mode == 1 || (mode == 2 && c.p.cols <= 4 * kV))) {
-          Launched launched;
-          if (c.p.cols <= 1 * kV)
-            launched = LaunchShortRows<T, 1, false>(c);
-          else if (c.p.cols <= 2 * kV)
-            launched = LaunchShortRows<T, 2, false>(c);
-          else if (c.p.cols <= 4 * kV)
-            launched = LaunchShortRows<T, 4, false>(c);
-          else
-            launched = LaunchShortRows<T, 8, false>(c);
-          if (launched) return *launched;
-        }
+        if (n <= 32 * kVec && (mode == 1 || (mode == 2 && c.p.cols <= 4 * kShortRowValues)))
+          if (Launched launched = LaunchShortRowsFewestLanes<T, false>(c)) return *launched;
       }
       if (Launched launched = LaunchStagedTier<T, kVec, kAccess>(c)) return *launched;
     }
   }
 #define JS_ROWS(G, E, R) return LaunchRows<T, G, E, kVec, kBwd, kAccess, R>(c)
-  // Short windowed backward rows (ShortOddBwdMode), one or two lanes per row (four past the
-  // rule's 64 columns).
+  // Short windowed backward rows (ShortOddBwdMode): up to 2 kShortRowValues columns, 4 under
+  // its knob's 2.
   if constexpr (kBwd && kAccess == Access::kWindowed && sizeof(T) <= 4) {
     const int mode = ShortOddBwdMode();
-    if (mode != 0 && c.dev.cc_major >= 9 && n <= 32 * kVec && c.p.cols <= (mode == 2 ? 128 : 64)) {
-      Launched launched;
-      if (c.p.cols <= 32)
-        launched = LaunchShortRows<T, 1, true>(c);
-      else if (c.p.cols <= 64)
-        launched = LaunchShortRows<T, 2, true>(c);
-      else
-        launched = LaunchShortRows<T, 4, true>(c);
-      if (launched) return *launched;
-    }
+    if (mode != 0 && c.dev.cc_major >= 9 && n <= 32 * kVec &&
+        c.p.cols <= (mode == 2 ? 4 : 2) * kShortRowValues)
+      if (Launched launched = LaunchShortRowsFewestLanes<T, true>(c)) return *launched;
   }
   constexpr int kRowsShort = kBwd ? 2 : 4;  // backward: two values per element, 90 registers at 4
   if (n <= 32 * kVec) return lane_groups(std::integral_constant<int, kRowsShort>{});
