@@ -2952,11 +2952,51 @@ __device__ __forceinline__ void load_short_spans(T* const (&tiles)[kSpans],
 // per row, a pass of kShortRowsBlock / kGroup rows at a time): offset is the row's first element
 // in the tile. Every thread runs every pass (the group's shuffles), rows past the CTA's last
 // (live false) included.
+//
+// Which rows of a pass a warp takes: row_spacing (1, 2 or 4, the launcher's ShortRowsSpacing)
+// consecutive warps interleave theirs, so that a warp's rows sit row_spacing rows apart. Rows
+// are laid end to end in the tile, so with consecutive rows a warp's lanes read the same few
+// banks wherever cols * sizeof(T) is close to a multiple of 128 bytes (65 bfloat16 columns on 4
+// lanes: rows 130 bytes apart, a 4- to 5-way bank conflict on every access).
 template <int kGroup, typename RowFn>
 __device__ __forceinline__ void for_short_tile_rows(int rows_per_cta, const ShortRowsSpan& s,
-                                                    int cols, RowFn&& row_fn) {
-  for (int r = threadIdx.x / kGroup; r < rows_per_cta; r += kShortRowsBlock / kGroup)
-    row_fn(r < s.rows_here, s.lead + r * cols);
+                                                    int cols, int row_spacing, RowFn&& row_fn) {
+  static_assert(kShortRowsBlock == 4 * 32 && kGroup <= 32, "row spacings 1, 2 and 4 over 4 warps");
+  constexpr int kRowsPerWarp = 32 / kGroup;
+  const int warp = threadIdx.x / 32;
+  const int first = warp / row_spacing * (row_spacing * kRowsPerWarp) +
+                    threadIdx.x % 32 / kGroup * row_spacing + warp % row_spacing;
+  // Counted in elements, not rows: with a row index beside the offset the forward kernels of 2
+  // lanes or more spilled 4 bytes (ptxas). A tile holds less than 48 KiB, so ints do.
+  const int end = s.lead + rows_per_cta * cols, live_end = s.lead + s.rows_here * cols;
+  for (int offset = s.lead + first * cols; offset < end; offset += kShortRowsBlock / kGroup * cols)
+    row_fn(offset < live_end, offset);
+}
+
+// Calls fn(std::integral_constant<int, 4 * value_chunks>()): the short-row kernel's values per
+// lane, the fewest chunks of 4 that hold the lane's columns (the launcher's ShortValueChunks).
+// Each slot costs an exp whether or not a column fills it, so a row of 65 columns on 4 lanes
+// (17 each) takes 20 per lane, not kShortRowValues. The launcher takes the fewest lanes, so
+// past one lane a lane holds more than 16 columns (5 chunks or more) and only those cases are
+// compiled there: with the others every kernel of 2 lanes or more spilled 4 bytes (ptxas).
+template <int kGroup, typename Fn>
+__device__ __forceinline__ void with_short_row_values(int value_chunks, Fn&& fn) {
+  static_assert(kShortRowValues == 32, "cases of 4 to 32 values");
+  if constexpr (kGroup == 1) {
+    switch (value_chunks) {
+      case 1: return fn(std::integral_constant<int, 4>());
+      case 2: return fn(std::integral_constant<int, 8>());
+      case 3: return fn(std::integral_constant<int, 12>());
+      case 4: return fn(std::integral_constant<int, 16>());
+      default: break;
+    }
+  }
+  switch (value_chunks) {
+    case 5: return fn(std::integral_constant<int, 20>());
+    case 6: return fn(std::integral_constant<int, 24>());
+    case 7: return fn(std::integral_constant<int, 28>());
+    default: return fn(std::integral_constant<int, kShortRowValues>());
+  }
 }
 
 // Stores a tile's span over dst (both from the aligned start) with 16-byte stores, its first
@@ -2973,18 +3013,20 @@ __device__ __forceinline__ void store_short_span(T* dst, const T* tile, const Sh
     dst[i] = tile[i];
 }
 
-// Forward: kShortRowValues values per lane (rows of up to kGroup * kShortRowValues columns). The
-// tile sits in dynamic shared memory: ShortRowsSlots(rows_per_cta * cols, kVec) elements.
+// Forward: 4 value_chunks values per lane, up to kShortRowValues (rows of up to kGroup *
+// kShortRowValues columns; with_short_row_values), a warp's rows row_spacing apart
+// (for_short_tile_rows). The tile sits in dynamic shared memory: ShortRowsSlots(rows_per_cta *
+// cols, kVec) elements.
 template <typename T, int kGroup>
 __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBlock))
-    softmax_short_rows_kernel(const RowParams p, int rows_per_cta, bool batched_copy) {
+    softmax_short_rows_kernel(const RowParams p, int rows_per_cta, bool batched_copy,
+                              int row_spacing, int value_chunks) {
   using A = acc_t<T>;
-  constexpr int kPer = kShortRowValues;
   constexpr int kVec = 16 / int(sizeof(T));
   extern __shared__ __align__(16) unsigned char short_rows_smem[];
   T* tile = reinterpret_cast<T*>(short_rows_smem);
   wait_prior_grids_release_next();
-  const int cols = static_cast<int>(p.cols);  // at most kGroup * kPer (the launcher's rule)
+  const int cols = static_cast<int>(p.cols);  // at most kGroup * 4 value_chunks (the launcher's)
   const ShortRowsSpan sp = short_rows_span<kVec>(p, rows_per_cta);
   const T* src = static_cast<const T*>(p.in) + sp.start;
   T* dst = static_cast<T*>(p.out) + sp.start;
@@ -2997,31 +3039,34 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
   const int lane = threadIdx.x % kGroup;
   const A scale = static_cast<A>(p.scale);
   const bool log = p.log;
-  for_short_tile_rows<kGroup>(rows_per_cta, sp, cols, [&](bool live, int offset) {
-    T* row = tile + offset;
-    A v[kPer];
+  with_short_row_values<kGroup>(value_chunks, [&](auto values) {
+    constexpr int kN = decltype(values)::value;
+    for_short_tile_rows<kGroup>(rows_per_cta, sp, cols, row_spacing, [&](bool live, int offset) {
+      T* row = tile + offset;
+      A v[kN];
 #pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      const int c = lane + k * kGroup;
-      v[k] = live && c < cols ? scale * to_acc(row[c]) : neg_inf<A>();
-    }
-    // One branch on log for the whole row (uniform over the grid): with a run-time log in every
-    // step the values of both (z and exp(z - max)) stayed live.
-    auto finish = [&](auto log_tag) {
-      constexpr bool kLog = decltype(log_tag)::value;
-      const FwdStats<A> st = group_fwd_stats<kGroup>(v, true, kLog);
-      if (live) {
-#pragma unroll
-        for (int k = 0; k < kPer; ++k) {
-          const int c = lane + k * kGroup;
-          if (c < cols) row[c] = from_acc<T>(fwd_output(v[k], st, kLog));
-        }
+      for (int k = 0; k < kN; ++k) {
+        const int c = lane + k * kGroup;
+        v[k] = live && c < cols ? scale * to_acc(row[c]) : neg_inf<A>();
       }
-    };
-    if (log)
-      finish(std::true_type{});
-    else
-      finish(std::false_type{});
+      // One branch on log for the whole row (uniform over the grid): with a run-time log in every
+      // step the values of both (z and exp(z - max)) stayed live.
+      auto finish = [&](auto log_tag) {
+        constexpr bool kLog = decltype(log_tag)::value;
+        const FwdStats<A> st = group_fwd_stats<kGroup>(v, true, kLog);
+        if (live) {
+#pragma unroll
+          for (int k = 0; k < kN; ++k) {
+            const int c = lane + k * kGroup;
+            if (c < cols) row[c] = from_acc<T>(fwd_output(v[k], st, kLog));
+          }
+        }
+      };
+      if (log)
+        finish(std::true_type{});
+      else
+        finish(std::false_type{});
+    });
   });
   __syncthreads();
   store_short_span(dst, tile, sp);
@@ -3034,7 +3079,8 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
 // so a row's length is bounded only by the tile.
 template <typename T, int kGroup>
 __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBlock))
-    softmax_short_rows_bwd_kernel(const RowParams p, int rows_per_cta, bool batched_copy) {
+    softmax_short_rows_bwd_kernel(const RowParams p, int rows_per_cta, bool batched_copy,
+                                  int row_spacing) {
   using A = acc_t<T>;
   constexpr int kVec = 16 / int(sizeof(T));
   extern __shared__ __align__(16) unsigned char short_rows_bwd_smem[];
@@ -3053,7 +3099,7 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
   const int lane = threadIdx.x % kGroup;
   const A scale = static_cast<A>(p.scale);
   const bool log = p.log;
-  for_short_tile_rows<kGroup>(rows_per_cta, sp, cols, [&](bool live, int offset) {
+  for_short_tile_rows<kGroup>(rows_per_cta, sp, cols, row_spacing, [&](bool live, int offset) {
     T* y_row = ys + offset;
     const T* g_row = gs + offset;
     A part = A(0);

@@ -18,8 +18,8 @@
 //                           take the short-row kernel: the CTA's rows copied into shared memory
 //                           as one span, 1-8 lanes per row (session 63, ShortOddRowsMode; tiles
 //                           of several passes of rows and 16-bit rows of 129-255 columns since
-//                           session 64), and windowed backward rows of up to 64 columns its
-//                           backward (ShortOddBwdMode)
+//                           session 64), and windowed backward rows of up to 128 columns
+//                           (float32 96) its backward (ShortOddBwdMode)
 //   cols <= 32 * E          one warp per row, E' <= E elements per lane (E' the smallest power
 //                           of two that fits); on the H200 float32 windowed forward rows of
 //                           W = 129-160 take 8 lanes of 5 vectors, W = 161-228 8 lanes of 8,
@@ -1354,30 +1354,89 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
 using Launched = std::optional<ffi::Error>;
 
 // Tiles and copies of the short-row kernels (softmax_short_rows_kernel and its backward), by
-// direction and element size: the tile's KiB over all operands (whole passes of rows, at least
-// one, at most 16) and whether the copy into shared memory is batched (load_short_spans).
+// direction, element size and the bytes of one pass of rows (all operands): the tile's KiB over
+// all operands (whole passes of rows, at least one, at most 16) and whether the copy into shared
+// memory is batched (load_short_spans).
 // Measured (H200, session 64, us per call at 256 MiB; one pass of rows and the plain copy as in
 // session 63 / the table's choice; 125 us moves a forward's bytes at the copy's rate, 187 a
 // backward's): forward bfloat16 (24 KiB, plain) 17 238 / 164, 33 257 / 186, 65 288 / 250, 101
 // 207 / 147; float32 (12 KiB, batched) 17 147 / 128, 65 163 / 145, 125 162 / 133. Forward
 // bfloat16 batched lost against plain at 24 KiB (33 186 / 190, 101 147 / 152) and float32 at
-// 24 KiB plain lost at 17 and 125 (133, 162). Backward (24 KiB, plain), against the register lane
-// groups: bfloat16 17 393 / 239, 33 406 / 237; float32 17 248 / 188; batched copies moved none
-// of them by more than 12 us.
+// 24 KiB plain lost at 17 and 125 (133, 162). Backward (24 KiB), against the register lane
+// groups: bfloat16 17 393 / 239, 33 406 / 237; float32 17 248 / 188.
+// Session 65 (H200, plain / batched backward copies): where one pass of rows fills the tile
+// (bfloat16 past 96 columns) batched copies won, bfloat16 101 266 / 211, 111 261 / 210, 125 300
+// / 217 (float32 65 and 79, one pass too, 189 / 188 and 187 / 187); with two passes or more
+// plain won, bfloat16 17 204 / 211, 33 203 / 213, 65 221 / 232, 79 218 / 224. Tiles of 46 KiB
+// lost at every point of both directions (bfloat16 forward 65 165 / 188, backward 65 221 / 276).
 // JAX_SOFTMAX_SHORT_TILE_KIB (0-46; 0 one pass of rows) and JAX_SOFTMAX_SHORT_COPY_BATCH (0 or
 // 1) override the table for A/B runs (read once).
 struct ShortRowsTuning {
   int tile_kib;
   bool batched_copy;
 };
-inline ShortRowsTuning ShortRowsTuningFor(bool bwd, size_t elem_bytes) {
+inline ShortRowsTuning ShortRowsTuningFor(bool bwd, size_t elem_bytes, int64_t pass_bytes) {
   static const long tile_knob = EnvKnob("JAX_SOFTMAX_SHORT_TILE_KIB", -1);
   static const long batch_knob = EnvKnob("JAX_SOFTMAX_SHORT_COPY_BATCH", -1);
   ShortRowsTuning t =
       !bwd && elem_bytes == 4 ? ShortRowsTuning{12, true} : ShortRowsTuning{24, false};
   if (tile_knob >= 0) t.tile_kib = static_cast<int>(std::min<long>(tile_knob, 46));
+  if (bwd) t.batched_copy = 2 * pass_bytes > int64_t(t.tile_kib) * 1024;  // one pass
   if (batch_knob >= 0) t.batched_copy = batch_knob == 1;
   return t;
+}
+
+// How far apart a warp's rows sit in the short-row kernels' tiles (for_short_tile_rows): the
+// spacing of 1, 2 or 4 rows with the fewest shared-memory bank conflicts, counted for a warp's
+// first access to its rows (the value at column lane) of a tile that starts at a 16-byte
+// boundary, plus (16-bit) one that starts an element past it: the same count over all of a
+// row's accesses and all starts picks the same spacing for all but 2 of the 16-bit row lengths
+// to 255 not a multiple of 8 (two 1.97-way spacings instead of 1.95). A warp's word addresses
+// rise with its lanes, so a bank's distinct words are counted as changes of word.
+// Measured (H200, session 65, us per call at 256 MiB, rows consecutive / spaced, every lane with
+// 32 values): forward bfloat16 17 166 / 156, 65 289 / 249, 131 260 / 248, float16 65 289 / 245;
+// backward bfloat16 17 241 / 204, 33 238 / 204. The knob JAX_SOFTMAX_SHORT_ROW_SPACING (1, 2 or
+// 4; read once) fixes the spacing.
+inline int ShortRowsBankWays(int64_t cols, int elem_bytes, int group, int spacing) {
+  int ways = 0;
+  for (int lead = 0; lead < (elem_bytes < 4 ? 2 : 1); ++lead) {
+    int words_in_bank[32] = {};
+    int64_t last_word = -1;
+    for (int t = 0; t < 32; ++t) {
+      const int64_t word =
+          ((lead + int64_t(t / group) * spacing * cols + t % group) * elem_bytes) / 4;
+      if (word != last_word) ++words_in_bank[word % 32];
+      last_word = word;
+    }
+    ways += *std::max_element(words_in_bank, words_in_bank + 32);
+  }
+  return ways;
+}
+inline int ShortRowsSpacing(int64_t cols, int elem_bytes, int group) {
+  static const long knob = EnvKnob("JAX_SOFTMAX_SHORT_ROW_SPACING", 0);
+  if (knob == 1 || knob == 2 || knob == 4) return static_cast<int>(knob);
+  int best = 1;
+  int best_ways = ShortRowsBankWays(cols, elem_bytes, group, 1);
+  for (int spacing : {2, 4}) {
+    const int ways = ShortRowsBankWays(cols, elem_bytes, group, spacing);
+    if (ways < best_ways) best = spacing, best_ways = ways;
+  }
+  return best;
+}
+
+// The forward short-row kernel's chunks of 4 values per lane (with_short_row_values): the
+// fewest that hold a lane's columns. Measured (H200, session 65, us per call at 256 MiB, rows
+// spaced, 32 values / chunks of 8 / chunks of 4; 125 us moves the bytes at the copy's rate):
+// bfloat16 17 156 / 140 / 139, 33 244 / 179 / 156, 65 249 / 185 / 161, 101 180 / 179 / 153, 131
+// 248 / 184 / 161, 157 216 / 163 / 148, 199 182 / 182 / 154; float32 65 173 / 153 / 145.
+// JAX_SOFTMAX_SHORT_VALUE_CHUNKS=0 (read once) gives every lane all kShortRowValues instead, the
+// kernel before session 65.
+inline int ShortValueChunks(int64_t cols, int group) {
+  static const long knob = EnvKnob("JAX_SOFTMAX_SHORT_VALUE_CHUNKS", 1);
+  constexpr int64_t kAll = kShortRowValues / 4;
+  if (knob == 0) return static_cast<int>(kAll);
+  const int64_t per_lane = (cols + group - 1) / group;
+  return static_cast<int>(std::min<int64_t>((per_lane + 3) / 4, kAll));
 }
 
 // Launches a short-row kernel (forward, or backward with kBwd: y's and dy's tiles) over tiles
@@ -1387,8 +1446,8 @@ template <typename T, int kGroup, bool kBwd>
 Launched LaunchShortRows(const LaunchCtx& c) {
   constexpr int64_t kRowsPerPass = kShortRowsBlock / kGroup;
   constexpr int64_t kOperands = kBwd ? 2 : 1;
-  const ShortRowsTuning tuning = ShortRowsTuningFor(kBwd, sizeof(T));
   const int64_t pass_bytes = kOperands * kRowsPerPass * c.p.cols * int64_t(sizeof(T));
+  const ShortRowsTuning tuning = ShortRowsTuningFor(kBwd, sizeof(T), pass_bytes);
   const int64_t passes =
       std::clamp<int64_t>(int64_t(tuning.tile_kib) * 1024 / pass_bytes, 1, 16);
   const int64_t rows_per_cta = passes * kRowsPerPass;
@@ -1400,13 +1459,15 @@ Launched LaunchShortRows(const LaunchCtx& c) {
   if (smem > 48 * 1024) return std::nullopt;
   const KernelLaunch launch(static_cast<unsigned>(grid), kShortRowsBlock, smem, c.stream, 1,
                             c.dependent);
+  const int spacing = ShortRowsSpacing(c.p.cols, int(sizeof(T)), kGroup);
   if constexpr (kBwd)
     return Launch(launch, softmax_short_rows_bwd_kernel<T, kGroup>,
                   "softmax short-row backward kernel", c.p, static_cast<int>(rows_per_cta),
-                  tuning.batched_copy);
+                  tuning.batched_copy, spacing);
   else
     return Launch(launch, softmax_short_rows_kernel<T, kGroup>, "softmax short-row kernel", c.p,
-                  static_cast<int>(rows_per_cta), tuning.batched_copy);
+                  static_cast<int>(rows_per_cta), tuning.batched_copy, spacing,
+                  ShortValueChunks(c.p.cols, kGroup));
 }
 
 // The short-row kernel on the fewest lanes that hold the row: 1, 2, 4 or 8 lanes for rows of up
@@ -1916,14 +1977,18 @@ inline int ShortOddRowsMode() {
   return mode;
 }
 
-// Windowed backward rows of up to 64 columns on sm_90+: the short-row backward kernel (y's and
-// dy's tiles in shared memory, 1 or 2 lanes per row), rather than the register lane groups.
-// Measured (H200, session 64, us per call at 256 MiB, lane groups / kernel; 187 us moves the
-// bytes at the copy's rate): bfloat16 17 393 / 239, 33 406 / 237; float32 17 248 / 188. Rows
-// of 65-128 columns (4 lanes) were mixed: float32 65 257 / 236, 125 185 / 230; bfloat16 65 414 /
-// 471, 101 327 / 291, so they keep the lane groups.
+// Windowed backward rows on sm_90+ of up to 128 columns (16-bit) or 96 (float32): the short-row
+// backward kernel (y's and dy's tiles in shared memory, 1, 2 or 4 lanes per row), rather than
+// the register lane groups.
+// Measured (H200, us per call at 256 MiB, lane groups / kernel; 187 us moves the bytes at the
+// copy's rate): session 64, bfloat16 17 393 / 239, 33 406 / 237; float32 17 248 / 188. Rows of
+// 65-128 columns (4 lanes) were mixed then: bfloat16 65 414 / 471, float32 125 185 / 230.
+// Session 65, with a warp's rows spaced against bank conflicts (ShortRowsSpacing) and batched
+// copies where one pass fills the tile: bfloat16 65 414 / 221, 79 414 / 218, 101 328 / 211, 111
+// 298 / 210, 125 261 / 217; float32 65 257 / 189, 79 257 / 187, but 101 191 / 208 and 125 185
+// / 212, where the lane groups already run at the copy's rate.
 // JAX_SOFTMAX_SHORT_ODD_BWD (read once; A/B runs): 0 keeps the lane groups, 2 takes the kernel
-// for rows of up to 128 columns.
+// for all rows of up to 128 columns.
 inline int ShortOddBwdMode() {
   static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_SHORT_ODD_BWD", 1));
   return mode;
@@ -1985,12 +2050,12 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
     }
   }
 #define JS_ROWS(G, E, R) return LaunchRows<T, G, E, kVec, kBwd, kAccess, R>(c)
-  // Short windowed backward rows (ShortOddBwdMode): up to 2 kShortRowValues columns, 4 under
-  // its knob's 2.
+  // Short windowed backward rows (ShortOddBwdMode): up to 4 kShortRowValues columns, float32
+  // 3 unless its knob is 2.
   if constexpr (kBwd && kAccess == Access::kWindowed && sizeof(T) <= 4) {
     const int mode = ShortOddBwdMode();
-    if (mode != 0 && c.dev.cc_major >= 9 && n <= 32 * kVec &&
-        c.p.cols <= (mode == 2 ? 4 : 2) * kShortRowValues)
+    const int64_t top = (mode == 2 || sizeof(T) < 4 ? 4 : 3) * int64_t(kShortRowValues);
+    if (mode != 0 && c.dev.cc_major >= 9 && n <= 32 * kVec && c.p.cols <= top)
       if (Launched launched = LaunchShortRowsFewestLanes<T, true>(c)) return *launched;
   }
   constexpr int kRowsShort = kBwd ? 2 : 4;  // backward: two values per element, 90 registers at 4

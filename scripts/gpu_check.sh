@@ -287,6 +287,15 @@ if want test; then
   test_job short_rows_big_tiles_plain JAX_SOFTMAX_SHORT_ODD_BWD=2 \
     JAX_SOFTMAX_SHORT_TILE_KIB=46 JAX_SOFTMAX_SHORT_COPY_BATCH=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")"
+  # Session 65's kernel rows: every lane with all 32 values and a warp's rows consecutive (the
+  # kernels before it), and each fixed row spacing (ShortRowsSpacing picks by row length), the
+  # backward kernel to 128 columns.
+  test_job short_rows_all_values JAX_SOFTMAX_SHORT_VALUE_CHUNKS=0 JAX_SOFTMAX_SHORT_ROW_SPACING=1 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")"
+  test_job short_rows_spacing2 JAX_SOFTMAX_SHORT_ROW_SPACING=2 JAX_SOFTMAX_SHORT_ODD_BWD=2 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")"
+  test_job short_rows_spacing4 JAX_SOFTMAX_SHORT_ROW_SPACING=4 JAX_SOFTMAX_SHORT_ODD_BWD=2 \
+    -- -k "$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")"
   wait_tests
   test_job tiers_big XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 -- -k "$(with_test_k "test_kernel_tiers and ($big)")"
   wait_tests

@@ -58,6 +58,10 @@ CASES = [  # (rows, cols, dtype)
     # backward bfloat16 rows of 33 (2 lanes, 2 passes of 64 rows of y and dy).
     (2100, 5, jnp.float32),
     (1500, 33, jnp.bfloat16),
+    # Session 65: a warp's rows 4 apart and 20 values per lane (bfloat16 rows of 65 columns on 4
+    # lanes, 5 passes of 32 rows per CTA, the last CTA's last pass with 12 live rows spread over
+    # the warps).
+    (1100, 65, jnp.bfloat16),
     (2, 16384, jnp.float16),
     (3, 262144, jnp.bfloat16),
     (1, 524288, jnp.bfloat16),
