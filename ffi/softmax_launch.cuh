@@ -1429,8 +1429,8 @@ inline int ShortRowsSpacing(int64_t cols, int elem_bytes, int group) {
 // spaced, 32 values / chunks of 8 / chunks of 4; 125 us moves the bytes at the copy's rate):
 // bfloat16 17 156 / 140 / 139, 33 244 / 179 / 156, 65 249 / 185 / 161, 101 180 / 179 / 153, 131
 // 248 / 184 / 161, 157 216 / 163 / 148, 199 182 / 182 / 154; float32 65 173 / 153 / 145.
-// JAX_SOFTMAX_SHORT_VALUE_CHUNKS=0 (read once) gives every lane all kShortRowValues instead, the
-// kernel before session 65.
+// JAX_SOFTMAX_SHORT_VALUE_CHUNKS=0 (read once) gives every lane all kShortRowValues instead, as
+// before session 65.
 inline int ShortValueChunks(int64_t cols, int group) {
   static const long knob = EnvKnob("JAX_SOFTMAX_SHORT_VALUE_CHUNKS", 1);
   constexpr int64_t kAll = kShortRowValues / 4;
