@@ -114,6 +114,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <climits>
 #include <cmath>
@@ -1392,7 +1393,9 @@ inline ShortRowsTuning ShortRowsTuningFor(bool bwd, size_t elem_bytes, int64_t p
 // boundary, plus (16-bit) one that starts an element past it: the same count over all of a
 // row's accesses and all starts picks the same spacing for all but 2 of the 16-bit row lengths
 // to 255 not a multiple of 8 (two 1.97-way spacings instead of 1.95). A warp's word addresses
-// rise with its lanes, so a bank's distinct words are counted as changes of word.
+// rise with its lanes, so a bank's distinct words are counted as changes of word. The count runs
+// once per element size and lane count, over every row length that lane count takes (a table,
+// not per call).
 // Measured (H200, session 65, us per call at 256 MiB, rows consecutive / spaced, every lane with
 // 32 values): forward bfloat16 17 166 / 156, 65 289 / 249, 131 260 / 248, float16 65 289 / 245;
 // backward bfloat16 17 241 / 204, 33 238 / 204. The knob JAX_SOFTMAX_SHORT_ROW_SPACING (1, 2 or
@@ -1412,9 +1415,7 @@ inline int ShortRowsBankWays(int64_t cols, int elem_bytes, int group, int spacin
   }
   return ways;
 }
-inline int ShortRowsSpacing(int64_t cols, int elem_bytes, int group) {
-  static const long knob = EnvKnob("JAX_SOFTMAX_SHORT_ROW_SPACING", 0);
-  if (knob == 1 || knob == 2 || knob == 4) return static_cast<int>(knob);
+inline int FewestBankWaysSpacing(int64_t cols, int elem_bytes, int group) {
   int best = 1;
   int best_ways = ShortRowsBankWays(cols, elem_bytes, group, 1);
   for (int spacing : {2, 4}) {
@@ -1422,6 +1423,19 @@ inline int ShortRowsSpacing(int64_t cols, int elem_bytes, int group) {
     if (ways < best_ways) best = spacing, best_ways = ways;
   }
   return best;
+}
+template <int kElemBytes, int kGroup>
+int ShortRowsSpacing(int64_t cols) {
+  static const long knob = EnvKnob("JAX_SOFTMAX_SHORT_ROW_SPACING", 0);
+  if (knob == 1 || knob == 2 || knob == 4) return static_cast<int>(knob);
+  constexpr int kMaxCols = kGroup * kShortRowValues;  // the longest row of kGroup lanes
+  static const std::array<uint8_t, kMaxCols + 1> spacings = [] {
+    std::array<uint8_t, kMaxCols + 1> t{};
+    for (int n = 1; n <= kMaxCols; ++n)
+      t[n] = static_cast<uint8_t>(FewestBankWaysSpacing(n, kElemBytes, kGroup));
+    return t;
+  }();
+  return cols <= kMaxCols ? spacings[cols] : FewestBankWaysSpacing(cols, kElemBytes, kGroup);
 }
 
 // The forward short-row kernel's chunks of 4 values per lane (with_short_row_values): the
@@ -1459,7 +1473,7 @@ Launched LaunchShortRows(const LaunchCtx& c) {
   if (smem > 48 * 1024) return std::nullopt;
   const KernelLaunch launch(static_cast<unsigned>(grid), kShortRowsBlock, smem, c.stream, 1,
                             c.dependent);
-  const int spacing = ShortRowsSpacing(c.p.cols, int(sizeof(T)), kGroup);
+  const int spacing = ShortRowsSpacing<int(sizeof(T)), kGroup>(c.p.cols);
   if constexpr (kBwd)
     return Launch(launch, softmax_short_rows_bwd_kernel<T, kGroup>,
                   "softmax short-row backward kernel", c.p, static_cast<int>(rows_per_cta),
