@@ -1485,18 +1485,18 @@ Launched LaunchShortRows(const LaunchCtx& c) {
 }
 
 // The short-row kernel on the fewest lanes that hold the row: 1, 2, 4 or 8 lanes for rows of up
-// to 1, 2, 4 or 8 kShortRowValues columns (the backward rule's rows end at 4).
+// to 1, 2, 4 or 8 kShortRowValues columns (ShortOddBwdMode: the backward to 247, 16-bit).
 template <typename T, bool kBwd>
 Launched LaunchShortRowsFewestLanes(const LaunchCtx& c) {
   constexpr int64_t kV = kShortRowValues;
   if (c.p.cols <= 1 * kV) return LaunchShortRows<T, 1, kBwd>(c);
   if (c.p.cols <= 2 * kV) return LaunchShortRows<T, 2, kBwd>(c);
-  if constexpr (kBwd) {
-    return LaunchShortRows<T, 4, kBwd>(c);
-  } else {
-    if (c.p.cols <= 4 * kV) return LaunchShortRows<T, 4, kBwd>(c);
+  if (c.p.cols <= 4 * kV) return LaunchShortRows<T, 4, kBwd>(c);
+  // Float32 backward rows end at 4 kShortRowValues (ShortOddBwdMode): no 8-lane kernel for them.
+  if constexpr (kBwd && sizeof(T) >= 4)
+    return std::nullopt;
+  else
     return LaunchShortRows<T, 8, kBwd>(c);
-  }
 }
 
 // CTAs of a staged row launch: tiles_per_cta tiles each, or (0) persistent waves of the CTAs
@@ -1991,8 +1991,8 @@ inline int ShortOddRowsMode() {
   return mode;
 }
 
-// Windowed backward rows on sm_90+ of up to 128 columns (16-bit) or 96 (float32): the short-row
-// backward kernel (y's and dy's tiles in shared memory, 1, 2 or 4 lanes per row), rather than
+// Windowed backward rows on sm_90+ of up to 247 columns (16-bit) or 96 (float32): the short-row
+// backward kernel (y's and dy's tiles in shared memory, 1, 2, 4 or 8 lanes per row), rather than
 // the register lane groups.
 // Measured (H200, us per call at 256 MiB, lane groups / kernel; 187 us moves the bytes at the
 // copy's rate): session 64, bfloat16 17 393 / 239, 33 406 / 237; float32 17 248 / 188. Rows of
@@ -2001,8 +2001,12 @@ inline int ShortOddRowsMode() {
 // copies where one pass fills the tile: bfloat16 65 414 / 221, 79 414 / 218, 101 328 / 211, 111
 // 298 / 210, 125 261 / 217; float32 65 257 / 189, 79 257 / 187, but 101 191 / 208 and 125 185
 // / 212, where the lane groups already run at the copy's rate.
-// JAX_SOFTMAX_SHORT_ODD_BWD (read once; A/B runs): 0 keeps the lane groups, 2 takes the kernel
-// for all rows of up to 128 columns.
+// Session 66, bfloat16 on 8 lanes (129-255): 129 419 / 282, 131 433 / 210, 143 438 / 205, 157
+// 382 / 243, 163 352 / 209, 179 322 / 205, 199 317 / 197, 215 295 / 193, 233 240 / 191, 245 249
+// / 189, but 223 284 / 308, and from 249, where the lane groups near the copy's rate, 249 221 /
+// 240, 253 237 / 238, 255 245 / 255 (float16 131 429 / 209, 199 314 / 196).
+// JAX_SOFTMAX_SHORT_ODD_BWD (read once; A/B runs and tests): 0 keeps the lane groups, 2 takes
+// the kernel for every row it holds (float32 to 128 columns, 16-bit to 255).
 inline int ShortOddBwdMode() {
   static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_SHORT_ODD_BWD", 1));
   return mode;
@@ -2064,11 +2068,13 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
     }
   }
 #define JS_ROWS(G, E, R) return LaunchRows<T, G, E, kVec, kBwd, kAccess, R>(c)
-  // Short windowed backward rows (ShortOddBwdMode): up to 4 kShortRowValues columns, float32
-  // 3 unless its knob is 2.
+  // Short windowed backward rows (ShortOddBwdMode): 16-bit up to 247 columns, float32 up to 3
+  // kShortRowValues; every row the kernel holds (8 or 4 kShortRowValues) when its knob is 2.
   if constexpr (kBwd && kAccess == Access::kWindowed && sizeof(T) <= 4) {
+    constexpr int64_t kHeld = (sizeof(T) < 4 ? 8 : 4) * int64_t(kShortRowValues);
+    constexpr int64_t kTop = sizeof(T) < 4 ? 247 : 3 * int64_t(kShortRowValues);
     const int mode = ShortOddBwdMode();
-    const int64_t top = (mode == 2 || sizeof(T) < 4 ? 4 : 3) * int64_t(kShortRowValues);
+    const int64_t top = mode == 2 ? kHeld : kTop;
     if (mode != 0 && c.dev.cc_major >= 9 && n <= 32 * kVec && c.p.cols <= top)
       if (Launched launched = LaunchShortRowsFewestLanes<T, true>(c)) return *launched;
   }
