@@ -63,7 +63,7 @@ CASES = [  # (rows, cols, dtype)
     # the warps).
     (1100, 65, jnp.bfloat16),
     # Session 66: the backward short-row kernel on 8 lanes (bfloat16 rows of 199 columns, one pass
-    # of 32 rows per CTA, batched copies; the last CTA with 17 live rows).
+    # of 16 rows per CTA, batched copies; the last CTA with 1 live row).
     (1041, 199, jnp.bfloat16),
     (2, 16384, jnp.float16),
     (3, 262144, jnp.bfloat16),
