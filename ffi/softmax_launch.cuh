@@ -1389,13 +1389,14 @@ inline ShortRowsTuning ShortRowsTuningFor(bool bwd, size_t elem_bytes, int64_t p
 
 // How far apart a warp's rows sit in the short-row kernels' tiles (for_short_tile_rows): the
 // spacing of 1, 2 or 4 rows with the fewest shared-memory bank conflicts, counted for a warp's
-// first access to its rows (the value at column lane) of a tile that starts at a 16-byte
-// boundary, plus (16-bit) one that starts an element past it: the same count over all of a
-// row's accesses and all starts picks the same spacing for all but 2 of the 16-bit row lengths
-// to 255 not a multiple of 8 (two 1.97-way spacings instead of 1.95). A warp's word addresses
-// rise with its lanes, so a bank's distinct words are counted as changes of word. The count runs
-// once per element size and lane count, over every row length that lane count takes (a table,
-// not per call).
+// first access to its rows (the value at column lane) of a tile that starts at a 16-byte boundary,
+// plus (16-bit) one that starts an element past it (the launcher's tiles are whole passes of 16
+// rows or more, so every tile starts at a boundary; the second start is kept in the count as
+// measured, not because it occurs): the same count over all of a row's accesses and all starts
+// picks the same spacing for all but 2 of the 16-bit row lengths to 255 not a multiple of 8 (two
+// 1.97-way spacings instead of 1.95). A warp's word addresses rise with its lanes, so a bank's
+// distinct words are counted as changes of word. The count runs once per element size and lane
+// count, over every row length that lane count takes (a table, not per call).
 // Measured (H200, session 65, us per call at 256 MiB, rows consecutive / spaced, every lane with
 // 32 values): forward bfloat16 17 166 / 156, 65 289 / 249, 131 260 / 248, float16 65 289 / 245;
 // backward bfloat16 17 241 / 204, 33 238 / 204. The knob JAX_SOFTMAX_SHORT_ROW_SPACING (1, 2 or
@@ -2006,7 +2007,7 @@ inline int ShortOddRowsMode() {
 // / 189, but 223 284 / 308, and from 249, where the lane groups near the copy's rate, 249 221 /
 // 240, 253 237 / 238, 255 245 / 255 (float16 131 429 / 209, 199 314 / 196).
 // JAX_SOFTMAX_SHORT_ODD_BWD (read once; A/B runs and tests): 0 keeps the lane groups, 2 takes
-// the kernel for every row it holds (float32 to 128 columns, 16-bit to 255).
+// the kernel for every row it holds (float32 to 127 columns, 16-bit to 255).
 inline int ShortOddBwdMode() {
   static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_SHORT_ODD_BWD", 1));
   return mode;
@@ -2069,13 +2070,12 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   }
 #define JS_ROWS(G, E, R) return LaunchRows<T, G, E, kVec, kBwd, kAccess, R>(c)
   // Short windowed backward rows (ShortOddBwdMode): 16-bit up to 247 columns, float32 up to 3
-  // kShortRowValues; every row the kernel holds (8 or 4 kShortRowValues) when its knob is 2.
+  // kShortRowValues; with its knob at 2 every row of up to 32 vectors (16-bit to 255 columns on 8
+  // lanes, float32 to 127 on 4: all the kernel's lanes hold).
   if constexpr (kBwd && kAccess == Access::kWindowed && sizeof(T) <= 4) {
-    constexpr int64_t kHeld = (sizeof(T) < 4 ? 8 : 4) * int64_t(kShortRowValues);
     constexpr int64_t kTop = sizeof(T) < 4 ? 247 : 3 * int64_t(kShortRowValues);
     const int mode = ShortOddBwdMode();
-    const int64_t top = mode == 2 ? kHeld : kTop;
-    if (mode != 0 && c.dev.cc_major >= 9 && n <= 32 * kVec && c.p.cols <= top)
+    if (mode != 0 && c.dev.cc_major >= 9 && n <= 32 * kVec && (mode == 2 || c.p.cols <= kTop))
       if (Launched launched = LaunchShortRowsFewestLanes<T, true>(c)) return *launched;
   }
   constexpr int kRowsShort = kBwd ? 2 : 4;  // backward: two values per element, 90 registers at 4

@@ -361,20 +361,20 @@ def _scaled_many(pairs):
 def test_short_windowed_rows(backend, device, rng, dtype):
     # Forward rows of up to 32 vectors whose length is not a multiple of the vector width (N % V !=
     # 0: float32 to 127 columns, 16-bit to 255): on sm_90+ the short-row kernel's rows
-    # (softmax_short_rows_kernel: 1, 2, 4 or 8 lanes per row to 32, 64, 128, 256 columns, each
-    # lane with the fewest chunks of 4 values that hold its columns, a warp's rows 1, 2 or 4 apart
-    # by row length; ShortOddRowsMode in ffi/softmax_launch.cuh; gpu_check.sh runs it again under
-    # all 32 values and consecutive rows, under each fixed spacing, under
-    # JAX_SOFTMAX_SHORT_ODD_ROWS=2, 16-bit rows past 128 columns on the staged tiers, and =0, the
-    # tiers before): the first sizes, each lane count's top and the next size, odd and even lengths,
-    # in 2053 rows (a partial last CTA, and a last pass of rows with few or none live in tiles of
-    # several passes; the CTAs' tiles start at every alignment), with softmax and log_softmax, a
-    # `where` mask (other kernels) and the backward (its short-row kernel to 247 columns, 16-bit on
-    # 8 lanes past 128, with 249 past it, float32 to 96 with 95 and 97 either side,
-    # ShortOddBwdMode; every row it holds, float32 to 128 and 16-bit to 255, under the gpu_check.sh
-    # jobs that set JAX_SOFTMAX_SHORT_ODD_BWD=2, with one pass of rows and batched copies, the
-    # largest tiles and plain copies, or a warp's rows 2 or 4 apart), and attention_softmax's
-    # scale (taken into the kernel's rows).
+    # (softmax_short_rows_kernel: 1, 2, 4 or 8 lanes per row to 32, 64, 128, 256 columns, each lane
+    # with the fewest chunks of 4 values that hold its columns, a warp's rows 1, 2 or 4 apart by row
+    # length; ShortOddRowsMode in ffi/softmax_launch.cuh; gpu_check.sh runs it again under all 32
+    # values and consecutive rows, under each fixed spacing, under JAX_SOFTMAX_SHORT_ODD_ROWS=2,
+    # 16-bit rows past 128 columns on the staged tiers, and =0, the tiers before): the first sizes,
+    # each lane count's top and the next size, odd and even lengths, in 2053 rows (a partial last
+    # CTA, and a last pass of rows with few or none live in tiles of several passes; every tile
+    # starts 16-byte aligned, its rows at every alignment), with softmax and log_softmax, a `where`
+    # mask (other kernels) and the backward (its short-row kernel to 247 columns, 16-bit on 8 lanes
+    # past 128, with 249 past it, float32 to 96 with 95 and 97 either side, ShortOddBwdMode; every
+    # row it holds, float32 to 127 and 16-bit to 255, under the gpu_check.sh jobs that set
+    # JAX_SOFTMAX_SHORT_ODD_BWD=2, with one pass of rows and batched copies, the largest tiles and
+    # plain copies, or a warp's rows 2 or 4 apart), and attention_softmax's scale (taken into the
+    # kernel's rows).
     v = VEC[dtype]
     top = 32 * v - 1
     sizes = [1, 2, 3, 5, 7, 9, 15, 17, 18, 31, 33, 34, 47, 63, 65, 66, 95, 97, 101, 127, 129, 131,
@@ -387,7 +387,7 @@ def test_short_windowed_rows(backend, device, rng, dtype):
     placed = [put(device, x, g) for x, g in zip(xs, gs)]
     for x in xs:
         poison(device, x.shape, dtype, count=8)
-    # Outputs and the scores' cotangents (the backward short-row kernel's scale, to 128 columns).
+    # Outputs and the scores' cotangents (the backward short-row kernel's scale, to 247 columns).
     for x, g, (y, dx) in zip(xs, gs, _scaled_many(placed)):
         z = x.astype(np.float64) * 0.37
         check_scores_vjp(y, dx, z, g, None, 0.37, dtype, f"scale N={x.shape[1]}")
