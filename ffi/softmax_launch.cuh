@@ -1486,7 +1486,7 @@ Launched LaunchShortRows(const LaunchCtx& c) {
 }
 
 // The short-row kernel on the fewest lanes that hold the row: 1, 2, 4 or 8 lanes for rows of up
-// to 1, 2, 4 or 8 kShortRowValues columns (ShortOddBwdMode: the backward to 247, 16-bit).
+// to 1, 2, 4 or 8 kShortRowValues columns (ShortOddBwdMode: the backward to 253, 16-bit).
 template <typename T, bool kBwd>
 Launched LaunchShortRowsFewestLanes(const LaunchCtx& c) {
   constexpr int64_t kV = kShortRowValues;
@@ -1992,7 +1992,7 @@ inline int ShortOddRowsMode() {
   return mode;
 }
 
-// Windowed backward rows on sm_90+ of up to 247 columns (16-bit) or 96 (float32): the short-row
+// Windowed backward rows on sm_90+ of up to 253 columns (16-bit) or 96 (float32): the short-row
 // backward kernel (y's and dy's tiles in shared memory, 1, 2, 4 or 8 lanes per row), rather than
 // the register lane groups.
 // Measured (H200, us per call at 256 MiB, lane groups / kernel; 187 us moves the bytes at the
@@ -2006,6 +2006,12 @@ inline int ShortOddRowsMode() {
 // 382 / 243, 163 352 / 209, 179 322 / 205, 199 317 / 197, 215 295 / 193, 233 240 / 191, 245 249
 // / 189, but 223 284 / 308, and from 249, where the lane groups near the copy's rate, 249 221 /
 // 240, 253 237 / 238, 255 245 / 255 (float16 131 429 / 209, 199 314 / 196).
+// Session 67, a row's lanes side by side at every step (softmax_short_rows_bwd_kernel's
+// for_row_columns), kernel before / after: bfloat16 125 217 / 190, 155 244 / 206, 157 243 / 206,
+// 187 246 / 208, 217 240 / 195, 223 307 / 236, the rest within 3% (135 208 / 210, 163 208 / 212,
+// 179 204 / 209); and now from 249 against the lane groups, 249 220 / 192, 251 228 / 191, 253
+// 236 / 191, but 255 245 / 272 (a 2.5-way bank conflict at the best spacing, by the count of
+// ShortRowsSpacing), so the rule ends at 253.
 // JAX_SOFTMAX_SHORT_ODD_BWD (read once; A/B runs and tests): 0 keeps the lane groups, 2 takes
 // the kernel for every row it holds (float32 to 127 columns, 16-bit to 255).
 inline int ShortOddBwdMode() {
@@ -2069,11 +2075,11 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
     }
   }
 #define JS_ROWS(G, E, R) return LaunchRows<T, G, E, kVec, kBwd, kAccess, R>(c)
-  // Short windowed backward rows (ShortOddBwdMode): 16-bit up to 247 columns, float32 up to 3
+  // Short windowed backward rows (ShortOddBwdMode): 16-bit up to 253 columns, float32 up to 3
   // kShortRowValues; with its knob at 2 every row of up to 32 vectors (16-bit to 255 columns on 8
   // lanes, float32 to 127 on 4: all the kernel's lanes hold).
   if constexpr (kBwd && kAccess == Access::kWindowed && sizeof(T) <= 4) {
-    constexpr int64_t kTop = sizeof(T) < 4 ? 247 : 3 * int64_t(kShortRowValues);
+    constexpr int64_t kTop = sizeof(T) < 4 ? 253 : 3 * int64_t(kShortRowValues);
     const int mode = ShortOddBwdMode();
     if (mode != 0 && c.dev.cc_major >= 9 && n <= 32 * kVec && (mode == 2 || c.p.cols <= kTop))
       if (Launched launched = LaunchShortRowsFewestLanes<T, true>(c)) return *launched;
