@@ -370,11 +370,11 @@ def test_short_windowed_rows(backend, device, rng, dtype):
     # CTA, and a last pass of rows with few or none live in tiles of several passes; every tile
     # starts 16-byte aligned, its rows at every alignment), with softmax and log_softmax, a `where`
     # mask (other kernels) and the backward (its short-row kernel to 253 columns, 16-bit on 8 lanes
-    # past 128, with 254 and 255 past it, float32 to 96 with 95 and 97 either side, ShortOddBwdMode; every
-    # row it holds, float32 to 127 and 16-bit to 255, under the gpu_check.sh jobs that set
-    # JAX_SOFTMAX_SHORT_ODD_BWD=2, with one pass of rows and batched copies, the largest tiles and
-    # plain copies, or a warp's rows 2 or 4 apart), and attention_softmax's scale (taken into the
-    # kernel's rows).
+    # past 128, with 254 and 255 past it, float32 to 96 with 95 and 97 either side,
+    # ShortOddBwdMode; every row it holds, float32 to 127 and 16-bit to 255, under the gpu_check.sh
+    # jobs that set JAX_SOFTMAX_SHORT_ODD_BWD=2, with one pass of rows and batched copies, the
+    # largest tiles and plain copies, or a warp's rows 2 or 4 apart), and attention_softmax's scale
+    # (taken into the kernel's rows).
     v = VEC[dtype]
     top = 32 * v - 1
     sizes = [1, 2, 3, 5, 7, 9, 15, 17, 18, 31, 33, 34, 47, 63, 65, 66, 95, 97, 101, 127, 129, 131,
