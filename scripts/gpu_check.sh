@@ -279,9 +279,9 @@ if want test; then
     -- -k "$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")"
   test_job short_odd_rows_off JAX_SOFTMAX_SHORT_ODD_ROWS=0 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")"
-  # The short-row kernels' other tables (session 64): the backward for every row it holds (to 128
-  # columns, 16-bit to 255 on 8 lanes since session 66), with one pass of rows per CTA and
-  # batched copies, then with the largest tiles and plain copies.
+  # The short-row kernels' other tables (session 64): the backward for every row it holds
+  # (float32 to 127 columns, 16-bit to 255, on 8 lanes past 128 since session 66), with one pass
+  # of rows per CTA and batched copies, then with the largest tiles and plain copies.
   test_job short_rows_one_pass_batched JAX_SOFTMAX_SHORT_ODD_BWD=2 \
     JAX_SOFTMAX_SHORT_TILE_KIB=0 JAX_SOFTMAX_SHORT_COPY_BATCH=1 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")"
