@@ -2906,20 +2906,47 @@ __device__ __forceinline__ ShortRowsSpan short_rows_span(const RowParams& p, int
   return s;
 }
 
+// How the short-row kernels copy their spans into shared memory (load_short_spans; the launcher's
+// ShortRowsTuningFor picks).
+// kShortCopyBulkStore: bulk copies in and out (store_short_span).
+enum ShortCopy : int {
+  kShortCopyPlain = 0,
+  kShortCopyBatched = 1,
+  kShortCopyBulk = 2,
+  kShortCopyBulkStore = 3,
+};
+
 // Copies kSpans operands' spans into their tiles: the whole vectors with 16-byte loads, the last
 // partial vector element by element (nothing past the operand's end is read). Batched, eight
 // vectors per thread (over the spans) are loaded before any is stored, so that they are in flight
 // together; the plain loop compiles to a remainder loop of up to three iterations, each store
 // waiting for its own load, then a body unrolled by four (PTX, session 63), which suits tiles of
-// many vectors per thread (ShortRowsTuningFor picks per dtype and direction).
+// many vectors per thread. Bulk (sm_90): one thread hands each span's whole vectors to the copy
+// engine (cp.async.bulk, completion counted on `bar`, a barrier in shared memory), so that the
+// whole tile is in flight at once without a register or an instruction per vector; the threads
+// copy the last partial vector meanwhile. Every mode ends with the tile complete and visible to
+// all threads (its own __syncthreads).
 template <typename T, int kSpans>
 __device__ __forceinline__ void load_short_spans(T* const (&tiles)[kSpans],
                                                  const T* const (&srcs)[kSpans],
-                                                 const ShortRowsSpan& s, bool batched) {
+                                                 const ShortRowsSpan& s, int mode, uint64_t* bar) {
   constexpr int kVec = 16 / int(sizeof(T));
   const auto dst = [&](int k) { return reinterpret_cast<uint4*>(tiles[k]); };
   const auto src = [&](int k) { return reinterpret_cast<const uint4*>(srcs[k]); };
-  if (!batched) {
+  // The bulk copy's barrier: initialised by one thread and made visible to the copy engine; the
+  // other threads wait on it only after a __syncthreads.
+  const bool bulk = mode >= kShortCopyBulk && s.whole > 0;
+  if (bulk && threadIdx.x == 0) {
+    mbarrier_init(bar, 1);
+    fence_mbarrier_init();
+    const uint32_t bytes = static_cast<uint32_t>(s.whole) * 16u;
+    mbarrier_arrive_expect_tx(bar, kSpans * bytes);
+#pragma unroll
+    for (int k = 0; k < kSpans; ++k) bulk_load_shared(tiles[k], srcs[k], bytes, bar);
+  }
+  if (bulk) {
+    // Whole vectors on their way; the partial one below.
+  } else if (mode != kShortCopyBatched) {
     for (int i = threadIdx.x; i < s.whole; i += kShortRowsBlock)
 #pragma unroll
       for (int k = 0; k < kSpans; ++k) dst(k)[i] = __ldg(src(k) + i);
@@ -2946,6 +2973,25 @@ __device__ __forceinline__ void load_short_spans(T* const (&tiles)[kSpans],
   for (int i = s.whole * kVec + threadIdx.x; i < s.span; i += kShortRowsBlock)
 #pragma unroll
     for (int k = 0; k < kSpans; ++k) tiles[k][i] = srcs[k][i];
+  __syncthreads();  // the partial vector's stores (and, in bulk, the barrier's initialisation)
+  if (bulk) mbarrier_wait(bar, 0);
+}
+
+// Stores a tile's whole vectors from the aligned start with one bulk copy (sm_90, thread 0) after
+// every thread's writes of it (the caller's __syncthreads follows each thread's
+// fence_proxy_async_shared, so that the copy engine sees them); waits until the copy has read the
+// tile, since the CTA's shared memory goes to the next CTA when it exits.
+template <typename T>
+__device__ __forceinline__ void bulk_store_short_span(T* dst, const T* tile, int whole) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (threadIdx.x == 0 && whole > 0) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+                 "r"(smem_addr(tile)), "r"(static_cast<uint32_t>(whole) * 16u)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  }
+#endif
 }
 
 // Runs row_fn(live, offset) for this thread's rows of a tile of rows_per_cta rows (kGroup lanes
@@ -3002,13 +3048,19 @@ __device__ __forceinline__ void with_short_row_values(int value_chunks, Fn&& fn)
 // Stores a tile's span over dst (both from the aligned start) with 16-byte stores, its first
 // partial vector and last one element by element, so that no element of another CTA's rows is
 // written.
+// With `bulk` (and lead 0, as for every tile of whole passes) the whole vectors go out with one
+// bulk copy instead (bulk_store_short_span).
 template <typename T>
-__device__ __forceinline__ void store_short_span(T* dst, const T* tile, const ShortRowsSpan& s) {
+__device__ __forceinline__ void store_short_span(T* dst, const T* tile, const ShortRowsSpan& s,
+                                                 bool bulk = false) {
   constexpr int kVec = 16 / int(sizeof(T));
   const int head_end = s.lead == 0 ? 0 : min(s.span, kVec);
   for (int i = s.lead + threadIdx.x; i < head_end; i += kShortRowsBlock) dst[i] = tile[i];
-  for (int i = (s.lead == 0 ? 0 : 1) + threadIdx.x; i < s.whole; i += kShortRowsBlock)
-    reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(tile)[i];
+  if (bulk && s.lead == 0)
+    bulk_store_short_span(dst, tile, s.whole);
+  else
+    for (int i = (s.lead == 0 ? 0 : 1) + threadIdx.x; i < s.whole; i += kShortRowsBlock)
+      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(tile)[i];
   for (int i = max(s.whole * kVec, head_end) + threadIdx.x; i < s.span; i += kShortRowsBlock)
     dst[i] = tile[i];
 }
@@ -3019,11 +3071,12 @@ __device__ __forceinline__ void store_short_span(T* dst, const T* tile, const Sh
 // cols, kVec) elements.
 template <typename T, int kGroup>
 __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBlock))
-    softmax_short_rows_kernel(const RowParams p, int rows_per_cta, bool batched_copy,
-                              int row_spacing, int value_chunks) {
+    softmax_short_rows_kernel(const RowParams p, int rows_per_cta, int copy_mode, int row_spacing,
+                              int value_chunks) {
   using A = acc_t<T>;
   constexpr int kVec = 16 / int(sizeof(T));
   extern __shared__ __align__(16) unsigned char short_rows_smem[];
+  __shared__ uint64_t copy_bar;  // the bulk copy's (load_short_spans)
   T* tile = reinterpret_cast<T*>(short_rows_smem);
   wait_prior_grids_release_next();
   const int cols = static_cast<int>(p.cols);  // at most kGroup * 4 value_chunks (the launcher's)
@@ -3033,9 +3086,8 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
   {
     T* const tiles[1] = {tile};
     const T* const srcs[1] = {src};
-    load_short_spans<T, 1>(tiles, srcs, sp, batched_copy);
+    load_short_spans<T, 1>(tiles, srcs, sp, copy_mode, &copy_bar);
   }
-  __syncthreads();
   const int lane = threadIdx.x % kGroup;
   const A scale = static_cast<A>(p.scale);
   const bool log = p.log;
@@ -3076,8 +3128,10 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
         finish(std::false_type{});
     });
   });
+  const bool bulk_store = copy_mode == kShortCopyBulkStore;
+  if (bulk_store) fence_proxy_async_shared();  // this thread's outputs, before the bulk store
   __syncthreads();
-  store_short_span(dst, tile, sp);
+  store_short_span(dst, tile, sp, bulk_store);
 }
 
 // Backward: y's and dy's spans in shared memory (ShortRowsSlots(rows_per_cta * cols, kVec)
@@ -3087,11 +3141,12 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
 // so a row's length is bounded only by the tile.
 template <typename T, int kGroup>
 __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBlock))
-    softmax_short_rows_bwd_kernel(const RowParams p, int rows_per_cta, bool batched_copy,
+    softmax_short_rows_bwd_kernel(const RowParams p, int rows_per_cta, int copy_mode,
                                   int row_spacing) {
   using A = acc_t<T>;
   constexpr int kVec = 16 / int(sizeof(T));
   extern __shared__ __align__(16) unsigned char short_rows_bwd_smem[];
+  __shared__ uint64_t copy_bar;  // the bulk copy's (load_short_spans)
   wait_prior_grids_release_next();
   const int cols = static_cast<int>(p.cols);
   const ShortRowsSpan sp = short_rows_span<kVec>(p, rows_per_cta);
@@ -3101,9 +3156,8 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
     T* const tiles[2] = {ys, gs};
     const T* const srcs[2] = {static_cast<const T*>(p.in) + sp.start,
                               static_cast<const T*>(p.grad_in) + sp.start};
-    load_short_spans<T, 2>(tiles, srcs, sp, batched_copy);
+    load_short_spans<T, 2>(tiles, srcs, sp, copy_mode, &copy_bar);
   }
-  __syncthreads();
   const int lane = threadIdx.x % kGroup;
   const A scale = static_cast<A>(p.scale);
   const bool log = p.log;
@@ -3135,8 +3189,10 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
             from_acc<T>(bwd_output(to_acc(y_row[c]), to_acc(g_row[c]), true, dot, scale, log));
       });
   });
+  const bool bulk_store = copy_mode == kShortCopyBulkStore;
+  if (bulk_store) fence_proxy_async_shared();  // this thread's outputs, before the bulk store
   __syncthreads();
-  store_short_span(static_cast<T*>(p.out) + sp.start, ys, sp);
+  store_short_span(static_cast<T*>(p.out) + sp.start, ys, sp, bulk_store);
 }
 
 }  // namespace jax_softmax

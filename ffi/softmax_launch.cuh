@@ -1370,20 +1370,32 @@ using Launched = std::optional<ffi::Error>;
 // / 217 (float32 65 and 79, one pass too, 189 / 188 and 187 / 187); with two passes or more
 // plain won, bfloat16 17 204 / 211, 33 203 / 213, 65 221 / 232, 79 218 / 224. Tiles of 46 KiB
 // lost at every point of both directions (bfloat16 forward 65 165 / 188, backward 65 221 / 276).
-// JAX_SOFTMAX_SHORT_TILE_KIB (0-46; 0 one pass of rows) and JAX_SOFTMAX_SHORT_COPY_BATCH (0 or
-// 1) override the table for A/B runs (read once).
+// Session 68: bulk copies (cp.async.bulk, one thread hands a span's whole vectors to the copy
+// engine, ShortCopy) in, and in and out, against the table's plain or batched copies (H200, us per
+// call at 256 MiB, table / in / in and out): forward bfloat16 33 145 / 132 / 132, 65 149 / 132 /
+// 131, 101 142 / 132 / 131, 125 156 / 133 / 133, 131 149 / 132 / 131, 199 142 / 132 / 130, 249
+// 149 / 133 / 131; float32 65 129 / 128 / 128, 125 133 / 131 / 131; backward bfloat16 163 214 /
+// 193 / 193, 199 201 / 192 / 192, 65 (on 32 lanes) 375 / 343 / 333. So the tiles go in and out
+// by bulk copies at every size (the table's tile sizes, which were chosen for the plain copies).
+// JAX_SOFTMAX_SHORT_TILE_KIB (0-46; 0 one pass of rows) overrides the table for A/B runs, and
+// JAX_SOFTMAX_SHORT_COPY_BULK (read once) 0 takes the table's plain or batched copies instead
+// (JAX_SOFTMAX_SHORT_COPY_BATCH, 0 or 1, then overrides those), 1 bulk copies in only.
 struct ShortRowsTuning {
   int tile_kib;
-  bool batched_copy;
+  int copy;  // ShortCopy
 };
 inline ShortRowsTuning ShortRowsTuningFor(bool bwd, size_t elem_bytes, int64_t pass_bytes) {
   static const long tile_knob = EnvKnob("JAX_SOFTMAX_SHORT_TILE_KIB", -1);
   static const long batch_knob = EnvKnob("JAX_SOFTMAX_SHORT_COPY_BATCH", -1);
-  ShortRowsTuning t =
-      !bwd && elem_bytes == 4 ? ShortRowsTuning{12, true} : ShortRowsTuning{24, false};
+  static const long bulk_knob = EnvKnob("JAX_SOFTMAX_SHORT_COPY_BULK", 2);
+  ShortRowsTuning t = !bwd && elem_bytes == 4 ? ShortRowsTuning{12, kShortCopyBatched}
+                                              : ShortRowsTuning{24, kShortCopyPlain};
   if (tile_knob >= 0) t.tile_kib = static_cast<int>(std::min<long>(tile_knob, 46));
-  if (bwd) t.batched_copy = 2 * pass_bytes > int64_t(t.tile_kib) * 1024;  // one pass
-  if (batch_knob >= 0) t.batched_copy = batch_knob == 1;
+  if (bwd)  // one pass
+    t.copy = 2 * pass_bytes > int64_t(t.tile_kib) * 1024 ? kShortCopyBatched : kShortCopyPlain;
+  if (batch_knob >= 0) t.copy = batch_knob == 1 ? kShortCopyBatched : kShortCopyPlain;
+  if (bulk_knob == 1 || bulk_knob == 2)
+    t.copy = bulk_knob == 1 ? kShortCopyBulk : kShortCopyBulkStore;
   return t;
 }
 
@@ -1419,14 +1431,18 @@ inline int ShortRowsBankWays(int64_t cols, int elem_bytes, int group, int spacin
   }
   return ways;
 }
-inline int FewestBankWaysSpacing(int64_t cols, int elem_bytes, int group) {
+// The spacing of fewest bank ways, and those ways (ties: the smaller spacing).
+inline std::pair<int, int> FewestBankWays(int64_t cols, int elem_bytes, int group) {
   int best = 1;
   int best_ways = ShortRowsBankWays(cols, elem_bytes, group, 1);
   for (int spacing : {2, 4}) {
     const int ways = ShortRowsBankWays(cols, elem_bytes, group, spacing);
     if (ways < best_ways) best = spacing, best_ways = ways;
   }
-  return best;
+  return {best, best_ways};
+}
+inline int FewestBankWaysSpacing(int64_t cols, int elem_bytes, int group) {
+  return FewestBankWays(cols, elem_bytes, group).first;
 }
 template <int kElemBytes, int kGroup>
 int ShortRowsSpacing(int64_t cols) {
@@ -1474,25 +1490,101 @@ Launched LaunchShortRows(const LaunchCtx& c) {
   const size_t smem = size_t(kOperands) *
                       size_t(ShortRowsSlots(rows_per_cta * c.p.cols, 16 / int64_t(sizeof(T)))) *
                       sizeof(T);
-  if (smem > 48 * 1024) return std::nullopt;
+  // The kernels' static shared memory (copy_bar): 128 bytes by ptxas's report of the whole build.
+  if (smem + 128 > 48 * 1024) return std::nullopt;
   const KernelLaunch launch(static_cast<unsigned>(grid), kShortRowsBlock, smem, c.stream, 1,
                             c.dependent);
   const int spacing = ShortRowsSpacing<int(sizeof(T)), kGroup>(c.p.cols);
   if constexpr (kBwd)
     return Launch(launch, softmax_short_rows_bwd_kernel<T, kGroup>,
                   "softmax short-row backward kernel", c.p, static_cast<int>(rows_per_cta),
-                  tuning.batched_copy, spacing);
+                  tuning.copy, spacing);
   else
     return Launch(launch, softmax_short_rows_kernel<T, kGroup>, "softmax short-row kernel", c.p,
-                  static_cast<int>(rows_per_cta), tuning.batched_copy, spacing,
+                  static_cast<int>(rows_per_cta), tuning.copy, spacing,
                   ShortValueChunks(c.p.cols, kGroup));
 }
 
+// The backward short-row kernel's lanes per row for rows of up to kGroup kShortRowValues columns:
+// kGroup (the fewest that hold them) or, where the spacing count (ShortRowsBankWays, at each lane
+// count's best spacing) gives at most half the bank ways on more lanes, and each lane still takes
+// 5 columns or more, the fewest of kGroup * 2, * 4, ..., up to kMaxGroup, that give the fewest.
+// The backward kernel holds nothing of a row in registers, so its lane count is free, and on 32
+// lanes a warp reads one row's consecutive elements, no conflict at all; but more lanes cost
+// shuffles and loop steps, which a smaller gain in the count does not pay for.
+// Measured (H200, session 68, bfloat16 backward unless float32, us per call at 256 MiB, fewest
+// lanes / the count's widest choice, the threads' copies; 187 us moves a backward's bytes at the
+// copy's rate). Halved
+// or better (16-bit sums two starts, 4 or 5 ways -> 2; float32 2 -> 1), won: 12 249 / 243, 20 235
+// / 213, 28 228 / 214 (1 -> 2 lanes), 149 244 / 231, 159 244 / 221, 161 252 / 232, 171 250 /
+// 225, 213 240 / 218, 223 237 / 221, 235 237 / 219 (8 -> 16), 191 287 / 257, 193 278 / 265, 255
+// 272 / 249 (8 -> 32), float32 18 200 / 188, 30 210 / 186 (1 -> 2); even or lost: 129 283 / 288
+// (8 -> 32), float32 22 188 / 188, 14 185 / 192. Only 3 -> 2 ways, lost: 65 226 / 375, 127 207 /
+// 273 (4 -> 32), 95 233 / 253 (4 -> 16), 111 209 / 220, 117 208 / 218 (4 -> 8; 79 and 101 even),
+// 130 214 / 284, 190 224 / 253, 254 191 / 248 (8 -> 32), 150 205 / 245, 226 195 / 223 (8 -> 16).
+// Under 4 columns per lane, lost: 4 263 / 308 (1 -> 2; float32 6 even). With the bulk copies
+// (ShortRowsTuningFor; fewest / rule): 129 233 / 244 (8 -> 32, 4 columns a lane) lost, 191 221 /
+// 199, 193 241 / 219, 255 228 / 197 (8 -> 32, 6-8 a lane) won, 161 196 / 194 (8 -> 16). So of the
+// rows this kernel takes (not multiples of a vector), the rule moves 16-bit rows of 12, 20 and 28
+// columns to 2 lanes, 149, 159, 161, 171, 213, 223, 225 and 235 to 16 and 191, 193 and 255 to 32;
+// float32 rows of 10-30 columns, 2 past a multiple of 4, to 2 lanes, and 36, 44, 52 and 60 to 4
+// (36, 44 and 60 measured even).
+// JAX_SOFTMAX_SHORT_WIDER_LANES (read once; A/B runs): 0 the fewest lanes, 1 at most twice as
+// many, 2 (default) up to kMaxGroup, 3 up to kMaxGroup wherever the count gives fewer ways (the
+// rule before session 68's measurements).
+template <int kElemBytes, int kGroup, int kMaxGroup>
+int ShortRowsBwdGroup(int64_t cols) {
+  static_assert(kGroup <= kMaxGroup && kMaxGroup <= 32, "lane counts of the backward kernel");
+  constexpr int kMaxCols = kGroup * kShortRowValues;
+  static const std::array<uint8_t, kMaxCols + 1> groups = [] {
+    const long knob = EnvKnob("JAX_SOFTMAX_SHORT_WIDER_LANES", 2);
+    const int widest = knob <= 0 ? kGroup : knob == 1 ? std::min(2 * kGroup, kMaxGroup) : kMaxGroup;
+    const bool any_gain = knob >= 3;
+    std::array<uint8_t, kMaxCols + 1> t{};
+    for (int n = 1; n <= kMaxCols; ++n) {
+      const int fewest_ways = FewestBankWays(n, kElemBytes, kGroup).second;
+      int best = kGroup, best_ways = fewest_ways;
+      for (int g = 2 * kGroup; g <= widest && (any_gain || n >= 5 * g); g *= 2) {
+        const int ways = FewestBankWays(n, kElemBytes, g).second;
+        if (ways < best_ways && (any_gain || 2 * ways <= fewest_ways)) best = g, best_ways = ways;
+      }
+      t[n] = static_cast<uint8_t>(best);
+    }
+    return t;
+  }();
+  return cols <= kMaxCols ? groups[cols] : kGroup;
+}
+
+// The backward short-row kernel on `group` lanes per row (ShortRowsBwdGroup: kG or more, a power
+// of two up to kMaxGroup).
+template <typename T, int kG, int kMaxGroup>
+Launched LaunchShortRowsBwdGroup(const LaunchCtx& c, int group) {
+  if constexpr (kG < kMaxGroup)
+    if (group > kG) return LaunchShortRowsBwdGroup<T, 2 * kG, kMaxGroup>(c, group);
+  return LaunchShortRows<T, kG, true>(c);
+}
+
+// The backward short-row kernel for rows of up to kGroup kShortRowValues columns: up to 32 lanes
+// for 16-bit rows, 4 for float32 (whose rows end at 96 columns, ShortOddBwdMode).
+template <typename T, int kGroup>
+Launched LaunchShortRowsBwdLanes(const LaunchCtx& c) {
+  constexpr int kMaxGroup = sizeof(T) < 4 ? 32 : 4;
+  return LaunchShortRowsBwdGroup<T, kGroup, kMaxGroup>(
+      c, ShortRowsBwdGroup<int(sizeof(T)), kGroup, kMaxGroup>(c.p.cols));
+}
+
 // The short-row kernel on the fewest lanes that hold the row: 1, 2, 4 or 8 lanes for rows of up
-// to 1, 2, 4 or 8 kShortRowValues columns (ShortOddBwdMode: the backward to 253, 16-bit).
+// to 1, 2, 4 or 8 kShortRowValues columns (ShortOddBwdMode: the backward to 255, 16-bit; some
+// backward rows on more lanes, LaunchShortRowsBwdLanes).
 template <typename T, bool kBwd>
 Launched LaunchShortRowsFewestLanes(const LaunchCtx& c) {
   constexpr int64_t kV = kShortRowValues;
+  if constexpr (kBwd) {
+    if (c.p.cols <= 1 * kV) return LaunchShortRowsBwdLanes<T, 1>(c);
+    if (c.p.cols <= 2 * kV) return LaunchShortRowsBwdLanes<T, 2>(c);
+    if (c.p.cols <= 4 * kV) return LaunchShortRowsBwdLanes<T, 4>(c);
+    if constexpr (sizeof(T) < 4) return LaunchShortRowsBwdLanes<T, 8>(c);
+  }
   if (c.p.cols <= 1 * kV) return LaunchShortRows<T, 1, kBwd>(c);
   if (c.p.cols <= 2 * kV) return LaunchShortRows<T, 2, kBwd>(c);
   if (c.p.cols <= 4 * kV) return LaunchShortRows<T, 4, kBwd>(c);
@@ -1995,9 +2087,9 @@ inline int ShortOddRowsMode() {
   return mode;
 }
 
-// Windowed backward rows on sm_90+ of up to 253 columns (16-bit) or 96 (float32): the short-row
-// backward kernel (y's and dy's tiles in shared memory, 1, 2, 4 or 8 lanes per row), rather than
-// the register lane groups.
+// Windowed backward rows on sm_90+ of up to 255 columns (16-bit: every one the kernel holds) or 96
+// (float32): the short-row backward kernel (y's and dy's tiles in shared memory, 1 to 32 lanes per
+// row, ShortRowsBwdGroup), rather than the register lane groups.
 // Measured (H200, us per call at 256 MiB, lane groups / kernel; 187 us moves the bytes at the
 // copy's rate): session 64, bfloat16 17 393 / 239, 33 406 / 237; float32 17 248 / 188. Rows of
 // 65-128 columns (4 lanes) were mixed then: bfloat16 65 414 / 471, float32 125 185 / 230.
@@ -2014,7 +2106,9 @@ inline int ShortOddRowsMode() {
 // 187 246 / 208, 217 240 / 195, 223 307 / 236, the rest within 3% (135 208 / 210, 163 208 / 212,
 // 179 204 / 209); and now from 249 against the lane groups, 249 220 / 192, 251 228 / 191, 253
 // 236 / 191, but 255 245 / 272 (a 2.5-way bank conflict at the best spacing, by the count of
-// ShortRowsSpacing), so the rule ends at 253.
+// ShortRowsSpacing), so the rule ended at 253.
+// Session 68, on 32 lanes (ShortRowsBwdGroup) with bulk copies (ShortRowsTuningFor): 254 192 and
+// 255 197 against the lane groups' 245 (session 67), so the 16-bit rule takes every row.
 // JAX_SOFTMAX_SHORT_ODD_BWD (read once; A/B runs and tests): 0 keeps the lane groups, 2 takes
 // the kernel for every row it holds (float32 to 127 columns, 16-bit to 255).
 inline int ShortOddBwdMode() {
@@ -2078,11 +2172,11 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
     }
   }
 #define JS_ROWS(G, E, R) return LaunchRows<T, G, E, kVec, kBwd, kAccess, R>(c)
-  // Short windowed backward rows (ShortOddBwdMode): 16-bit up to 253 columns, float32 up to 3
-  // kShortRowValues; with its knob at 2 every row of up to 32 vectors (16-bit to 255 columns on 8
-  // lanes, float32 to 127 on 4: all the kernel's lanes hold).
+  // Short windowed backward rows (ShortOddBwdMode): 16-bit up to 255 columns, float32 up to 3
+  // kShortRowValues; with its knob at 2 every row of up to 32 vectors (float32 to 127 on 4 lanes
+  // too: all the kernel's lanes hold).
   if constexpr (kBwd && kAccess == Access::kWindowed && sizeof(T) <= 4) {
-    constexpr int64_t kTop = sizeof(T) < 4 ? 253 : 3 * int64_t(kShortRowValues);
+    constexpr int64_t kTop = (sizeof(T) < 4 ? 8 : 3) * int64_t(kShortRowValues);
     const int mode = ShortOddBwdMode();
     if (mode != 0 && c.dev.cc_major >= 9 && n <= 32 * kVec && (mode == 2 || c.p.cols <= kTop))
       if (Launched launched = LaunchShortRowsFewestLanes<T, true>(c)) return *launched;

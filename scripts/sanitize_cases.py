@@ -65,6 +65,11 @@ CASES = [  # (rows, cols, dtype)
     # Session 66: the backward short-row kernel on 8 lanes (bfloat16 rows of 199 columns, one pass
     # of 16 rows per CTA, batched copies; the last CTA with 1 live row).
     (1041, 199, jnp.bfloat16),
+    # Session 68: the backward short-row kernel on 16 lanes (bfloat16 rows of 223 columns, 2 rows
+    # per warp) and on 32 (rows of 129 columns, one row per warp), each with a last CTA of few
+    # live rows.
+    (1037, 223, jnp.bfloat16),
+    (1029, 129, jnp.bfloat16),
     (2, 16384, jnp.float16),
     (3, 262144, jnp.bfloat16),
     (1, 524288, jnp.bfloat16),

@@ -369,16 +369,19 @@ def test_short_windowed_rows(backend, device, rng, dtype):
     # each lane count's top and the next size, odd and even lengths, in 2053 rows (a partial last
     # CTA, and a last pass of rows with few or none live in tiles of several passes; every tile
     # starts 16-byte aligned, its rows at every alignment), with softmax and log_softmax, a `where`
-    # mask (other kernels) and the backward (its short-row kernel to 253 columns, 16-bit on 8 lanes
-    # past 128, with 254 and 255 past it, float32 to 96 with 95 and 97 either side,
-    # ShortOddBwdMode; every row it holds, float32 to 127 and 16-bit to 255, under the gpu_check.sh
-    # jobs that set JAX_SOFTMAX_SHORT_ODD_BWD=2, with one pass of rows and batched copies, the
-    # largest tiles and plain copies, or a warp's rows 2 or 4 apart), and attention_softmax's scale
-    # (taken into the kernel's rows).
+    # mask (other kernels) and the backward (its short-row kernel for 16-bit rows to 255 columns,
+    # on 8 lanes past 128, and float32 to 96 with 95 and 97 either side, ShortOddBwdMode; on more
+    # than the fewest lanes where the bank count halves, ShortRowsBwdGroup: 16-bit 20 on 2, 149
+    # and 223 on 16, 191 and 255 on 32, float32 22 on 2; 79 and 101 on 8, 95 on 16, 65, 127 and
+    # 129 on 32 under the gpu_check.sh job that widens wherever the count falls; every row it holds,
+    # float32 to 127 too, under the gpu_check.sh jobs that set JAX_SOFTMAX_SHORT_ODD_BWD=2, with
+    # one pass of rows and batched copies, the largest tiles and plain copies, the tiles copied by
+    # bulk copies in only or by the threads, or a warp's rows 2 or 4 apart), and
+    # attention_softmax's scale (taken into the kernel's rows).
     v = VEC[dtype]
     top = 32 * v - 1
-    sizes = [1, 2, 3, 5, 7, 9, 15, 17, 18, 31, 33, 34, 47, 63, 65, 66, 95, 97, 101, 127, 129, 131,
-             157, 199, 233, 247, 249, 250, 253, 254, 255]
+    sizes = [1, 2, 3, 5, 7, 9, 15, 17, 18, 20, 22, 31, 33, 34, 47, 63, 65, 66, 79, 95, 97, 101, 127,
+             129, 131, 149, 157, 191, 199, 223, 233, 247, 249, 250, 253, 254, 255]
     sizes = [n for n in sizes if n <= top and n % v != 0]
     check_sizes(device, rng, dtype, sizes, lambda n: 2053)
     # The scaled rows of every size in one jitted call, as check_sizes (one compilation).
@@ -387,7 +390,8 @@ def test_short_windowed_rows(backend, device, rng, dtype):
     placed = [put(device, x, g) for x, g in zip(xs, gs)]
     for x in xs:
         poison(device, x.shape, dtype, count=8)
-    # Outputs and the scores' cotangents (the backward short-row kernel's scale, to 253 columns).
+    # Outputs and the scores' cotangents (the backward short-row kernel's scale, 16-bit to 255
+    # columns).
     for x, g, (y, dx) in zip(xs, gs, _scaled_many(placed)):
         z = x.astype(np.float64) * 0.37
         check_scores_vjp(y, dx, z, g, None, 0.37, dtype, f"scale N={x.shape[1]}")
