@@ -1376,7 +1376,9 @@ using Launched = std::optional<ffi::Error>;
 // 131, 101 142 / 132 / 131, 125 156 / 133 / 133, 131 149 / 132 / 131, 199 142 / 132 / 130, 249
 // 149 / 133 / 131; float32 65 129 / 128 / 128, 125 133 / 131 / 131; backward bfloat16 163 214 /
 // 193 / 193, 199 201 / 192 / 192, 65 (on 32 lanes) 375 / 343 / 333. So the tiles go in and out
-// by bulk copies at every size (the table's tile sizes, which were chosen for the plain copies).
+// by bulk copies at every size. The table's tile sizes, chosen for the plain copies, stand under
+// them (bulk, 24 / 12 / 36 KiB): forward bfloat16 33 132 / 138 / 133, 65 131 / 139 / 133, 249 131
+// / 134 / 134; backward bfloat16 33 190 / 202 / 192, 223 196 / 221 / 198, 163 193 / 193 / 195.
 // JAX_SOFTMAX_SHORT_TILE_KIB (0-46; 0 one pass of rows) overrides the table for A/B runs, and
 // JAX_SOFTMAX_SHORT_COPY_BULK (read once) 0 takes the table's plain or batched copies instead
 // (JAX_SOFTMAX_SHORT_COPY_BATCH, 0 or 1, then overrides those), 1 bulk copies in only.
@@ -1514,15 +1516,14 @@ Launched LaunchShortRows(const LaunchCtx& c) {
 // shuffles and loop steps, which a smaller gain in the count does not pay for.
 // Measured (H200, session 68, bfloat16 backward unless float32, us per call at 256 MiB, fewest
 // lanes / the count's widest choice, the threads' copies; 187 us moves a backward's bytes at the
-// copy's rate). Halved
-// or better (16-bit sums two starts, 4 or 5 ways -> 2; float32 2 -> 1), won: 12 249 / 243, 20 235
-// / 213, 28 228 / 214 (1 -> 2 lanes), 149 244 / 231, 159 244 / 221, 161 252 / 232, 171 250 /
-// 225, 213 240 / 218, 223 237 / 221, 235 237 / 219 (8 -> 16), 191 287 / 257, 193 278 / 265, 255
-// 272 / 249 (8 -> 32), float32 18 200 / 188, 30 210 / 186 (1 -> 2); even or lost: 129 283 / 288
-// (8 -> 32), float32 22 188 / 188, 14 185 / 192. Only 3 -> 2 ways, lost: 65 226 / 375, 127 207 /
-// 273 (4 -> 32), 95 233 / 253 (4 -> 16), 111 209 / 220, 117 208 / 218 (4 -> 8; 79 and 101 even),
-// 130 214 / 284, 190 224 / 253, 254 191 / 248 (8 -> 32), 150 205 / 245, 226 195 / 223 (8 -> 16).
-// Under 4 columns per lane, lost: 4 263 / 308 (1 -> 2; float32 6 even). With the bulk copies
+// copy's rate). Halved or better (16-bit sums two starts, 4 or 5 ways -> 2; float32 2 -> 1), won:
+// 12 249 / 243, 20 235 / 213, 28 228 / 214 (1 -> 2 lanes), 149 244 / 231, 159 244 / 221, 161 252 /
+// 232, 171 250 / 225, 213 240 / 218, 223 237 / 221, 235 237 / 219 (8 -> 16), 191 287 / 257, 193 278
+// / 265, 255 272 / 249 (8 -> 32), float32 18 200 / 188, 30 210 / 186 (1 -> 2); even or lost: 129
+// 283 / 288 (8 -> 32), float32 22 188 / 188, 14 185 / 192. Only 3 -> 2 ways, lost: 65 226 / 375,
+// 127 207 / 273 (4 -> 32), 95 233 / 253 (4 -> 16), 111 209 / 220, 117 208 / 218 (4 -> 8; 79 and 101
+// even), 130 214 / 284, 190 224 / 253, 254 191 / 248 (8 -> 32), 150 205 / 245, 226 195 / 223 (8 ->
+// 16). Under 4 columns per lane, lost: 4 263 / 308 (1 -> 2; float32 6 even). With the bulk copies
 // (ShortRowsTuningFor; fewest / rule): 129 233 / 244 (8 -> 32, 4 columns a lane) lost, 191 221 /
 // 199, 193 241 / 219, 255 228 / 197 (8 -> 32, 6-8 a lane) won, 161 196 / 194 (8 -> 16). So of the
 // rows this kernel takes (not multiples of a vector), the rule moves 16-bit rows of 12, 20 and 28
