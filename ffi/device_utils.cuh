@@ -489,6 +489,27 @@ __device__ __forceinline__ void bulk_load_shared(void* dst, const void* src, uin
 #endif
 }
 
+// Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from this CTA's shared memory
+// to global memory as one bulk-copy group; the caller makes its threads' writes of the source
+// visible to the copy engine first (fence_proxy_async_shared by each, then a barrier).
+__device__ __forceinline__ void bulk_store_global(void* dst, const void* src, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+               "r"(smem_addr(src)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#endif
+}
+
+// Waits until this thread's bulk stores have read their shared-memory sources (not until their
+// writes land: those complete with the grid), so that the CTA may exit and its shared memory go
+// to the next CTA.
+__device__ __forceinline__ void bulk_store_wait_read() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+#endif
+}
+
 // Waits until the phase with parity `parity` of `bar` has completed. kClusterScope: the wait also
 // acquires, at cluster scope, what other CTAs' st.async released into this CTA (cluster_allreduce).
 // The suspend-time hint compiles (sm_90a) to TRYWAIT, then NANOSLEEP.SYNCS and a phase check in

@@ -2977,23 +2977,6 @@ __device__ __forceinline__ void load_short_spans(T* const (&tiles)[kSpans],
   if (bulk) mbarrier_wait(bar, 0);
 }
 
-// Stores a tile's whole vectors from the aligned start with one bulk copy (sm_90, thread 0) after
-// every thread's writes of it (the caller's __syncthreads follows each thread's
-// fence_proxy_async_shared, so that the copy engine sees them); waits until the copy has read the
-// tile, since the CTA's shared memory goes to the next CTA when it exits.
-template <typename T>
-__device__ __forceinline__ void bulk_store_short_span(T* dst, const T* tile, int whole) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (threadIdx.x == 0 && whole > 0) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
-                 "r"(smem_addr(tile)), "r"(static_cast<uint32_t>(whole) * 16u)
-                 : "memory");
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-  }
-#endif
-}
-
 // Runs row_fn(live, offset) for this thread's rows of a tile of rows_per_cta rows (kGroup lanes
 // per row, a pass of kShortRowsBlock / kGroup rows at a time): offset is the row's first element
 // in the tile. Every thread runs every pass (the group's shuffles), rows past the CTA's last
@@ -3048,17 +3031,24 @@ __device__ __forceinline__ void with_short_row_values(int value_chunks, Fn&& fn)
 // Stores a tile's span over dst (both from the aligned start) with 16-byte stores, its first
 // partial vector and last one element by element, so that no element of another CTA's rows is
 // written.
-// With `bulk` (and lead 0, as for every tile of whole passes) the whole vectors go out with one
-// bulk copy instead (bulk_store_short_span).
+// With `bulk` and lead 0 the whole vectors go out with one bulk copy from thread 0 instead
+// (every thread's writes of the tile made visible to the copy engine by the caller:
+// fence_proxy_async_shared, then __syncthreads), which waits until the copy has read the tile.
+// A tile starts mid-vector (lead > 0) only where its rows do not fill whole vectors: by the
+// launcher's rules 16-bit backward rows of 193 columns (32 lanes, 7 passes of 4 rows), and
+// 32-lane rows under the gpu_check.sh knob jobs; those tiles take the threads' stores.
 template <typename T>
 __device__ __forceinline__ void store_short_span(T* dst, const T* tile, const ShortRowsSpan& s,
                                                  bool bulk = false) {
   constexpr int kVec = 16 / int(sizeof(T));
   const int head_end = s.lead == 0 ? 0 : min(s.span, kVec);
   for (int i = s.lead + threadIdx.x; i < head_end; i += kShortRowsBlock) dst[i] = tile[i];
-  if (bulk && s.lead == 0)
-    bulk_store_short_span(dst, tile, s.whole);
-  else
+  if (bulk && s.lead == 0) {
+    if (threadIdx.x == 0 && s.whole > 0) {
+      bulk_store_global(dst, tile, static_cast<uint32_t>(s.whole) * 16u);
+      bulk_store_wait_read();
+    }
+  } else
     for (int i = (s.lead == 0 ? 0 : 1) + threadIdx.x; i < s.whole; i += kShortRowsBlock)
       reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(tile)[i];
   for (int i = max(s.whole * kVec, head_end) + threadIdx.x; i < s.span; i += kShortRowsBlock)

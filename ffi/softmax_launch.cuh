@@ -1404,16 +1404,17 @@ inline ShortRowsTuning ShortRowsTuningFor(bool bwd, size_t elem_bytes, int64_t p
 // How far apart a warp's rows sit in the short-row kernels' tiles (for_short_tile_rows): the
 // spacing of 1, 2 or 4 rows with the fewest shared-memory bank conflicts, counted for a warp's
 // first access to its rows (the value at column lane) where the warp's first row starts at a
-// 16-byte boundary, plus (16-bit) where it starts one element past one: tiles always start at a
-// boundary (whole passes of 16 rows or more), but with spacings 2 and 4 half of the warps' first
-// rows have an odd index (for_short_tile_rows), so for odd cols they start at an odd element (with
-// spacing 1 none does, which the count, as measured, does not tell apart; the backward kernel's
-// later steps move all of a warp's lanes alike, so its first access stands for every step): the
-// same count over all of a row's accesses and all starts picks the same spacing for all but 2 of
-// the 16-bit row lengths to 255 not a multiple of 8 (two 1.97-way spacings instead of 1.95). A
-// warp's word addresses rise with its lanes, so a bank's distinct words are counted as changes of
-// word. The count runs once per element size and lane count, over every row length that lane count
-// takes (a table, not per call).
+// 16-byte boundary, plus (16-bit) where it starts one element past one: tiles of whole passes of 8
+// rows or more start at a boundary (the 32-lane backward passes of 4 rows may not: 16-bit 193,
+// store_short_span), but with spacings 2 and 4 half of the warps' first rows have an odd index
+// (for_short_tile_rows), so for odd cols they start at an odd element (with spacing 1 none does,
+// which the count, as measured, does not tell apart; the backward kernel's later steps move all of
+// a warp's lanes alike, so its first access stands for every step): the same count over all of a
+// row's accesses and all starts picks the same spacing for all but 2 of the 16-bit row lengths to
+// 255 not a multiple of 8 (two 1.97-way spacings instead of 1.95). A warp's word addresses rise
+// with its lanes, so a bank's distinct words are counted as changes of word. The count runs once
+// per element size and lane count, over every row length that lane count takes (a table, not per
+// call).
 // Measured (H200, session 65, us per call at 256 MiB, rows consecutive / spaced, every lane with
 // 32 values): forward bfloat16 17 166 / 156, 65 289 / 249, 131 260 / 248, float16 65 289 / 245;
 // backward bfloat16 17 241 / 204, 33 238 / 204. The knob JAX_SOFTMAX_SHORT_ROW_SPACING (1, 2 or
@@ -1584,16 +1585,17 @@ Launched LaunchShortRowsFewestLanes(const LaunchCtx& c) {
     if (c.p.cols <= 1 * kV) return LaunchShortRowsBwdLanes<T, 1>(c);
     if (c.p.cols <= 2 * kV) return LaunchShortRowsBwdLanes<T, 2>(c);
     if (c.p.cols <= 4 * kV) return LaunchShortRowsBwdLanes<T, 4>(c);
-    if constexpr (sizeof(T) < 4) return LaunchShortRowsBwdLanes<T, 8>(c);
+    // Float32 backward rows end at 4 kShortRowValues (ShortOddBwdMode): no 8-lane kernel for them.
+    if constexpr (sizeof(T) < 4)
+      return LaunchShortRowsBwdLanes<T, 8>(c);
+    else
+      return std::nullopt;
+  } else {
+    if (c.p.cols <= 1 * kV) return LaunchShortRows<T, 1, false>(c);
+    if (c.p.cols <= 2 * kV) return LaunchShortRows<T, 2, false>(c);
+    if (c.p.cols <= 4 * kV) return LaunchShortRows<T, 4, false>(c);
+    return LaunchShortRows<T, 8, false>(c);
   }
-  if (c.p.cols <= 1 * kV) return LaunchShortRows<T, 1, kBwd>(c);
-  if (c.p.cols <= 2 * kV) return LaunchShortRows<T, 2, kBwd>(c);
-  if (c.p.cols <= 4 * kV) return LaunchShortRows<T, 4, kBwd>(c);
-  // Float32 backward rows end at 4 kShortRowValues (ShortOddBwdMode): no 8-lane kernel for them.
-  if constexpr (kBwd && sizeof(T) >= 4)
-    return std::nullopt;
-  else
-    return LaunchShortRows<T, 8, kBwd>(c);
 }
 
 // CTAs of a staged row launch: tiles_per_cta tiles each, or (0) persistent waves of the CTAs

@@ -272,52 +272,39 @@ if want test; then
     -- -k "$(with_test_k "gpu and test_kernel_tiers and (float_half_warp_rows or float_short_row_lanes or float_three_warp_rows)")"
   test_job float_quarter_warps JAX_SOFTMAX_FLOAT_SHORT_WARPS=2 \
     -- -k "$(with_test_k "gpu and test_kernel_tiers and float_short_row_lanes")"
-  # The short-row kernels' test, under each of the knobs below.
-  short_k=$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")
+  # The short-row kernels' test under knobs: short_job NAME [VAR=value]...
+  short_job() { test_job "$@" -- -k "$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")"; }
   # Windowed forward rows of up to 32 vectors under session 63's rule (16-bit rows of 129-255 on
   # the staged tiers; by default the short-row kernel on 8 lanes since session 64) and on the
   # tiers they took before session 63 (JAX_SOFTMAX_SHORT_ODD_ROWS=2 and =0).
-  test_job short_odd_rows_staged16 JAX_SOFTMAX_SHORT_ODD_ROWS=2 \
-    -- -k "$short_k"
-  test_job short_odd_rows_off JAX_SOFTMAX_SHORT_ODD_ROWS=0 \
-    -- -k "$short_k"
+  short_job short_odd_rows_staged16 JAX_SOFTMAX_SHORT_ODD_ROWS=2
+  short_job short_odd_rows_off JAX_SOFTMAX_SHORT_ODD_ROWS=0
   # The short-row kernels' other tables (session 64): the backward for every row it holds
   # (float32 to 127 columns, 16-bit to 255, on 8 lanes past 128 since session 66), with one pass
   # of rows per CTA and batched copies, then with the largest tiles and plain copies (the threads'
   # copies, not the default bulk copies of session 68).
-  test_job short_rows_one_pass_batched JAX_SOFTMAX_SHORT_ODD_BWD=2 JAX_SOFTMAX_SHORT_COPY_BULK=0 \
-    JAX_SOFTMAX_SHORT_TILE_KIB=0 JAX_SOFTMAX_SHORT_COPY_BATCH=1 \
-    -- -k "$short_k"
-  test_job short_rows_big_tiles_plain JAX_SOFTMAX_SHORT_ODD_BWD=2 JAX_SOFTMAX_SHORT_COPY_BULK=0 \
-    JAX_SOFTMAX_SHORT_TILE_KIB=46 JAX_SOFTMAX_SHORT_COPY_BATCH=0 \
-    -- -k "$short_k"
+  short_job short_rows_one_pass_batched JAX_SOFTMAX_SHORT_ODD_BWD=2 JAX_SOFTMAX_SHORT_COPY_BULK=0 \
+    JAX_SOFTMAX_SHORT_TILE_KIB=0 JAX_SOFTMAX_SHORT_COPY_BATCH=1
+  short_job short_rows_big_tiles_plain JAX_SOFTMAX_SHORT_ODD_BWD=2 JAX_SOFTMAX_SHORT_COPY_BULK=0 \
+    JAX_SOFTMAX_SHORT_TILE_KIB=46 JAX_SOFTMAX_SHORT_COPY_BATCH=0
   # Session 65's kernel rows: every lane with all 32 values and a warp's rows consecutive (the
   # kernels before it), and each fixed row spacing (ShortRowsSpacing picks by row length), the
   # backward kernel for every row it holds.
-  test_job short_rows_all_values JAX_SOFTMAX_SHORT_VALUE_CHUNKS=0 JAX_SOFTMAX_SHORT_ROW_SPACING=1 \
-    -- -k "$short_k"
-  test_job short_rows_spacing2 JAX_SOFTMAX_SHORT_ROW_SPACING=2 JAX_SOFTMAX_SHORT_ODD_BWD=2 \
-    -- -k "$short_k"
-  test_job short_rows_spacing4 JAX_SOFTMAX_SHORT_ROW_SPACING=4 JAX_SOFTMAX_SHORT_ODD_BWD=2 \
-    -- -k "$short_k"
+  short_job short_rows_all_values JAX_SOFTMAX_SHORT_VALUE_CHUNKS=0 JAX_SOFTMAX_SHORT_ROW_SPACING=1
+  short_job short_rows_spacing2 JAX_SOFTMAX_SHORT_ROW_SPACING=2 JAX_SOFTMAX_SHORT_ODD_BWD=2
+  short_job short_rows_spacing4 JAX_SOFTMAX_SHORT_ROW_SPACING=4 JAX_SOFTMAX_SHORT_ODD_BWD=2
   # Backward rows on the fewest lanes that hold them, as before session 68, on at most twice as
   # many, and wherever the bank count gives any fewer conflicts (ShortRowsBwdGroup; by default up
   # to 32 where it halves).
-  test_job short_rows_fewest_lanes JAX_SOFTMAX_SHORT_WIDER_LANES=0 JAX_SOFTMAX_SHORT_ODD_BWD=2 \
-    -- -k "$short_k"
-  test_job short_rows_twice_lanes JAX_SOFTMAX_SHORT_WIDER_LANES=1 JAX_SOFTMAX_SHORT_ODD_BWD=2 \
-    -- -k "$short_k"
-  test_job short_rows_any_wider_lanes JAX_SOFTMAX_SHORT_WIDER_LANES=3 JAX_SOFTMAX_SHORT_ODD_BWD=2 \
-    -- -k "$short_k"
+  short_job short_rows_fewest_lanes JAX_SOFTMAX_SHORT_WIDER_LANES=0 JAX_SOFTMAX_SHORT_ODD_BWD=2
+  short_job short_rows_twice_lanes JAX_SOFTMAX_SHORT_WIDER_LANES=1 JAX_SOFTMAX_SHORT_ODD_BWD=2
+  short_job short_rows_any_wider_lanes JAX_SOFTMAX_SHORT_WIDER_LANES=3 JAX_SOFTMAX_SHORT_ODD_BWD=2
   # The short-row tiles copied by the threads (the table's plain or batched copies, as before
   # session 68) and copied in only by cp.async.bulk (the default: in and out), the backward
   # kernel for every row it holds; the default with one pass of rows per CTA too.
-  test_job short_rows_thread_copies JAX_SOFTMAX_SHORT_COPY_BULK=0 JAX_SOFTMAX_SHORT_ODD_BWD=2 \
-    -- -k "$short_k"
-  test_job short_rows_bulk_in JAX_SOFTMAX_SHORT_COPY_BULK=1 JAX_SOFTMAX_SHORT_ODD_BWD=2 \
-    -- -k "$short_k"
-  test_job short_rows_bulk_one_pass JAX_SOFTMAX_SHORT_ODD_BWD=2 \
-    JAX_SOFTMAX_SHORT_TILE_KIB=0 -- -k "$short_k"
+  short_job short_rows_thread_copies JAX_SOFTMAX_SHORT_COPY_BULK=0 JAX_SOFTMAX_SHORT_ODD_BWD=2
+  short_job short_rows_bulk_in JAX_SOFTMAX_SHORT_COPY_BULK=1 JAX_SOFTMAX_SHORT_ODD_BWD=2
+  short_job short_rows_bulk_one_pass JAX_SOFTMAX_SHORT_ODD_BWD=2 JAX_SOFTMAX_SHORT_TILE_KIB=0
   wait_tests
   test_job tiers_big XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 -- -k "$(with_test_k "test_kernel_tiers and ($big)")"
   wait_tests

@@ -66,10 +66,12 @@ CASES = [  # (rows, cols, dtype)
     # of 16 rows per CTA, batched copies; the last CTA with 1 live row).
     (1041, 199, jnp.bfloat16),
     # Session 68: the backward short-row kernel on 16 lanes (bfloat16 rows of 223 columns, 2 rows
-    # per warp) and on 32 (rows of 129 columns, one row per warp), each with a last CTA of few
-    # live rows.
+    # per warp), on 8 (129 columns; on 32 under JAX_SOFTMAX_SHORT_WIDER_LANES=3, 11 passes of 4
+    # rows) and on 32 (193 columns, one row per warp, 7 passes of 4 rows: half the CTAs' tiles
+    # start mid-vector and take the threads' stores), each with a last CTA of few live rows.
     (1037, 223, jnp.bfloat16),
     (1029, 129, jnp.bfloat16),
+    (1031, 193, jnp.bfloat16),
     (2, 16384, jnp.float16),
     (3, 262144, jnp.bfloat16),
     (1, 524288, jnp.bfloat16),
