@@ -21,7 +21,11 @@
 //                           session 64), and windowed backward rows of up to 128 columns
 //                           (float32 96) its backward (ShortOddBwdMode)
 //   cols <= 32 * E          one warp per row, E' <= E elements per lane (E' the smallest power
-//                           of two that fits); on the H200 float32 windowed forward rows of
+//                           of two that fits); on sm_90+ windowed rows of up to 1023 columns
+//                           past 32 V take the short-row kernels of 8-32 lanes: 16-bit forward
+//                           rows all (ShortWideForwardRows), backward rows where they won
+//                           (ShortWideBackwardRows, session 69); on the H200 float32 windowed
+//                           forward rows of
 //                           W = 129-160 take 8 lanes of 5 vectors, W = 161-228 8 lanes of 8,
 //                           W = 229-256 16 lanes of 4 (FloatShortRowShape), W = 257-452 half a
 //                           warp of 8 vectors (FloatHalfWarpRows)
@@ -1404,17 +1408,16 @@ inline ShortRowsTuning ShortRowsTuningFor(bool bwd, size_t elem_bytes, int64_t p
 // How far apart a warp's rows sit in the short-row kernels' tiles (for_short_tile_rows): the
 // spacing of 1, 2 or 4 rows with the fewest shared-memory bank conflicts, counted for a warp's
 // first access to its rows (the value at column lane) where the warp's first row starts at a
-// 16-byte boundary, plus (16-bit) where it starts one element past one: tiles of whole passes of 8
-// rows or more start at a boundary (the 32-lane backward passes of 4 rows may not: 16-bit 193,
-// store_short_span), but with spacings 2 and 4 half of the warps' first rows have an odd index
-// (for_short_tile_rows), so for odd cols they start at an odd element (with spacing 1 none does,
-// which the count, as measured, does not tell apart; the backward kernel's later steps move all of
-// a warp's lanes alike, so its first access stands for every step): the same count over all of a
-// row's accesses and all starts picks the same spacing for all but 2 of the 16-bit row lengths to
-// 255 not a multiple of 8 (two 1.97-way spacings instead of 1.95). A warp's word addresses rise
-// with its lanes, so a bank's distinct words are counted as changes of word. The count runs once
-// per element size and lane count, over every row length that lane count takes (a table, not per
-// call).
+// 16-byte boundary, plus (16-bit) where it starts one element past one: tiles always start at a
+// boundary (LaunchShortRows rounds their passes to whole vectors), but with spacings 2 and 4 half
+// of the warps' first rows have an odd index (for_short_tile_rows), so for odd cols they start at
+// an odd element (with spacing 1 none does, which the count, as measured, does not tell apart; the
+// backward kernel's later steps move all of a warp's lanes alike, so its first access stands for
+// every step): the same count over all of a row's accesses and all starts picks the same spacing
+// for all but 2 of the 16-bit row lengths to 255 not a multiple of 8 (two 1.97-way spacings instead
+// of 1.95). A warp's word addresses rise with its lanes, so a bank's distinct words are counted as
+// changes of word. The count runs once per element size and lane count, over every row length that
+// lane count takes (a table, not per call).
 // Measured (H200, session 65, us per call at 256 MiB, rows consecutive / spaced, every lane with
 // 32 values): forward bfloat16 17 166 / 156, 65 289 / 249, 131 260 / 248, float16 65 289 / 245;
 // backward bfloat16 17 241 / 204, 33 238 / 204. The knob JAX_SOFTMAX_SHORT_ROW_SPACING (1, 2 or
@@ -1484,17 +1487,33 @@ Launched LaunchShortRows(const LaunchCtx& c) {
   constexpr int64_t kRowsPerPass = kShortRowsBlock / kGroup;
   constexpr int64_t kOperands = kBwd ? 2 : 1;
   const int64_t pass_bytes = kOperands * kRowsPerPass * c.p.cols * int64_t(sizeof(T));
+  constexpr int64_t kVec = 16 / int64_t(sizeof(T));
   const ShortRowsTuning tuning = ShortRowsTuningFor(kBwd, sizeof(T), pass_bytes);
-  const int64_t passes =
-      std::clamp<int64_t>(int64_t(tuning.tile_kib) * 1024 / pass_bytes, 1, 16);
+  int64_t passes = std::clamp<int64_t>(int64_t(tuning.tile_kib) * 1024 / pass_bytes, 1, 16);
+  const auto smem_of = [&](int64_t n) {
+    return size_t(kOperands) *
+           size_t(ShortRowsSlots(n * kRowsPerPass * c.p.cols, kVec)) * sizeof(T);
+  };
+  // The kernels' static shared memory (copy_bar): 128 bytes by ptxas's report of the whole build.
+  constexpr size_t kSmemLimit = 48 * 1024 - 128;
+  // A tile of whole vectors, so that every CTA's span starts at a 16-byte boundary (the bulk store
+  // takes only such spans, and ShortRowsSpacing counts banks for them): passes a multiple of
+  // `step`. Only the 32-lane backward rows (4 rows a pass) of odd length need it (step 2):
+  // 16-bit 193 took 7 passes, half its CTAs starting 4 elements past a boundary (H200, session 68:
+  // 85% of the copy against 95-98% for its neighbours). Rounded up where the tile still fits,
+  // else down. JAX_SOFTMAX_SHORT_ALIGNED_TILES=0 (read once; A/B runs) leaves the count as is.
+  static const bool aligned_tiles = EnvKnob("JAX_SOFTMAX_SHORT_ALIGNED_TILES", 1) != 0;
+  int64_t step = 1;
+  while (aligned_tiles && step * kRowsPerPass * c.p.cols % kVec != 0) step *= 2;
+  if (passes % step != 0) {
+    const int64_t up = passes + step - passes % step;
+    passes = up <= 16 && smem_of(up) <= kSmemLimit ? up : std::max(step, passes - passes % step);
+  }
   const int64_t rows_per_cta = passes * kRowsPerPass;
   const int64_t grid = (c.p.rows + rows_per_cta - 1) / rows_per_cta;
   if (grid > INT_MAX) return std::nullopt;
-  const size_t smem = size_t(kOperands) *
-                      size_t(ShortRowsSlots(rows_per_cta * c.p.cols, 16 / int64_t(sizeof(T)))) *
-                      sizeof(T);
-  // The kernels' static shared memory (copy_bar): 128 bytes by ptxas's report of the whole build.
-  if (smem + 128 > 48 * 1024) return std::nullopt;
+  const size_t smem = smem_of(passes);
+  if (smem > kSmemLimit) return std::nullopt;
   const KernelLaunch launch(static_cast<unsigned>(grid), kShortRowsBlock, smem, c.stream, 1,
                             c.dependent);
   const int spacing = ShortRowsSpacing<int(sizeof(T)), kGroup>(c.p.cols);
@@ -1596,6 +1615,23 @@ Launched LaunchShortRowsFewestLanes(const LaunchCtx& c) {
     if (c.p.cols <= 4 * kV) return LaunchShortRows<T, 4, false>(c);
     return LaunchShortRows<T, 8, false>(c);
   }
+}
+
+// The forward short-row kernel on 16 or 32 lanes for 16-bit rows of up to 16 or 32
+// kShortRowValues columns (ShortWideForwardRows).
+template <typename T>
+Launched LaunchShortRowsWideForward(const LaunchCtx& c) {
+  if (c.p.cols <= 16 * int64_t(kShortRowValues)) return LaunchShortRows<T, 16, false>(c);
+  return LaunchShortRows<T, 32, false>(c);
+}
+
+// The backward short-row kernel on the fewest of 8, 16 or 32 lanes for rows past 32 vectors, of
+// up to 8, 16 or 32 kShortRowValues columns (ShortWideBackwardRows; 16-bit rows start at 16).
+template <typename T>
+Launched LaunchShortRowsWideBackward(const LaunchCtx& c) {
+  if (c.p.cols <= 8 * int64_t(kShortRowValues)) return LaunchShortRows<T, 8, true>(c);
+  if (c.p.cols <= 16 * int64_t(kShortRowValues)) return LaunchShortRows<T, 16, true>(c);
+  return LaunchShortRows<T, 32, true>(c);
 }
 
 // CTAs of a staged row launch: tiles_per_cta tiles each, or (0) persistent waves of the CTAs
@@ -2090,6 +2126,54 @@ inline int ShortOddRowsMode() {
   return mode;
 }
 
+// Windowed 16-bit forward rows of 257-1023 columns on the short-row kernel of 16 or 32 lanes
+// (rows of up to 512 or 1024 columns, 17-32 values a lane as on 2-8 lanes), rather than the
+// staged tiers. Measured (H200, session 69, one build, us per call at 256 MiB, staged / kernel;
+// 125 us moves the bytes at the copy's rate): bfloat16 257 145 / 135, 300 145 / 132, 319 148 /
+// 132, 383 146 / 133, 449 152 / 135, 511 142 / 137, 513 139 / 137, 641 151 / 131, 767 136 / 132,
+// 1001 137 / 133, 1023 136 / 132; float16 641 151 / 131: the kernel at every one.
+// JAX_SOFTMAX_SHORT_WIDE_FWD (read once; A/B runs and tests): 0 leaves them on the staged tiers,
+// as before session 69.
+inline bool ShortWideForwardRows() {
+  static const bool enabled = EnvKnob("JAX_SOFTMAX_SHORT_WIDE_FWD", 1) != 0;
+  return enabled;
+}
+
+// Windowed backward rows past 32 vectors of up to 1023 columns (float32 from 129, 16-bit from
+// 257) on the backward short-row kernel of 8, 16 or 32 lanes (LaunchShortRowsWideBackward),
+// rather than the warp and block tiers, where the kernel won: the column ranges below.
+// The warp tiers run a row of n vectors on 32 lanes of 2 or 4 (64 or 128 vectors), so rows just
+// past a power of two leave half their lanes idle; the kernel's time stays flat (192-197 us but
+// 16-bit 257 208 and 449 211). Measured (H200, session 69, one build, us per call at 256 MiB, warp
+// tiers / kernel; 187 us moves the bytes at the copy's rate):
+// float32 (8 lanes to 256 columns, 16 to 512, 32 to 1023): 131 234 / 192, 133 206 / 192, 137 203
+// / 192, 141 199 / 192, 145 195 / 192, 149 192 / 192, then the warp tiers: 153 190 / 192, 157 188
+// / 192, 161 187 / 193, 255 189 / 193, 257 185 / 192, 289 185 / 192, 321 185 / 193, 383 186 /
+// 193, 513 191 / 193, 577 186 / 194, 641 185 / 194, 1001 186 / 196.
+// bfloat16 (16 lanes to 512 columns, 32 to 1023): 257 313 / 208, 383 229 / 195, 449 206 / 211,
+// 479 199 / 193, 505 191 / 194; 513 376 / 194, 577 355 / 195, 641 321 / 195, 705 295 / 195, 769
+// 229 / 196, 833 216 / 197, 897 206 / 196, 961 196 / 197, 1001 191 / 197; float16 641 317 / 195.
+// So float32 129-148 and 16-bit 257-447 and 513-959 (479 gained 3%, between two losses: left on
+// the warp tier).
+// JAX_SOFTMAX_SHORT_WIDE_BWD (read once; A/B runs and tests): 0 none (the warp and block tiers,
+// as before session 69), 2 every such row.
+struct ColumnRange {
+  int64_t first, last;
+};
+template <typename T>
+bool ShortWideBackwardRows(int64_t cols) {
+  static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_SHORT_WIDE_BWD", 1));
+  if (mode != 1) return mode == 2;
+  static constexpr ColumnRange kFloat32[] = {{129, 148}};
+  static constexpr ColumnRange k16Bit[] = {{257, 447}, {513, 959}};
+  const auto in = [cols](const auto& ranges) {
+    for (const ColumnRange& r : ranges)
+      if (cols >= r.first && cols <= r.last) return true;
+    return false;
+  };
+  return sizeof(T) == 4 ? in(kFloat32) : in(k16Bit);
+}
+
 // Windowed backward rows on sm_90+ of up to 255 columns (16-bit: every one the kernel holds) or 96
 // (float32): the short-row backward kernel (y's and dy's tiles in shared memory, 1 to 32 lanes per
 // row, ShortRowsBwdGroup), rather than the register lane groups.
@@ -2170,6 +2254,10 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
         const int mode = ShortOddRowsMode();
         if (n <= 32 * kVec && (mode == 1 || (mode == 2 && c.p.cols <= 4 * kShortRowValues)))
           if (Launched launched = LaunchShortRowsFewestLanes<T, false>(c)) return *launched;
+        if constexpr (sizeof(T) < 4)
+          if (n > 32 * kVec && c.p.cols < 32 * kShortRowValues && mode == 1 &&
+              ShortWideForwardRows())
+            if (Launched launched = LaunchShortRowsWideForward<T>(c)) return *launched;
       }
       if (Launched launched = LaunchStagedTier<T, kVec, kAccess>(c)) return *launched;
     }
@@ -2183,6 +2271,9 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
     const int mode = ShortOddBwdMode();
     if (mode != 0 && c.dev.cc_major >= 9 && n <= 32 * kVec && (mode == 2 || c.p.cols <= kTop))
       if (Launched launched = LaunchShortRowsFewestLanes<T, true>(c)) return *launched;
+    if (mode != 0 && c.dev.cc_major >= 9 && n > 32 * kVec &&
+        c.p.cols < 32 * int64_t(kShortRowValues) && ShortWideBackwardRows<T>(c.p.cols))
+      if (Launched launched = LaunchShortRowsWideBackward<T>(c)) return *launched;
   }
   constexpr int kRowsShort = kBwd ? 2 : 4;  // backward: two values per element, 90 registers at 4
   if (n <= 32 * kVec) return lane_groups(std::integral_constant<int, kRowsShort>{});

@@ -140,7 +140,7 @@ with_test_k() { if [ -n "${TEST_K:-}" ]; then echo "($TEST_K) and ($1)"; else ec
 if want test; then
   # The suite in parallel processes (a GPU test spends most of its time in XLA's compiler, on the
   # CPU; one process ran past a device call's 10 minutes). -k selects by test and module name;
-  # the shards cover every test once: the kernel-tier module in twelve (the staged-ring,
+  # the shards cover every test once: the kernel-tier module in thirteen (the staged-ring,
   # dependent-call and causal-size tests were one shard until session 28, which ran past 320 s
   # beside the others; the odd-row tests one with the rest until session 38, past 470 s on the
   # H100; the past-top rows of session 41 their own, tiers_odd already taking 437 s there, with
@@ -150,8 +150,9 @@ if want test; then
   # since session 54, when the module's other tests, one shard, ran past 495 s on the H200 with
   # 46 of 54 done, and alone took 381 s, 155 of them in these four tests; session 55's thin
   # reread rows apart, tiers_odd having taken 437 s on the H100; the staged-ring rows in a shard
-  # per dtype since session 56, when as one they took 480 s of the 495 allowed on the H200), the
-  # rest in two.
+  # per dtype since session 56, when as one they took 480 s of the 495 allowed on the H200; the
+  # broadcast-operand and padding-mask tests apart since session 69, when the module's other tests,
+  # one shard, ran past 520 s on the H200 with 24 of 51 done), the rest in two.
   # The kernel-tier module's own shards (name:selection); tiers_rest takes the module's other
   # tests, so the selections are written once here and joined for it.
   tier_shards=(
@@ -166,6 +167,7 @@ if want test; then
     "tiers_gaps:odd_row_rings or plain_row_gaps"
     "tiers_past:past_top_rows or wide_block_rows"
     "tiers_blocks:plain_block_rows or reread_block_rows or block_warps or windowed_row_neighbours"
+    "tiers_operands:broadcast_operand_order or padding_mask_skips_masked_vectors"
   )
   tiers_split=
   shards=()
@@ -305,6 +307,15 @@ if want test; then
   short_job short_rows_thread_copies JAX_SOFTMAX_SHORT_COPY_BULK=0 JAX_SOFTMAX_SHORT_ODD_BWD=2
   short_job short_rows_bulk_in JAX_SOFTMAX_SHORT_COPY_BULK=1 JAX_SOFTMAX_SHORT_ODD_BWD=2
   short_job short_rows_bulk_one_pass JAX_SOFTMAX_SHORT_ODD_BWD=2 JAX_SOFTMAX_SHORT_TILE_KIB=0
+  # Rows past 32 vectors of up to 1023 columns on the short-row kernels of 8-32 lanes (session 69:
+  # the forward's 16-bit rows by default, the backward's where it won): the backward kernel for
+  # every such row, then neither (the staged, warp and block tiers, as before session 69).
+  wide_job() { test_job "$@" -- -k "$(with_test_k "gpu and test_kernel_tiers and (short_wide_rows or short_windowed_rows)")"; }
+  wide_job short_wide_rows_all JAX_SOFTMAX_SHORT_WIDE_BWD=2
+  wide_job short_wide_rows_off JAX_SOFTMAX_SHORT_WIDE_FWD=0 JAX_SOFTMAX_SHORT_WIDE_BWD=0
+  # Tiles left at the passes their size gives (JAX_SOFTMAX_SHORT_ALIGNED_TILES=0, as before it):
+  # 32-lane backward rows of odd length then start half their tiles mid-vector (bfloat16 193).
+  short_job short_rows_unaligned_tiles JAX_SOFTMAX_SHORT_ALIGNED_TILES=0
   wait_tests
   test_job tiers_big XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 -- -k "$(with_test_k "test_kernel_tiers and ($big)")"
   wait_tests

@@ -67,11 +67,20 @@ CASES = [  # (rows, cols, dtype)
     (1041, 199, jnp.bfloat16),
     # Session 68: the backward short-row kernel on 16 lanes (bfloat16 rows of 223 columns, 2 rows
     # per warp), on 8 (129 columns; on 32 under JAX_SOFTMAX_SHORT_WIDER_LANES=3, 11 passes of 4
-    # rows) and on 32 (193 columns, one row per warp, 7 passes of 4 rows: half the CTAs' tiles
-    # start mid-vector and take the threads' stores), each with a last CTA of few live rows.
+    # rows) and on 32 (193 columns, one row per warp, tiles rounded to 8 passes of 4 rows; under
+    # JAX_SOFTMAX_SHORT_ALIGNED_TILES=0 7, half the CTAs' tiles starting mid-vector and taking the
+    # threads' stores), each with a last CTA of few live rows.
     (1037, 223, jnp.bfloat16),
     (1029, 129, jnp.bfloat16),
     (1031, 193, jnp.bfloat16),
+    # Session 69: rows past 32 vectors on the short-row kernels, on 16 lanes (bfloat16 301
+    # columns: forward 5 passes of 8 rows, backward 2) and 32 (1001: forward 4 passes of 4, 3
+    # rounded up to an even count; its backward takes the warp tier, and the kernel's 2 passes,
+    # 1 rounded up, under JAX_SOFTMAX_SHORT_WIDE_BWD=2), float32 backward on 8 (131: 1 pass of 16
+    # rows); a last CTA of few rows.
+    (1031, 301, jnp.bfloat16),
+    (1031, 1001, jnp.bfloat16),
+    (1031, 131, jnp.float32),
     (2, 16384, jnp.float16),
     (3, 262144, jnp.bfloat16),
     (1, 524288, jnp.bfloat16),

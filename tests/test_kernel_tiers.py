@@ -368,14 +368,16 @@ def test_short_windowed_rows(backend, device, rng, dtype):
     # 16-bit rows past 128 columns on the staged tiers, and =0, the tiers before): the first sizes,
     # each lane count's top and the next size, odd and even lengths, in 2053 rows (a partial last
     # CTA, and a last pass of rows with few or none live in tiles of several passes; a tile starts
-    # 16-byte aligned, its rows at every alignment, except the 32-lane backward tiles of 4-row
-    # passes that do not fill whole vectors: 16-bit 193, and 129 under the job below that widens
-    # wherever the count falls), with softmax and log_softmax, a `where`
+    # 16-byte aligned, its rows at every alignment, except under the job below that keeps the
+    # passes as the tile's size gives them: the 32-lane backward tiles of 4-row passes that do not
+    # fill whole vectors, 16-bit 193), with softmax and log_softmax, a `where`
     # mask (other kernels) and the backward (its short-row kernel for 16-bit rows to 255 columns,
     # on 8 lanes past 128, and float32 to 96 with 95 and 97 either side, ShortOddBwdMode; on more
     # than the fewest lanes where the bank count halves, ShortRowsBwdGroup: 16-bit 20 on 2, 149
-    # and 223 on 16, 191, 193 and 255 on 32, float32 22 on 2; 79 and 101 on 8, 95 on 16, 65, 127 and
-    # 129 on 32 under the gpu_check.sh job that widens wherever the count falls; every row it holds,
+    # and 223 on 16, 191, 193 (tiles of an even count of 4-row passes, so that each starts at a
+    # 16-byte boundary; under a gpu_check.sh job an odd one, half the tiles starting mid-vector)
+    # and 255 on 32, float32 22 on 2; 79 and 101 on 8, 95 on 16, 65, 127 and 129 on 32 under the
+    # gpu_check.sh job that widens wherever the count falls; every row it holds,
     # float32 to 127 too, under the gpu_check.sh jobs that set JAX_SOFTMAX_SHORT_ODD_BWD=2, with
     # one pass of rows and batched copies, the largest tiles and plain copies, the tiles copied by
     # bulk copies in only or by the threads, or a warp's rows 2 or 4 apart), and
@@ -385,9 +387,15 @@ def test_short_windowed_rows(backend, device, rng, dtype):
     sizes = [1, 2, 3, 5, 7, 9, 15, 17, 18, 20, 22, 31, 33, 34, 47, 63, 65, 66, 79, 95, 97, 101, 127,
              129, 131, 149, 157, 191, 193, 199, 223, 233, 247, 249, 250, 253, 254, 255]
     sizes = [n for n in sizes if n <= top and n % v != 0]
-    check_sizes(device, rng, dtype, sizes, lambda n: 2053)
+    check_sizes_scaled(device, rng, dtype, sizes, 2053)
+
+
+def check_sizes_scaled(device, rng, dtype, sizes, rows):
+    """check_sizes, then attention_softmax's scale (taken into the short-row kernels' rows) at
+    every size, both in `rows` rows."""
+    check_sizes(device, rng, dtype, sizes, lambda n: rows)
     # The scaled rows of every size in one jitted call, as check_sizes (one compilation).
-    xs = [rounded(rng.standard_normal((2053, n)) * 3.0, dtype) for n in sizes]
+    xs = [rounded(rng.standard_normal((rows, n)) * 3.0, dtype) for n in sizes]
     gs = [rounded(rng.standard_normal(x.shape), dtype) for x in xs]
     placed = [put(device, x, g) for x, g in zip(xs, gs)]
     for x in xs:
@@ -397,6 +405,29 @@ def test_short_windowed_rows(backend, device, rng, dtype):
     for x, g, (y, dx) in zip(xs, gs, _scaled_many(placed)):
         z = x.astype(np.float64) * 0.37
         check_scores_vjp(y, dx, z, g, None, 0.37, dtype, f"scale N={x.shape[1]}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dtype", [jnp.float32, jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d]
+)
+def test_short_wide_rows(backend, device, rng, dtype):
+    # Rows past 32 vectors of up to 1023 columns whose length is not a multiple of the vector
+    # width (float32 129-1023, 16-bit 257-1023). The forward's 16-bit rows take the short-row
+    # kernel on 16 lanes (to 512 columns, 8 rows a pass) or 32 (to 1023, 4 rows a pass, an even
+    # count of passes for odd lengths: ShortWideForwardRows, LaunchShortRows), every lane with 16
+    # or more of them; the backward's the backward kernel on the fewest of 8, 16 or 32 lanes where
+    # it won (ShortWideBackwardRows: float32 129-148, 16-bit 257-447 and 513-959), the warp and
+    # block tiers elsewhere. gpu_check.sh runs it again with the backward kernel for every row
+    # (JAX_SOFTMAX_SHORT_WIDE_BWD=2) and with neither (both knobs 0: the tiers before session 69).
+    # Each lane count's first sizes, its top and the next size, each range's ends and the sizes
+    # past them, odd and even lengths, in 1031 rows (a partial last CTA); `where` rows take other
+    # kernels.
+    v = VEC[dtype]
+    sizes = [129, 131, 147, 149, 161, 255, 257, 258, 263, 300, 319, 383, 447, 449, 511, 513, 514,
+             577, 641, 767, 959, 961, 1001, 1021, 1023, 1025]
+    sizes = [n for n in sizes if n > 32 * v and n % v != 0]
+    check_sizes_scaled(device, rng, dtype, sizes, 1031)
 
 
 @pytest.mark.gpu
