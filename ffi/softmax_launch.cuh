@@ -1594,44 +1594,37 @@ Launched LaunchShortRowsBwdLanes(const LaunchCtx& c) {
       c, ShortRowsBwdGroup<int(sizeof(T)), kGroup, kMaxGroup>(c.p.cols));
 }
 
-// The short-row kernel on the fewest lanes that hold the row: 1, 2, 4 or 8 lanes for rows of up
-// to 1, 2, 4 or 8 kShortRowValues columns (ShortOddBwdMode: the backward to 255, 16-bit; some
-// backward rows on more lanes, LaunchShortRowsBwdLanes).
+// The short-row kernel on the fewest lanes that hold the row: 1, 2, 4, ..., 32 lanes for rows of
+// up to 1, 2, 4, ..., 32 kShortRowValues columns. Rows of up to 32 vectors take 1-8 lanes
+// (ShortOddRowsMode, ShortOddBwdMode: 16-bit backward rows to 255 columns, float32 to 128); rows
+// past them 16-bit forward rows on 16 or 32 (ShortWideForwardRows), backward rows on 8-32
+// (ShortWideBackwardRows: float32 from 129 columns, 16-bit from 257). Backward rows of up to 32
+// vectors may take more lanes than the fewest (LaunchShortRowsBwdLanes).
 template <typename T, bool kBwd>
 Launched LaunchShortRowsFewestLanes(const LaunchCtx& c) {
   constexpr int64_t kV = kShortRowValues;
-  if constexpr (kBwd) {
-    if (c.p.cols <= 1 * kV) return LaunchShortRowsBwdLanes<T, 1>(c);
-    if (c.p.cols <= 2 * kV) return LaunchShortRowsBwdLanes<T, 2>(c);
-    if (c.p.cols <= 4 * kV) return LaunchShortRowsBwdLanes<T, 4>(c);
-    // Float32 backward rows end at 4 kShortRowValues (ShortOddBwdMode): no 8-lane kernel for them.
-    if constexpr (sizeof(T) < 4)
-      return LaunchShortRowsBwdLanes<T, 8>(c);
+  // Backward lane counts up to kWidened go through LaunchShortRowsBwdLanes, which may widen them
+  // (its kMaxGroup: 32 for 16-bit rows, 4 for float32); none of the forward's.
+  constexpr int kWidened = !kBwd ? 0 : sizeof(T) < 4 ? 8 : 4;
+  const auto on = [&](auto lanes) -> Launched {
+    constexpr int kG = decltype(lanes)::value;
+    if constexpr (kG <= kWidened)
+      return LaunchShortRowsBwdLanes<T, kG>(c);
     else
-      return std::nullopt;
+      return LaunchShortRows<T, kG, kBwd>(c);
+  };
+  if (c.p.cols <= 1 * kV) return on(std::integral_constant<int, 1>{});
+  if (c.p.cols <= 2 * kV) return on(std::integral_constant<int, 2>{});
+  if (c.p.cols <= 4 * kV) return on(std::integral_constant<int, 4>{});
+  if (c.p.cols <= 8 * kV) return on(std::integral_constant<int, 8>{});
+  // Float32 forward rows end at 4 kShortRowValues (the warp tiers past 32 vectors): no kernel of
+  // 16 or 32 lanes for them.
+  if constexpr (!kBwd && sizeof(T) >= 4) {
+    return std::nullopt;
   } else {
-    if (c.p.cols <= 1 * kV) return LaunchShortRows<T, 1, false>(c);
-    if (c.p.cols <= 2 * kV) return LaunchShortRows<T, 2, false>(c);
-    if (c.p.cols <= 4 * kV) return LaunchShortRows<T, 4, false>(c);
-    return LaunchShortRows<T, 8, false>(c);
+    if (c.p.cols <= 16 * kV) return on(std::integral_constant<int, 16>{});
+    return on(std::integral_constant<int, 32>{});
   }
-}
-
-// The forward short-row kernel on 16 or 32 lanes for 16-bit rows of up to 16 or 32
-// kShortRowValues columns (ShortWideForwardRows).
-template <typename T>
-Launched LaunchShortRowsWideForward(const LaunchCtx& c) {
-  if (c.p.cols <= 16 * int64_t(kShortRowValues)) return LaunchShortRows<T, 16, false>(c);
-  return LaunchShortRows<T, 32, false>(c);
-}
-
-// The backward short-row kernel on the fewest of 8, 16 or 32 lanes for rows past 32 vectors, of
-// up to 8, 16 or 32 kShortRowValues columns (ShortWideBackwardRows; 16-bit rows start at 16).
-template <typename T>
-Launched LaunchShortRowsWideBackward(const LaunchCtx& c) {
-  if (c.p.cols <= 8 * int64_t(kShortRowValues)) return LaunchShortRows<T, 8, true>(c);
-  if (c.p.cols <= 16 * int64_t(kShortRowValues)) return LaunchShortRows<T, 16, true>(c);
-  return LaunchShortRows<T, 32, true>(c);
 }
 
 // CTAs of a staged row launch: tiles_per_cta tiles each, or (0) persistent waves of the CTAs
@@ -2140,7 +2133,7 @@ inline bool ShortWideForwardRows() {
 }
 
 // Windowed backward rows past 32 vectors of up to 1023 columns (float32 from 129, 16-bit from
-// 257) on the backward short-row kernel of 8, 16 or 32 lanes (LaunchShortRowsWideBackward),
+// 257) on the backward short-row kernel of 8, 16 or 32 lanes (LaunchShortRowsFewestLanes),
 // rather than the warp and block tiers, where the kernel won: the column ranges below.
 // The warp tiers run a row of n vectors on 32 lanes of 2 or 4 (64 or 128 vectors), so rows just
 // past a power of two leave half their lanes idle; the kernel's time stays flat (192-197 us but
@@ -2252,12 +2245,12 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
           return lane_groups(std::integral_constant<int, 2>{});
       if constexpr (kAccess == Access::kWindowed) {
         const int mode = ShortOddRowsMode();
-        if (n <= 32 * kVec && (mode == 1 || (mode == 2 && c.p.cols <= 4 * kShortRowValues)))
+        const bool short_rows =
+            n <= 32 * kVec ? mode == 1 || (mode == 2 && c.p.cols <= 4 * kShortRowValues)
+                           : sizeof(T) < 4 && c.p.cols < 32 * kShortRowValues && mode == 1 &&
+                                 ShortWideForwardRows();
+        if (short_rows)
           if (Launched launched = LaunchShortRowsFewestLanes<T, false>(c)) return *launched;
-        if constexpr (sizeof(T) < 4)
-          if (n > 32 * kVec && c.p.cols < 32 * kShortRowValues && mode == 1 &&
-              ShortWideForwardRows())
-            if (Launched launched = LaunchShortRowsWideForward<T>(c)) return *launched;
       }
       if (Launched launched = LaunchStagedTier<T, kVec, kAccess>(c)) return *launched;
     }
@@ -2269,11 +2262,13 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   if constexpr (kBwd && kAccess == Access::kWindowed && sizeof(T) <= 4) {
     constexpr int64_t kTop = (sizeof(T) < 4 ? 8 : 3) * int64_t(kShortRowValues);
     const int mode = ShortOddBwdMode();
-    if (mode != 0 && c.dev.cc_major >= 9 && n <= 32 * kVec && (mode == 2 || c.p.cols <= kTop))
+    const bool short_rows =
+        mode != 0 && c.dev.cc_major >= 9 &&
+        (n <= 32 * kVec ? mode == 2 || c.p.cols <= kTop
+                        : c.p.cols < 32 * int64_t(kShortRowValues) &&
+                              ShortWideBackwardRows<T>(c.p.cols));
+    if (short_rows)
       if (Launched launched = LaunchShortRowsFewestLanes<T, true>(c)) return *launched;
-    if (mode != 0 && c.dev.cc_major >= 9 && n > 32 * kVec &&
-        c.p.cols < 32 * int64_t(kShortRowValues) && ShortWideBackwardRows<T>(c.p.cols))
-      if (Launched launched = LaunchShortRowsWideBackward<T>(c)) return *launched;
   }
   constexpr int kRowsShort = kBwd ? 2 : 4;  // backward: two values per element, 90 registers at 4
   if (n <= 32 * kVec) return lane_groups(std::integral_constant<int, kRowsShort>{});

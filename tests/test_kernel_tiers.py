@@ -400,8 +400,8 @@ def check_sizes_scaled(device, rng, dtype, sizes, rows):
     placed = [put(device, x, g) for x, g in zip(xs, gs)]
     for x in xs:
         poison(device, x.shape, dtype, count=8)
-    # Outputs and the scores' cotangents (the backward short-row kernel's scale, 16-bit to 255
-    # columns).
+    # Outputs and the scores' cotangents (the backward short-row kernel's scale where it takes the
+    # rows).
     for x, g, (y, dx) in zip(xs, gs, _scaled_many(placed)):
         z = x.astype(np.float64) * 0.37
         check_scores_vjp(y, dx, z, g, None, 0.37, dtype, f"scale N={x.shape[1]}")
