@@ -1600,6 +1600,16 @@ Launched LaunchShortRowsBwdLanes(const LaunchCtx& c) {
 // past them 16-bit forward rows on 16 or 32 (ShortWideForwardRows), backward rows on 8-32
 // (ShortWideBackwardRows: float32 from 129 columns, 16-bit from 257). Backward rows of up to 32
 // vectors may take more lanes than the fewest (LaunchShortRowsBwdLanes).
+// Backward rows past 32 vectors take the same rule up to 32 lanes (session 70; ShortRowsBwdGroup:
+// where the bank count halves and each lane keeps 5 columns or more). By the count it moves
+// 16-bit rows of 257-512 columns within 3 of a multiple of 64 (4 bank ways on 16 lanes, 2 on 32:
+// 257, 319, 383, 447, 449, 511, ...) to 32 lanes. Measured (H200, us per call at 256 MiB, fewest
+// lanes / this rule; the copy's rate moves the bytes in 187): bfloat16 257 208 / 198, 319 197 /
+// 195, 383 197 / 196, 447 208 / 196, 449 212 / 196, 511 202 / 196. Float32 rows of 160-512
+// columns (on the warp tiers unless JAX_SOFTMAX_SHORT_WIDE_BWD=2) gain nothing: 161 193 / 194,
+// 193 194 / 195, 255 194 / 196, 289 and 383 equal. JAX_SOFTMAX_SHORT_WIDER_LANES=0 keeps the
+// fewest lanes. Forward rows stay on the fewest: 16-bit rows of 257-512 on 32 lanes instead of
+// 16 ran at about half the speed (bfloat16 257 136 / 310, 383 133 / 213, 511 138 / 165).
 template <typename T, bool kBwd>
 Launched LaunchShortRowsFewestLanes(const LaunchCtx& c) {
   constexpr int64_t kV = kShortRowValues;
@@ -1610,6 +1620,9 @@ Launched LaunchShortRowsFewestLanes(const LaunchCtx& c) {
     constexpr int kG = decltype(lanes)::value;
     if constexpr (kG <= kWidened)
       return LaunchShortRowsBwdLanes<T, kG>(c);
+    else if constexpr (kBwd && kG < 32)
+      return LaunchShortRowsBwdGroup<T, kG, 32>(
+          c, ShortRowsBwdGroup<int(sizeof(T)), kG, 32>(c.p.cols));
     else
       return LaunchShortRows<T, kG, kBwd>(c);
   };
@@ -2148,6 +2161,11 @@ inline bool ShortWideForwardRows() {
 // 229 / 196, 833 216 / 197, 897 206 / 196, 961 196 / 197, 1001 191 / 197; float16 641 317 / 195.
 // So float32 129-148 and 16-bit 257-447 and 513-959 (479 gained 3%, between two losses: left on
 // the warp tier).
+// Session 70, the 16-bit rows of 257-512 on 32 lanes where the bank count halves
+// (LaunchShortRowsFewestLanes), warp tier / kernel: bfloat16 449 208 / 196, 479 200 / 195, 481
+// 199 / 195, 487 198 / 195, 489 197 / 195, 495 196 / 195, 497 194 / 195, 503 194 / 195, 511 191 /
+// 196; float16 449 206 / 196, 487 195 / 195. So 16-bit 257-495 (every row of 449-495 gains
+// 1-7%), float32 129-148 as before (161-383: warp tiers 184-188 against 193-196).
 // JAX_SOFTMAX_SHORT_WIDE_BWD (read once; A/B runs and tests): 0 none (the warp and block tiers,
 // as before session 69), 2 every such row.
 struct ColumnRange {
@@ -2158,7 +2176,7 @@ bool ShortWideBackwardRows(int64_t cols) {
   static const int mode = static_cast<int>(EnvKnob("JAX_SOFTMAX_SHORT_WIDE_BWD", 1));
   if (mode != 1) return mode == 2;
   static constexpr ColumnRange kFloat32[] = {{129, 148}};
-  static constexpr ColumnRange k16Bit[] = {{257, 447}, {513, 959}};
+  static constexpr ColumnRange k16Bit[] = {{257, 495}, {513, 959}};
   const auto in = [cols](const auto& ranges) {
     for (const ColumnRange& r : ranges)
       if (cols >= r.first && cols <= r.last) return true;

@@ -313,6 +313,9 @@ if want test; then
   # knobs touch no row of up to 32 vectors, so short_windowed_rows stays out of these jobs.
   wide_job() { test_job "$@" -- -k "$(with_test_k "gpu and test_kernel_tiers and short_wide_rows")"; }
   wide_job short_wide_rows_all JAX_SOFTMAX_SHORT_WIDE_BWD=2
+  # The backward's rows on the fewest lanes that hold them (as in session 69), not on 32 where
+  # the bank count halves (16-bit 257-512 within 3 of a multiple of 64, session 70).
+  wide_job short_wide_rows_lanes JAX_SOFTMAX_SHORT_WIDE_BWD=2 JAX_SOFTMAX_SHORT_WIDER_LANES=0
   wide_job short_wide_rows_off JAX_SOFTMAX_SHORT_WIDE_FWD=0 JAX_SOFTMAX_SHORT_WIDE_BWD=0
   # Tiles left at the passes their size gives (JAX_SOFTMAX_SHORT_ALIGNED_TILES=0, as before it):
   # 32-lane backward rows of odd length then start half their tiles mid-vector (bfloat16 193).

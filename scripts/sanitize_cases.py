@@ -79,6 +79,9 @@ CASES = [  # (rows, cols, dtype)
     # 1 rounded up, under JAX_SOFTMAX_SHORT_WIDE_BWD=2), float32 backward on 8 (131: 1 pass of 16
     # rows); a last CTA of few rows.
     (1031, 301, jnp.bfloat16),
+    # The backward of 257 columns on 32 lanes (the bank count halves from 16, session 70): 6
+    # passes of 4 rows (5 rounded up to an even count, whole vectors); the forward on 16 lanes.
+    (1031, 257, jnp.bfloat16),
     (1031, 1001, jnp.bfloat16),
     (1031, 131, jnp.float32),
     (2, 16384, jnp.float16),

@@ -416,16 +416,19 @@ def test_short_wide_rows(backend, device, rng, dtype):
     # width (float32 129-1023, 16-bit 257-1023). The forward's 16-bit rows take the short-row
     # kernel on 16 lanes (to 512 columns, 8 rows a pass) or 32 (to 1023, 4 rows a pass, an even
     # count of passes for odd lengths: ShortWideForwardRows, LaunchShortRows), every lane with 16
-    # or more of them; the backward's the backward kernel on the fewest of 8, 16 or 32 lanes where
-    # it won (ShortWideBackwardRows: float32 129-148, 16-bit 257-447 and 513-959), the warp and
-    # block tiers elsewhere. gpu_check.sh runs it again with the backward kernel for every row
-    # (JAX_SOFTMAX_SHORT_WIDE_BWD=2) and with neither (both knobs 0: the tiers before session 69).
+    # or more of them; the backward's the backward kernel where it won (ShortWideBackwardRows:
+    # float32 129-148, 16-bit 257-495 and 513-959), on the fewest of 8, 16 or 32 lanes or on 32
+    # where the bank count halves (16-bit 257, 319, 383, 447, 449, 511; ShortRowsBwdGroup through
+    # LaunchShortRowsFewestLanes), the warp and block tiers elsewhere. gpu_check.sh runs it again
+    # with the backward kernel for every row (JAX_SOFTMAX_SHORT_WIDE_BWD=2), then also on the
+    # fewest lanes (JAX_SOFTMAX_SHORT_WIDER_LANES=0), and with neither kernel (both wide knobs 0:
+    # the tiers before session 69).
     # Each lane count's first sizes, its top and the next size, each range's ends and the sizes
     # past them, odd and even lengths, in 1031 rows (a partial last CTA); `where` rows take other
     # kernels.
     v = VEC[dtype]
-    sizes = [129, 131, 147, 149, 161, 255, 257, 258, 263, 300, 319, 383, 447, 449, 511, 513, 514,
-             577, 641, 767, 959, 961, 1001, 1021, 1023, 1025]
+    sizes = [129, 131, 147, 149, 161, 255, 257, 258, 263, 300, 319, 383, 447, 449, 495, 497, 511,
+             513, 514, 577, 641, 767, 959, 961, 1001, 1021, 1023, 1025]
     sizes = [n for n in sizes if n > 32 * v and n % v != 0]
     check_sizes_scaled(device, rng, dtype, sizes, 1031)
 
