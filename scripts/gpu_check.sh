@@ -27,7 +27,7 @@
 # the base, its .prebuilt copied there) takes the place of AB_BASE_SRC and its build: then
 # `abbase` alone, with this tree prebuilt too. ncu: Nsight Compute on NCU_CASES.
 # Env: JAX_SOFTMAX_CUDA_ARCHS (default 90a-real: the device is an H100/H200), AB_BASE_SRC, BENCH_ARGS
-# (extra arguments for `python -m jax_softmax bench`), NCU_REGEX / NCU_SECTIONS / NCU_METRICS (kernels, ncu sections, extra metrics), TEST_ARGS (extra pytest arguments), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), TEST_MEM_FRACTION (each test process's share of GPU memory), AB_CASES, NCU_CASES, SANITIZE_COLS / RACECHECK_COLS (row lengths of scripts/sanitize_cases.py to run; SANITIZE_ALL_OPS=1 keeps all their calls), *_TIMEOUT (seconds).
+# (extra arguments for `python -m jax_softmax bench`), NCU_REGEX / NCU_SECTIONS / NCU_METRICS (kernels, ncu sections, extra metrics), TEST_ARGS (extra pytest arguments), TEST_K (a pytest -k expression, e.g. "gpu or flax or example" to skip the CPU copies), TEST_PART (all, suite or knobs: the test step's jobs, see test_part), TEST_MEM_FRACTION (each test process's share of GPU memory), AB_CASES, NCU_CASES, SANITIZE_COLS / RACECHECK_COLS (row lengths of scripts/sanitize_cases.py to run; SANITIZE_ALL_OPS=1 keeps all their calls), *_TIMEOUT (seconds).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/jax_softmax_out}
@@ -136,6 +136,15 @@ wait_tests() {
 big="long_keys or limit_in_last_vector"
 # A -k expression narrowed by TEST_K.
 with_test_k() { if [ -n "${TEST_K:-}" ]; then echo "($TEST_K) and ($1)"; else echo "$1"; fi; }
+# TEST_PART: the test step's jobs, all (default), suite (the shards that run every test once and
+# the long-key tests) or knobs (the jobs that run tests again under knobs or in command buffers).
+# The whole step took 573 s on the H200 in session 70, against a call's 600: a part fits a call
+# with room, and two calls issued back to back find the machine warm.
+case "${TEST_PART:=all}" in
+  all | suite | knobs) ;;
+  *) echo "TEST_PART must be all, suite or knobs, not '$TEST_PART'" >&2; exit 2 ;;
+esac
+test_part() { [ "$TEST_PART" = all ] || [ "$TEST_PART" = "$1" ]; }
 
 if want test; then
   # The suite in parallel processes (a GPU test spends most of its time in XLA's compiler, on the
@@ -183,149 +192,155 @@ if want test; then
     "softmax:not test_kernel_tiers and (test_softmax or test_transforms or test_errors)"
     "rest:not (test_kernel_tiers or test_softmax or test_transforms or test_errors)"
   )
-  for shard in "${shards[@]}"; do
-    test_job "${shard%%:*}" -- -k "$(with_test_k "${shard#*:}")" ${TEST_ARGS:-}
-  done
-  # Chained calls (each kernel launched with programmatic dependent launch) inside CUDA graphs:
-  # XLA records every fusion and custom call of these programs into command buffers.
-  test_job command_buffers \
-    "XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and dependent_calls")"
-  # Every cluster tier at the size its rows need (by default only where that fits more clusters
-  # on the GPU: FitCluster), and the 16-bit backward rows of 16385-131072 columns on the
-  # tiers of 16 values that those of 32 replaced (JAX_SOFTMAX_RAW_WIDE=0; the plain ones of up to
-  # 24576 too, which since session 45 take blocks of 40 and 48 values: JAX_SOFTMAX_BWD_BLOCKS=0),
-  # and the float32 backward rows read twice with both y and dy kept in shared memory
-  # (JAX_SOFTMAX_REREAD_SMEM=2).
-  test_job cluster_fit_all JAX_SOFTMAX_CLUSTER_FIT=2 JAX_SOFTMAX_RAW_WIDE=0 JAX_SOFTMAX_BWD_BLOCKS=0 \
-    JAX_SOFTMAX_REREAD_SMEM=2 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and (cluster_ctas or many_long_rows)")"
-  # The 16-bit backward rows of 16385-32768 on two CTAs of the 4 x 512 x 32 clusters on every GPU,
-  # full rows too (JAX_SOFTMAX_RAW_WIDE=2): by default the H200 keeps those of up to 20480 on
-  # 8 x 256 x 16 (session 45), so that only the H100 ran the two CTAs there.
-  test_job mid_bwd_two_ctas JAX_SOFTMAX_RAW_WIDE=2 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and mid_backward_rows")"
-  # The broadcast operands' rows taken copy by copy (RowOrder) in every tier: by default only
-  # where the bytes between copies exceed a quarter of L2 (OperandReuseOrder), which the tests'
-  # shapes do not reach (session 31, H100: 16 passed, 25 s).
-  test_job reuse_order JAX_SOFTMAX_REUSE_ORDER=2 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and broadcast_operand_order")"
-  # The 16-bit odd rows of 16385-32768 on the staged clusters that one CTA of up to 1024 threads
-  # replaced (to 24576 in session 33, beyond in 44; since session 49 the reread blocks take them,
-  # JAX_SOFTMAX_REREAD_BLOCKS=2 keeps them off those), and the float32 rows of 16385-32768 on the
-  # clusters that such a CTA replaced in session 42 (JAX_SOFTMAX_WIDE_BLOCKS=0, and
-  # JAX_SOFTMAX_REREAD_FLOAT=0 past the reread blocks of session 50; test_wide_block_rows, every
-  # dtype).
-  test_job wide_blocks_off JAX_SOFTMAX_WIDE_BLOCKS=0 JAX_SOFTMAX_REREAD_BLOCKS=2 \
-    JAX_SOFTMAX_REREAD_FLOAT=0 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and (wide_block_rows or cluster_ctas)")"
-  # The 16-bit odd rows of 16385-32768 on the wide blocks that the reread blocks replaced in
-  # session 49: two CTAs per SM to W = 24576, beyond the H100's one CTA with a ring and the H200's
-  # staged clusters (JAX_SOFTMAX_REREAD_BLOCKS=2); and the float32 rows of 16385-28636 on the
-  # wide blocks of two tiles that the reread blocks replaced in session 50
-  # (JAX_SOFTMAX_REREAD_FLOAT=0).
-  test_job odd_wide_blocks JAX_SOFTMAX_REREAD_BLOCKS=2 JAX_SOFTMAX_REREAD_FLOAT=0 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and wide_block_rows")"
-  # The reread blocks' odd rows (and float32 plain ones) copied from their own 16-byte window
-  # start, as before session 50 (JAX_SOFTMAX_COPY_ALIGN=16; default: from 128-byte boundaries),
-  # and the plain 16-bit rows of cols % 16 == 8 on the plain reread kernel, as before session 51
-  # (default: the windowed one).
-  test_job copy_align_16 JAX_SOFTMAX_COPY_ALIGN=16 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and (wide_block_rows or windowed_row_neighbours or reread_block_rows)")"
-  # Plain 16-bit rows of 8193-16383 on the register tier's 512 x 32 block, which the staged one
-  # replaced in session 51 (JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=0).
-  test_job plain16_register_blocks JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=0 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and plain_block_rows")"
-  # The 16-bit odd rows whose staged tiers take OddRowTilesPerCta tiles per CTA (two on the H200,
-  # and on the H100 up to 3072 columns; since session 54 on the H200 also the thinly filled rows
-  # of the 256- and 512-thread blocks) at one tile per CTA, the H100's default beyond, the
-  # wide blocks among them (JAX_SOFTMAX_REREAD_BLOCKS=2), and the float32 wide blocks (two by
-  # default; JAX_SOFTMAX_REREAD_FLOAT=0 for all their rows).
-  test_job odd_rows_one_tile JAX_SOFTMAX_TILES_PER_CTA=1 JAX_SOFTMAX_REREAD_BLOCKS=2 \
-    JAX_SOFTMAX_REREAD_FLOAT=0 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_rings or wide_block_rows)")"
-  # The 16-bit odd rows that the tiers of 5/4 E, 3/2 E and 3/4 E values per thread (sessions
-  # 38-39) and the staged 5-warp block took over, the plain rows in the same gaps (session 40),
-  # and the rows past the tiers' tops on 7/4 E and 64 threads of 5/4 E (session 41), on session
-  # 37's tiers (JAX_SOFTMAX_ODD_TIERS=0). Two jobs: as one it ran past 500 s beside the others
-  # (H200, session 42; 445 s in session 41).
-  test_job odd_tiers_off JAX_SOFTMAX_ODD_TIERS=0 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_tiers or odd_row_rings)")"
-  test_job plain_gaps_off JAX_SOFTMAX_ODD_TIERS=0 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and (plain_row_gaps or past_top_rows)")"
-  # The same rows on the H200's ranges of those tiers (JAX_SOFTMAX_ODD_TIERS=2), which an H100
-  # takes only under that knob. Two jobs: as one it took 454-459 s beside the others (H200,
-  # session 42; H100, session 43), against a limit of 500-520.
-  test_job odd_tiers_h200 JAX_SOFTMAX_ODD_TIERS=2 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and odd_row_tiers")"
-  test_job plain_gaps_h200 JAX_SOFTMAX_ODD_TIERS=2 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and (plain_row_gaps or past_top_rows)")"
-  # The 16-bit plain rows of 16385-32768 on the register tiers that the reread blocks replaced by
-  # default (JAX_SOFTMAX_REREAD_BLOCKS=0).
-  test_job reread_blocks_off JAX_SOFTMAX_REREAD_BLOCKS=0 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and reread_block_rows")"
-  # The float32 odd rows' half-warp rows (the H200's rule for W = 257-452) on all of W = 257-512
-  # and on every GPU (JAX_SOFTMAX_FLOAT_HALF_WARPS=2).
-  # With them the float32 odd rows of W = 129-256 on 16 lanes (the H200's rule: W = 229-256) and of
-  # W = 2049-3072 on three warps (the H200's rule: W = 2049-2560), every GPU
-  # (JAX_SOFTMAX_FLOAT_SHORT_WARPS=1, JAX_SOFTMAX_FLOAT_THREE_WARPS=2), and those of W = 129-256
-  # on 8 lanes of 8 vectors (the H200's rule: W = 161-228; JAX_SOFTMAX_FLOAT_SHORT_WARPS=2). The
-  # first job lets a warp's threads take the two load and store paths apart, as before session 61
-  # (JAX_SOFTMAX_WARP_UNIFORM_ENDS=0).
-  test_job float_half_warps JAX_SOFTMAX_FLOAT_HALF_WARPS=2 JAX_SOFTMAX_FLOAT_SHORT_WARPS=1 \
-    JAX_SOFTMAX_FLOAT_THREE_WARPS=2 JAX_SOFTMAX_WARP_UNIFORM_ENDS=0 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and (float_half_warp_rows or float_short_row_lanes or float_three_warp_rows)")"
-  test_job float_quarter_warps JAX_SOFTMAX_FLOAT_SHORT_WARPS=2 \
-    -- -k "$(with_test_k "gpu and test_kernel_tiers and float_short_row_lanes")"
-  # The short-row kernels' test under knobs: short_job NAME [VAR=value]...
-  short_job() { test_job "$@" -- -k "$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")"; }
-  # Windowed forward rows of up to 32 vectors under session 63's rule (16-bit rows of 129-255 on
-  # the staged tiers; by default the short-row kernel on 8 lanes since session 64) and on the
-  # tiers they took before session 63 (JAX_SOFTMAX_SHORT_ODD_ROWS=2 and =0).
-  short_job short_odd_rows_staged16 JAX_SOFTMAX_SHORT_ODD_ROWS=2
-  short_job short_odd_rows_off JAX_SOFTMAX_SHORT_ODD_ROWS=0
-  # The short-row kernels' other tables (session 64): the backward for every row it holds
-  # (float32 to 127 columns, 16-bit to 255, on 8 lanes past 128 since session 66), with one pass
-  # of rows per CTA and batched copies, then with the largest tiles and plain copies (the threads'
-  # copies, not the default bulk copies of session 68).
-  short_job short_rows_one_pass_batched JAX_SOFTMAX_SHORT_ODD_BWD=2 JAX_SOFTMAX_SHORT_COPY_BULK=0 \
-    JAX_SOFTMAX_SHORT_TILE_KIB=0 JAX_SOFTMAX_SHORT_COPY_BATCH=1
-  short_job short_rows_big_tiles_plain JAX_SOFTMAX_SHORT_ODD_BWD=2 JAX_SOFTMAX_SHORT_COPY_BULK=0 \
-    JAX_SOFTMAX_SHORT_TILE_KIB=46 JAX_SOFTMAX_SHORT_COPY_BATCH=0
-  # Session 65's kernel rows: every lane with all 32 values and a warp's rows consecutive (the
-  # kernels before it), and each fixed row spacing (ShortRowsSpacing picks by row length), the
-  # backward kernel for every row it holds.
-  short_job short_rows_all_values JAX_SOFTMAX_SHORT_VALUE_CHUNKS=0 JAX_SOFTMAX_SHORT_ROW_SPACING=1
-  short_job short_rows_spacing2 JAX_SOFTMAX_SHORT_ROW_SPACING=2 JAX_SOFTMAX_SHORT_ODD_BWD=2
-  short_job short_rows_spacing4 JAX_SOFTMAX_SHORT_ROW_SPACING=4 JAX_SOFTMAX_SHORT_ODD_BWD=2
-  # Backward rows on the fewest lanes that hold them, as before session 68, on at most twice as
-  # many, and wherever the bank count gives any fewer conflicts (ShortRowsBwdGroup; by default up
-  # to 32 where it halves).
-  short_job short_rows_fewest_lanes JAX_SOFTMAX_SHORT_WIDER_LANES=0 JAX_SOFTMAX_SHORT_ODD_BWD=2
-  short_job short_rows_twice_lanes JAX_SOFTMAX_SHORT_WIDER_LANES=1 JAX_SOFTMAX_SHORT_ODD_BWD=2
-  short_job short_rows_any_wider_lanes JAX_SOFTMAX_SHORT_WIDER_LANES=3 JAX_SOFTMAX_SHORT_ODD_BWD=2
-  # The short-row tiles copied by the threads (the table's plain or batched copies, as before
-  # session 68) and copied in only by cp.async.bulk (the default: in and out), the backward
-  # kernel for every row it holds; the default with one pass of rows per CTA too.
-  short_job short_rows_thread_copies JAX_SOFTMAX_SHORT_COPY_BULK=0 JAX_SOFTMAX_SHORT_ODD_BWD=2
-  short_job short_rows_bulk_in JAX_SOFTMAX_SHORT_COPY_BULK=1 JAX_SOFTMAX_SHORT_ODD_BWD=2
-  short_job short_rows_bulk_one_pass JAX_SOFTMAX_SHORT_ODD_BWD=2 JAX_SOFTMAX_SHORT_TILE_KIB=0
-  # Rows past 32 vectors of up to 1023 columns on the short-row kernels of 8-32 lanes (session 69:
-  # the forward's 16-bit rows by default, the backward's where it won): the backward kernel for
-  # every such row, then neither (the staged, warp and block tiers, as before session 69). The
-  # knobs touch no row of up to 32 vectors, so short_windowed_rows stays out of these jobs.
-  wide_job() { test_job "$@" -- -k "$(with_test_k "gpu and test_kernel_tiers and short_wide_rows")"; }
-  wide_job short_wide_rows_all JAX_SOFTMAX_SHORT_WIDE_BWD=2
-  # The backward's rows on the fewest lanes that hold them (as in session 69), not on 32 where
-  # the bank count halves (16-bit 257-512 within 3 of a multiple of 64, session 70).
-  wide_job short_wide_rows_lanes JAX_SOFTMAX_SHORT_WIDE_BWD=2 JAX_SOFTMAX_SHORT_WIDER_LANES=0
-  wide_job short_wide_rows_off JAX_SOFTMAX_SHORT_WIDE_FWD=0 JAX_SOFTMAX_SHORT_WIDE_BWD=0
-  # Tiles left at the passes their size gives (JAX_SOFTMAX_SHORT_ALIGNED_TILES=0, as before it):
-  # 32-lane backward rows of odd length then start half their tiles mid-vector (bfloat16 193).
-  short_job short_rows_unaligned_tiles JAX_SOFTMAX_SHORT_ALIGNED_TILES=0
+  if test_part suite; then
+    for shard in "${shards[@]}"; do
+      test_job "${shard%%:*}" -- -k "$(with_test_k "${shard#*:}")" ${TEST_ARGS:-}
+    done
+  fi
+  if test_part knobs; then
+    # Chained calls (each kernel launched with programmatic dependent launch) inside CUDA graphs:
+    # XLA records every fusion and custom call of these programs into command buffers.
+    test_job command_buffers \
+      "XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
+      -- -k "$(with_test_k "gpu and test_kernel_tiers and dependent_calls")"
+    # Every cluster tier at the size its rows need (by default only where that fits more clusters
+    # on the GPU: FitCluster), and the 16-bit backward rows of 16385-131072 columns on the
+    # tiers of 16 values that those of 32 replaced (JAX_SOFTMAX_RAW_WIDE=0; the plain ones of up to
+    # 24576 too, which since session 45 take blocks of 40 and 48 values: JAX_SOFTMAX_BWD_BLOCKS=0),
+    # and the float32 backward rows read twice with both y and dy kept in shared memory
+    # (JAX_SOFTMAX_REREAD_SMEM=2).
+    test_job cluster_fit_all JAX_SOFTMAX_CLUSTER_FIT=2 JAX_SOFTMAX_RAW_WIDE=0 JAX_SOFTMAX_BWD_BLOCKS=0 \
+      JAX_SOFTMAX_REREAD_SMEM=2 \
+      -- -k "$(with_test_k "gpu and test_kernel_tiers and (cluster_ctas or many_long_rows)")"
+    # The 16-bit backward rows of 16385-32768 on two CTAs of the 4 x 512 x 32 clusters on every GPU,
+    # full rows too (JAX_SOFTMAX_RAW_WIDE=2): by default the H200 keeps those of up to 20480 on
+    # 8 x 256 x 16 (session 45), so that only the H100 ran the two CTAs there.
+    test_job mid_bwd_two_ctas JAX_SOFTMAX_RAW_WIDE=2 \
+      -- -k "$(with_test_k "gpu and test_kernel_tiers and mid_backward_rows")"
+    # The broadcast operands' rows taken copy by copy (RowOrder) in every tier: by default only
+    # where the bytes between copies exceed a quarter of L2 (OperandReuseOrder), which the tests'
+    # shapes do not reach (session 31, H100: 16 passed, 25 s).
+    test_job reuse_order JAX_SOFTMAX_REUSE_ORDER=2 \
+      -- -k "$(with_test_k "gpu and test_kernel_tiers and broadcast_operand_order")"
+    # The 16-bit odd rows of 16385-32768 on the staged clusters that one CTA of up to 1024 threads
+    # replaced (to 24576 in session 33, beyond in 44; since session 49 the reread blocks take them,
+    # JAX_SOFTMAX_REREAD_BLOCKS=2 keeps them off those), and the float32 rows of 16385-32768 on the
+    # clusters that such a CTA replaced in session 42 (JAX_SOFTMAX_WIDE_BLOCKS=0, and
+    # JAX_SOFTMAX_REREAD_FLOAT=0 past the reread blocks of session 50; test_wide_block_rows, every
+    # dtype).
+    test_job wide_blocks_off JAX_SOFTMAX_WIDE_BLOCKS=0 JAX_SOFTMAX_REREAD_BLOCKS=2 \
+      JAX_SOFTMAX_REREAD_FLOAT=0 \
+      -- -k "$(with_test_k "gpu and test_kernel_tiers and (wide_block_rows or cluster_ctas)")"
+    # The 16-bit odd rows of 16385-32768 on the wide blocks that the reread blocks replaced in
+    # session 49: two CTAs per SM to W = 24576, beyond the H100's one CTA with a ring and the H200's
+    # staged clusters (JAX_SOFTMAX_REREAD_BLOCKS=2); and the float32 rows of 16385-28636 on the
+    # wide blocks of two tiles that the reread blocks replaced in session 50
+    # (JAX_SOFTMAX_REREAD_FLOAT=0).
+    test_job odd_wide_blocks JAX_SOFTMAX_REREAD_BLOCKS=2 JAX_SOFTMAX_REREAD_FLOAT=0 \
+      -- -k "$(with_test_k "gpu and test_kernel_tiers and wide_block_rows")"
+    # The reread blocks' odd rows (and float32 plain ones) copied from their own 16-byte window
+    # start, as before session 50 (JAX_SOFTMAX_COPY_ALIGN=16; default: from 128-byte boundaries),
+    # and the plain 16-bit rows of cols % 16 == 8 on the plain reread kernel, as before session 51
+    # (default: the windowed one).
+    test_job copy_align_16 JAX_SOFTMAX_COPY_ALIGN=16 \
+      -- -k "$(with_test_k "gpu and test_kernel_tiers and (wide_block_rows or windowed_row_neighbours or reread_block_rows)")"
+    # Plain 16-bit rows of 8193-16383 on the register tier's 512 x 32 block, which the staged one
+    # replaced in session 51 (JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=0).
+    test_job plain16_register_blocks JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=0 \
+      -- -k "$(with_test_k "gpu and test_kernel_tiers and plain_block_rows")"
+    # The 16-bit odd rows whose staged tiers take OddRowTilesPerCta tiles per CTA (two on the H200,
+    # and on the H100 up to 3072 columns; since session 54 on the H200 also the thinly filled rows
+    # of the 256- and 512-thread blocks) at one tile per CTA, the H100's default beyond, the
+    # wide blocks among them (JAX_SOFTMAX_REREAD_BLOCKS=2), and the float32 wide blocks (two by
+    # default; JAX_SOFTMAX_REREAD_FLOAT=0 for all their rows).
+    test_job odd_rows_one_tile JAX_SOFTMAX_TILES_PER_CTA=1 JAX_SOFTMAX_REREAD_BLOCKS=2 \
+      JAX_SOFTMAX_REREAD_FLOAT=0 \
+      -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_rings or wide_block_rows)")"
+    # The 16-bit odd rows that the tiers of 5/4 E, 3/2 E and 3/4 E values per thread (sessions
+    # 38-39) and the staged 5-warp block took over, the plain rows in the same gaps (session 40),
+    # and the rows past the tiers' tops on 7/4 E and 64 threads of 5/4 E (session 41), on session
+    # 37's tiers (JAX_SOFTMAX_ODD_TIERS=0). Two jobs: as one it ran past 500 s beside the others
+    # (H200, session 42; 445 s in session 41).
+    test_job odd_tiers_off JAX_SOFTMAX_ODD_TIERS=0 \
+      -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_tiers or odd_row_rings)")"
+    test_job plain_gaps_off JAX_SOFTMAX_ODD_TIERS=0 \
+      -- -k "$(with_test_k "gpu and test_kernel_tiers and (plain_row_gaps or past_top_rows)")"
+    # The same rows on the H200's ranges of those tiers (JAX_SOFTMAX_ODD_TIERS=2), which an H100
+    # takes only under that knob. Two jobs: as one it took 454-459 s beside the others (H200,
+    # session 42; H100, session 43), against a limit of 500-520.
+    test_job odd_tiers_h200 JAX_SOFTMAX_ODD_TIERS=2 \
+      -- -k "$(with_test_k "gpu and test_kernel_tiers and odd_row_tiers")"
+    test_job plain_gaps_h200 JAX_SOFTMAX_ODD_TIERS=2 \
+      -- -k "$(with_test_k "gpu and test_kernel_tiers and (plain_row_gaps or past_top_rows)")"
+    # The 16-bit plain rows of 16385-32768 on the register tiers that the reread blocks replaced by
+    # default (JAX_SOFTMAX_REREAD_BLOCKS=0).
+    test_job reread_blocks_off JAX_SOFTMAX_REREAD_BLOCKS=0 \
+      -- -k "$(with_test_k "gpu and test_kernel_tiers and reread_block_rows")"
+    # The float32 odd rows' half-warp rows (the H200's rule for W = 257-452) on all of W = 257-512
+    # and on every GPU (JAX_SOFTMAX_FLOAT_HALF_WARPS=2).
+    # With them the float32 odd rows of W = 129-256 on 16 lanes (the H200's rule: W = 229-256) and of
+    # W = 2049-3072 on three warps (the H200's rule: W = 2049-2560), every GPU
+    # (JAX_SOFTMAX_FLOAT_SHORT_WARPS=1, JAX_SOFTMAX_FLOAT_THREE_WARPS=2), and those of W = 129-256
+    # on 8 lanes of 8 vectors (the H200's rule: W = 161-228; JAX_SOFTMAX_FLOAT_SHORT_WARPS=2). The
+    # first job lets a warp's threads take the two load and store paths apart, as before session 61
+    # (JAX_SOFTMAX_WARP_UNIFORM_ENDS=0).
+    test_job float_half_warps JAX_SOFTMAX_FLOAT_HALF_WARPS=2 JAX_SOFTMAX_FLOAT_SHORT_WARPS=1 \
+      JAX_SOFTMAX_FLOAT_THREE_WARPS=2 JAX_SOFTMAX_WARP_UNIFORM_ENDS=0 \
+      -- -k "$(with_test_k "gpu and test_kernel_tiers and (float_half_warp_rows or float_short_row_lanes or float_three_warp_rows)")"
+    test_job float_quarter_warps JAX_SOFTMAX_FLOAT_SHORT_WARPS=2 \
+      -- -k "$(with_test_k "gpu and test_kernel_tiers and float_short_row_lanes")"
+    # The short-row kernels' test under knobs: short_job NAME [VAR=value]...
+    short_job() { test_job "$@" -- -k "$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")"; }
+    # Windowed forward rows of up to 32 vectors under session 63's rule (16-bit rows of 129-255 on
+    # the staged tiers; by default the short-row kernel on 8 lanes since session 64) and on the
+    # tiers they took before session 63 (JAX_SOFTMAX_SHORT_ODD_ROWS=2 and =0).
+    short_job short_odd_rows_staged16 JAX_SOFTMAX_SHORT_ODD_ROWS=2
+    short_job short_odd_rows_off JAX_SOFTMAX_SHORT_ODD_ROWS=0
+    # The short-row kernels' other tables (session 64): the backward for every row it holds
+    # (float32 to 127 columns, 16-bit to 255, on 8 lanes past 128 since session 66), with one pass
+    # of rows per CTA and batched copies, then with the largest tiles and plain copies (the threads'
+    # copies, not the default bulk copies of session 68).
+    short_job short_rows_one_pass_batched JAX_SOFTMAX_SHORT_ODD_BWD=2 JAX_SOFTMAX_SHORT_COPY_BULK=0 \
+      JAX_SOFTMAX_SHORT_TILE_KIB=0 JAX_SOFTMAX_SHORT_COPY_BATCH=1
+    short_job short_rows_big_tiles_plain JAX_SOFTMAX_SHORT_ODD_BWD=2 JAX_SOFTMAX_SHORT_COPY_BULK=0 \
+      JAX_SOFTMAX_SHORT_TILE_KIB=46 JAX_SOFTMAX_SHORT_COPY_BATCH=0
+    # Session 65's kernel rows: every lane with all 32 values and a warp's rows consecutive (the
+    # kernels before it), and each fixed row spacing (ShortRowsSpacing picks by row length), the
+    # backward kernel for every row it holds.
+    short_job short_rows_all_values JAX_SOFTMAX_SHORT_VALUE_CHUNKS=0 JAX_SOFTMAX_SHORT_ROW_SPACING=1
+    short_job short_rows_spacing2 JAX_SOFTMAX_SHORT_ROW_SPACING=2 JAX_SOFTMAX_SHORT_ODD_BWD=2
+    short_job short_rows_spacing4 JAX_SOFTMAX_SHORT_ROW_SPACING=4 JAX_SOFTMAX_SHORT_ODD_BWD=2
+    # Backward rows on the fewest lanes that hold them, as before session 68, on at most twice as
+    # many, and wherever the bank count gives any fewer conflicts (ShortRowsBwdGroup; by default up
+    # to 32 where it halves).
+    short_job short_rows_fewest_lanes JAX_SOFTMAX_SHORT_WIDER_LANES=0 JAX_SOFTMAX_SHORT_ODD_BWD=2
+    short_job short_rows_twice_lanes JAX_SOFTMAX_SHORT_WIDER_LANES=1 JAX_SOFTMAX_SHORT_ODD_BWD=2
+    short_job short_rows_any_wider_lanes JAX_SOFTMAX_SHORT_WIDER_LANES=3 JAX_SOFTMAX_SHORT_ODD_BWD=2
+    # The short-row tiles copied by the threads (the table's plain or batched copies, as before
+    # session 68) and copied in only by cp.async.bulk (the default: in and out), the backward
+    # kernel for every row it holds; the default with one pass of rows per CTA too.
+    short_job short_rows_thread_copies JAX_SOFTMAX_SHORT_COPY_BULK=0 JAX_SOFTMAX_SHORT_ODD_BWD=2
+    short_job short_rows_bulk_in JAX_SOFTMAX_SHORT_COPY_BULK=1 JAX_SOFTMAX_SHORT_ODD_BWD=2
+    short_job short_rows_bulk_one_pass JAX_SOFTMAX_SHORT_ODD_BWD=2 JAX_SOFTMAX_SHORT_TILE_KIB=0
+    # Rows past 32 vectors of up to 1023 columns on the short-row kernels of 8-32 lanes (session 69:
+    # the forward's 16-bit rows by default, the backward's where it won): the backward kernel for
+    # every such row, then neither (the staged, warp and block tiers, as before session 69). The
+    # knobs touch no row of up to 32 vectors, so short_windowed_rows stays out of these jobs.
+    wide_job() { test_job "$@" -- -k "$(with_test_k "gpu and test_kernel_tiers and short_wide_rows")"; }
+    wide_job short_wide_rows_all JAX_SOFTMAX_SHORT_WIDE_BWD=2
+    # The backward's rows on the fewest lanes that hold them (as in session 69), not on 32 where
+    # the bank count halves (16-bit 257-512 within 3 of a multiple of 64, session 70).
+    wide_job short_wide_rows_lanes JAX_SOFTMAX_SHORT_WIDE_BWD=2 JAX_SOFTMAX_SHORT_WIDER_LANES=0
+    wide_job short_wide_rows_off JAX_SOFTMAX_SHORT_WIDE_FWD=0 JAX_SOFTMAX_SHORT_WIDE_BWD=0
+    # Tiles left at the passes their size gives (JAX_SOFTMAX_SHORT_ALIGNED_TILES=0, as before it):
+    # 32-lane backward rows of odd length then start half their tiles mid-vector (bfloat16 193).
+    short_job short_rows_unaligned_tiles JAX_SOFTMAX_SHORT_ALIGNED_TILES=0
+  fi
   wait_tests
-  test_job tiers_big XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 -- -k "$(with_test_k "test_kernel_tiers and ($big)")"
-  wait_tests
+  if test_part suite; then
+    test_job tiers_big XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 -- -k "$(with_test_k "test_kernel_tiers and ($big)")"
+    wait_tests
+  fi
 fi
 
 if want knobs; then
