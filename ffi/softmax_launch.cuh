@@ -1556,24 +1556,29 @@ Launched LaunchShortRows(const LaunchCtx& c) {
 template <int kElemBytes, int kGroup, int kMaxGroup>
 int ShortRowsBwdGroup(int64_t cols) {
   static_assert(kGroup <= kMaxGroup && kMaxGroup <= 32, "lane counts of the backward kernel");
-  constexpr int kMaxCols = kGroup * kShortRowValues;
-  static const std::array<uint8_t, kMaxCols + 1> groups = [] {
-    const long knob = EnvKnob("JAX_SOFTMAX_SHORT_WIDER_LANES", 2);
-    const int widest = knob <= 0 ? kGroup : knob == 1 ? std::min(2 * kGroup, kMaxGroup) : kMaxGroup;
-    const bool any_gain = knob >= 3;
-    std::array<uint8_t, kMaxCols + 1> t{};
-    for (int n = 1; n <= kMaxCols; ++n) {
-      const int fewest_ways = FewestBankWays(n, kElemBytes, kGroup).second;
-      int best = kGroup, best_ways = fewest_ways;
-      for (int g = 2 * kGroup; g <= widest && (any_gain || n >= 5 * g); g *= 2) {
-        const int ways = FewestBankWays(n, kElemBytes, g).second;
-        if (ways < best_ways && (any_gain || 2 * ways <= fewest_ways)) best = g, best_ways = ways;
+  if constexpr (kGroup == kMaxGroup) {
+    return kGroup;  // nothing wider: no table to count
+  } else {
+    constexpr int kMaxCols = kGroup * kShortRowValues;
+    static const std::array<uint8_t, kMaxCols + 1> groups = [] {
+      const long knob = EnvKnob("JAX_SOFTMAX_SHORT_WIDER_LANES", 2);
+      const int widest =
+          knob <= 0 ? kGroup : knob == 1 ? std::min(2 * kGroup, kMaxGroup) : kMaxGroup;
+      const bool any_gain = knob >= 3;
+      std::array<uint8_t, kMaxCols + 1> t{};
+      for (int n = 1; n <= kMaxCols; ++n) {
+        const int fewest_ways = FewestBankWays(n, kElemBytes, kGroup).second;
+        int best = kGroup, best_ways = fewest_ways;
+        for (int g = 2 * kGroup; g <= widest && (any_gain || n >= 5 * g); g *= 2) {
+          const int ways = FewestBankWays(n, kElemBytes, g).second;
+          if (ways < best_ways && (any_gain || 2 * ways <= fewest_ways)) best = g, best_ways = ways;
+        }
+        t[n] = static_cast<uint8_t>(best);
       }
-      t[n] = static_cast<uint8_t>(best);
-    }
-    return t;
-  }();
-  return cols <= kMaxCols ? groups[cols] : kGroup;
+      return t;
+    }();
+    return cols <= kMaxCols ? groups[cols] : kGroup;
+  }
 }
 
 // The backward short-row kernel on `group` lanes per row (ShortRowsBwdGroup: kG or more, a power
@@ -1585,11 +1590,14 @@ Launched LaunchShortRowsBwdGroup(const LaunchCtx& c, int group) {
   return LaunchShortRows<T, kG, true>(c);
 }
 
-// The backward short-row kernel for rows of up to kGroup kShortRowValues columns: up to 32 lanes
-// for 16-bit rows, 4 for float32 (whose rows end at 96 columns, ShortOddBwdMode).
+// The backward short-row kernel for rows of up to kGroup kShortRowValues columns, on kGroup lanes
+// or more (ShortRowsBwdGroup): up to 32 for 16-bit rows and for float32 rows past 32 vectors
+// (ShortWideBackwardRows: none widens in its table, 129-148 on 8 lanes), up to 4 for float32
+// rows of up to 32 vectors (1-4 lanes, to 96 columns by default, ShortOddBwdMode; more lanes were
+// never measured for them).
 template <typename T, int kGroup>
 Launched LaunchShortRowsBwdLanes(const LaunchCtx& c) {
-  constexpr int kMaxGroup = sizeof(T) < 4 ? 32 : 4;
+  constexpr int kMaxGroup = sizeof(T) < 4 || kGroup > 4 ? 32 : 4;
   return LaunchShortRowsBwdGroup<T, kGroup, kMaxGroup>(
       c, ShortRowsBwdGroup<int(sizeof(T)), kGroup, kMaxGroup>(c.p.cols));
 }
@@ -1598,9 +1606,9 @@ Launched LaunchShortRowsBwdLanes(const LaunchCtx& c) {
 // up to 1, 2, 4, ..., 32 kShortRowValues columns. Rows of up to 32 vectors take 1-8 lanes
 // (ShortOddRowsMode, ShortOddBwdMode: 16-bit backward rows to 255 columns, float32 to 128); rows
 // past them 16-bit forward rows on 16 or 32 (ShortWideForwardRows), backward rows on 8-32
-// (ShortWideBackwardRows: float32 from 129 columns, 16-bit from 257). Backward rows of up to 32
-// vectors may take more lanes than the fewest (LaunchShortRowsBwdLanes).
-// Backward rows past 32 vectors take the same rule up to 32 lanes (session 70; ShortRowsBwdGroup:
+// (ShortWideBackwardRows: float32 from 129 columns, 16-bit from 257). Backward rows may take more
+// lanes than the fewest (LaunchShortRowsBwdLanes).
+// Backward rows past 32 vectors take that rule up to 32 lanes too (session 70; ShortRowsBwdGroup:
 // where the bank count halves and each lane keeps 5 columns or more). By the count it moves
 // 16-bit rows of 257-512 columns within 3 of a multiple of 64 (4 bank ways on 16 lanes, 2 on 32:
 // 257, 319, 383, 447, 449, 511, ...) to 32 lanes. Measured (H200, us per call at 256 MiB, fewest
@@ -1613,18 +1621,12 @@ Launched LaunchShortRowsBwdLanes(const LaunchCtx& c) {
 template <typename T, bool kBwd>
 Launched LaunchShortRowsFewestLanes(const LaunchCtx& c) {
   constexpr int64_t kV = kShortRowValues;
-  // Backward lane counts up to kWidened go through LaunchShortRowsBwdLanes, which may widen them
-  // (its kMaxGroup: 32 for 16-bit rows, 4 for float32); none of the forward's.
-  constexpr int kWidened = !kBwd ? 0 : sizeof(T) < 4 ? 8 : 4;
   const auto on = [&](auto lanes) -> Launched {
     constexpr int kG = decltype(lanes)::value;
-    if constexpr (kG <= kWidened)
-      return LaunchShortRowsBwdLanes<T, kG>(c);
-    else if constexpr (kBwd && kG < 32)
-      return LaunchShortRowsBwdGroup<T, kG, 32>(
-          c, ShortRowsBwdGroup<int(sizeof(T)), kG, 32>(c.p.cols));
+    if constexpr (kBwd)
+      return LaunchShortRowsBwdLanes<T, kG>(c);  // kG lanes or more
     else
-      return LaunchShortRows<T, kG, kBwd>(c);
+      return LaunchShortRows<T, kG, false>(c);
   };
   if (c.p.cols <= 1 * kV) return on(std::integral_constant<int, 1>{});
   if (c.p.cols <= 2 * kV) return on(std::integral_constant<int, 2>{});
