@@ -1501,13 +1501,42 @@ Launched LaunchShortRows(const LaunchCtx& c) {
   // `step`. Only the 32-lane backward rows (4 rows a pass) of odd length need it (step 2):
   // 16-bit 193 took 7 passes, half its CTAs starting 4 elements past a boundary (H200, session 68:
   // 85% of the copy against 95-98% for its neighbours). Rounded up where the tile still fits,
-  // else down. JAX_SOFTMAX_SHORT_ALIGNED_TILES=0 (read once; A/B runs) leaves the count as is.
-  static const bool aligned_tiles = EnvKnob("JAX_SOFTMAX_SHORT_ALIGNED_TILES", 1) != 0;
-  int64_t step = 1;
-  while (aligned_tiles && step * kRowsPerPass * c.p.cols % kVec != 0) step *= 2;
-  if (passes % step != 0) {
+  // else down.
+  // Forward tiles are whole 32-byte sectors instead, rounded down (session 71): a span that starts
+  // 16 bytes into a sector has its bulk copies in and out split over one more sector at each end
+  // and across every 128-byte line, and the forward 16-bit rows of 16 lanes (8 rows a pass) whose
+  // passes x columns is odd, or of 32 lanes (4 rows) where it is not a multiple of 4, started
+  // every other CTA so. ncu (H200, 128 MiB, bfloat16 257, 511 and 513 against 300, 319 and 1023):
+  // L2 read sectors 6.73M against 6.31M, written 7.08M against 6.29M, the DRAM bytes the same;
+  // with sector tiles 6.31M and 6.29M. Measured (H200, us per call at 256 MiB, vector tiles /
+  // sector tiles rounded up / down; 125 us moves the bytes at the copy's rate): bfloat16 257 135 /
+  // 132 / 129, 449 135 / 132 / 128, 511 137 / 132 / 130, 513 137 / 133 / 129, 577 137 / 133 / 130;
+  // 300 and 641 (sectors already) 132-133 and 131 under all three. Rounding down halves some tiles
+  // (511: 3 passes -> 2, 16 KiB), which the measurement favours; rounding up took 511 to 4 passes,
+  // 32 KiB, 6 CTAs an SM. Backward sector tiles did not gain: bfloat16 257 (32 lanes) 197 / 203 /
+  // 197, 479 (16 lanes) 193 / 195 / 195, 223 196 / 194 / 193, so the backward keeps vector tiles.
+  // JAX_SOFTMAX_SHORT_ALIGNED_TILES (read once; A/B runs and tests) sets one rule for both
+  // directions: 0 the passes as the tile size gives them (as before session 68), 1 vector tiles
+  // rounded up (the forward's before session 71), 2 sector tiles rounded up, 3 sector tiles
+  // rounded down; sector tiles that do not fit fall back to vector tiles.
+  static const long aligned_tiles = EnvKnob("JAX_SOFTMAX_SHORT_ALIGNED_TILES", -1);
+  const long tile_rule = aligned_tiles >= 0 ? aligned_tiles : kBwd ? 1 : 3;
+  // Passes a multiple of the step that makes a tile whole units of align_bytes: rounded up where
+  // that tile fits (and round_down is false), else down, at least one step.
+  const auto aligned_passes = [&](int64_t align_bytes, bool round_down) {
+    int64_t step = 1;
+    while (step * kRowsPerPass * c.p.cols * int64_t(sizeof(T)) % align_bytes != 0) step *= 2;
+    if (passes % step == 0) return passes;
     const int64_t up = passes + step - passes % step;
-    passes = up <= 16 && smem_of(up) <= kSmemLimit ? up : std::max(step, passes - passes % step);
+    return !round_down && up <= 16 && smem_of(up) <= kSmemLimit
+               ? up
+               : std::max(step, passes - passes % step);
+  };
+  if (tile_rule >= 2) {
+    const int64_t sector_passes = aligned_passes(32, tile_rule >= 3);
+    passes = smem_of(sector_passes) <= kSmemLimit ? sector_passes : aligned_passes(16, false);
+  } else if (tile_rule == 1) {
+    passes = aligned_passes(16, false);
   }
   const int64_t rows_per_cta = passes * kRowsPerPass;
   const int64_t grid = (c.p.rows + rows_per_cta - 1) / rows_per_cta;

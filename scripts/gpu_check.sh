@@ -335,6 +335,13 @@ if want test; then
     # Tiles left at the passes their size gives (JAX_SOFTMAX_SHORT_ALIGNED_TILES=0, as before it):
     # 32-lane backward rows of odd length then start half their tiles mid-vector (bfloat16 193).
     short_job short_rows_unaligned_tiles JAX_SOFTMAX_SHORT_ALIGNED_TILES=0
+    # The other tile rules in both directions (by default the forward's tiles are whole 32-byte
+    # sectors rounded down, session 71, the backward's whole vectors rounded up): vector tiles
+    # (the forward's before session 71) and sector tiles rounded up, the wide rows too, which
+    # these rules change most (16-bit forward rows of 16 and 32 lanes).
+    both_job() { test_job "$@" -- -k "$(with_test_k "gpu and test_kernel_tiers and (short_windowed_rows or short_wide_rows)")"; }
+    both_job short_rows_vector_tiles JAX_SOFTMAX_SHORT_ALIGNED_TILES=1
+    both_job short_rows_sector_tiles_up JAX_SOFTMAX_SHORT_ALIGNED_TILES=2
   fi
   wait_tests
   if test_part suite; then

@@ -74,13 +74,15 @@ CASES = [  # (rows, cols, dtype)
     (1029, 129, jnp.bfloat16),
     (1031, 193, jnp.bfloat16),
     # Session 69: rows past 32 vectors on the short-row kernels, on 16 lanes (bfloat16 301
-    # columns: forward 5 passes of 8 rows, backward 2) and 32 (1001: forward 4 passes of 4, 3
-    # rounded up to an even count; its backward takes the warp tier, and the kernel's 2 passes,
-    # 1 rounded up, under JAX_SOFTMAX_SHORT_WIDE_BWD=2), float32 backward on 8 (131: 1 pass of 16
-    # rows); a last CTA of few rows.
+    # columns: forward 4 passes of 8 rows, 5 rounded down to whole 32-byte sectors since session
+    # 71, backward 2) and 32 (1001: forward 4 passes of 4, 3 rounded to a multiple of 4 for whole
+    # sectors; its backward takes the warp tier, and the kernel's 2 passes, 1 rounded up, under
+    # JAX_SOFTMAX_SHORT_WIDE_BWD=2), float32 backward on 8 (131: 1 pass of 16 rows); a last CTA
+    # of few rows.
     (1031, 301, jnp.bfloat16),
     # The backward of 257 columns on 32 lanes (the bank count halves from 16, session 70): 6
-    # passes of 4 rows (5 rounded up to an even count, whole vectors); the forward on 16 lanes.
+    # passes of 4 rows (5 rounded up to an even count, whole vectors); the forward on 16 lanes,
+    # 4 passes of 8 (5 rounded down to whole sectors).
     (1031, 257, jnp.bfloat16),
     (1031, 1001, jnp.bfloat16),
     (1031, 131, jnp.float32),

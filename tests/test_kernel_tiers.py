@@ -368,10 +368,11 @@ def test_short_windowed_rows(backend, device, rng, dtype):
     # 16-bit rows past 128 columns on the staged tiers, and =0, the tiers before): the first sizes,
     # each lane count's top and the next size, odd and even lengths, in 2053 rows (a partial last
     # CTA, and a last pass of rows with few or none live in tiles of several passes; a tile starts
-    # 16-byte aligned, its rows at every alignment, except under the job below that keeps the
-    # passes as the tile's size gives them: the 32-lane backward tiles of 4-row passes that do not
-    # fill whole vectors, 16-bit 193), with softmax and log_softmax, a `where`
-    # mask (other kernels) and the backward (its short-row kernel for 16-bit rows to 255 columns,
+    # 16-byte aligned (a forward one 32-byte aligned since session 71, under two gpu_check.sh jobs
+    # 16-byte aligned or rounded up instead), its rows at every alignment, except under the job
+    # below that keeps the passes as the tile's size gives them: the 32-lane backward tiles of
+    # 4-row passes that do not fill whole vectors, 16-bit 193), with softmax and log_softmax, a
+    # `where` mask (other kernels) and the backward (its short-row kernel for 16-bit rows to 255 columns,
     # on 8 lanes past 128, and float32 to 96 with 95 and 97 either side, ShortOddBwdMode; on more
     # than the fewest lanes where the bank count halves, ShortRowsBwdGroup: 16-bit 20 on 2, 149
     # and 223 on 16, 191, 193 (tiles of an even count of 4-row passes, so that each starts at a
@@ -414,15 +415,17 @@ def check_sizes_scaled(device, rng, dtype, sizes, rows):
 def test_short_wide_rows(backend, device, rng, dtype):
     # Rows past 32 vectors of up to 1023 columns whose length is not a multiple of the vector
     # width (float32 129-1023, 16-bit 257-1023). The forward's 16-bit rows take the short-row
-    # kernel on 16 lanes (to 512 columns, 8 rows a pass) or 32 (to 1023, 4 rows a pass, an even
-    # count of passes for odd lengths: ShortWideForwardRows, LaunchShortRows), every lane with 16
-    # or more of them; the backward's the backward kernel where it won (ShortWideBackwardRows:
-    # float32 129-148, 16-bit 257-495 and 513-959), on the fewest of 8, 16 or 32 lanes or on 32
-    # where the bank count halves (16-bit 257, 319, 383, 447, 449, 511; ShortRowsBwdGroup through
-    # LaunchShortRowsFewestLanes), the warp and block tiers elsewhere. gpu_check.sh runs it again
-    # with the backward kernel for every row (JAX_SOFTMAX_SHORT_WIDE_BWD=2), then also on the
-    # fewest lanes (JAX_SOFTMAX_SHORT_WIDER_LANES=0), and with neither kernel (both wide knobs 0:
-    # the tiers before session 69).
+    # kernel on 16 lanes (to 512 columns, 8 rows a pass) or 32 (to 1023, 4 rows a pass), tiles of
+    # whole 32-byte sectors (an even count of passes for odd lengths on 16 lanes, a multiple of 4
+    # on 32, rounded down: 257 5 -> 4, 449 and 511 3 -> 2, 513 and 577 6 -> 4;
+    # ShortWideForwardRows, LaunchShortRows), every lane with 16 or more of them; the backward's
+    # the backward kernel where it won (ShortWideBackwardRows: float32 129-148, 16-bit 257-495
+    # and 513-959), on the fewest of 8, 16 or 32 lanes or on 32 where the bank count halves
+    # (16-bit 257, 319, 383, 447, 449, 511; ShortRowsBwdGroup through LaunchShortRowsFewestLanes),
+    # the warp and block tiers elsewhere. gpu_check.sh runs it again with the backward kernel for
+    # every row (JAX_SOFTMAX_SHORT_WIDE_BWD=2), then also on the fewest lanes
+    # (JAX_SOFTMAX_SHORT_WIDER_LANES=0), with neither kernel (both wide knobs 0: the tiers before
+    # session 69), and under the other tile rules (JAX_SOFTMAX_SHORT_ALIGNED_TILES=1 and 2).
     # Each lane count's first sizes, its top and the next size, each range's ends and the sizes
     # past them, odd and even lengths, in 1031 rows (a partial last CTA); `where` rows take other
     # kernels.
