@@ -498,8 +498,10 @@ fi
 
 if want ncu; then
   # No preallocation and 128 MiB tensors: ncu saves and restores device memory on every replay.
-  # Our kernels and the benchmark's Triton ones (fwd_tile, bwd_tile, ...).
-  ncu_kernels=${NCU_REGEX:-softmax_rows|fwd_tile|fwd_loop|bwd_tile|bwd_loop}
+  # Our kernels (every __global__ of ffi/softmax_kernels.cuh: the short-row and staged backward
+  # ones were missing until session 71, whose first profile caught nothing) and the benchmark's
+  # Triton ones (fwd_tile, bwd_tile, ...).
+  ncu_kernels=${NCU_REGEX:-softmax_rows|softmax_short_rows|softmax_bwd_staged|fwd_tile|fwd_loop|bwd_tile|bwd_loop}
   XLA_PYTHON_CLIENT_PREALLOCATE=false PROFILE_MIB=128 timeout "${NCU_TIMEOUT:-300}" \
     ncu --clock-control none -k "regex:$ncu_kernels" \
     $(for s in ${NCU_SECTIONS:-SpeedOfLight Occupancy LaunchStats WarpStateStats}; do echo --section $s; done) \
