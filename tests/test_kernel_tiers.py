@@ -372,17 +372,17 @@ def test_short_windowed_rows(backend, device, rng, dtype):
     # 16-byte aligned or rounded up instead), its rows at every alignment, except under the job
     # below that keeps the passes as the tile's size gives them: the 32-lane backward tiles of
     # 4-row passes that do not fill whole vectors, 16-bit 193), with softmax and log_softmax, a
-    # `where` mask (other kernels) and the backward (its short-row kernel for 16-bit rows to 255 columns,
-    # on 8 lanes past 128, and float32 to 96 with 95 and 97 either side, ShortOddBwdMode; on more
-    # than the fewest lanes where the bank count halves, ShortRowsBwdGroup: 16-bit 20 on 2, 149
-    # and 223 on 16, 191, 193 (tiles of an even count of 4-row passes, so that each starts at a
-    # 16-byte boundary; under a gpu_check.sh job an odd one, half the tiles starting mid-vector)
-    # and 255 on 32, float32 22 on 2; 79 and 101 on 8, 95 on 16, 65, 127 and 129 on 32 under the
-    # gpu_check.sh job that widens wherever the count falls; every row it holds,
-    # float32 to 127 too, under the gpu_check.sh jobs that set JAX_SOFTMAX_SHORT_ODD_BWD=2, with
-    # one pass of rows and batched copies, the largest tiles and plain copies, the tiles copied by
-    # bulk copies in only or by the threads, or a warp's rows 2 or 4 apart), and
-    # attention_softmax's scale (taken into the kernel's rows).
+    # `where` mask (other kernels) and the backward (its short-row kernel for 16-bit rows to 255
+    # columns, on 8 lanes past 128, and float32 to 96 with 95 and 97 either side, ShortOddBwdMode;
+    # on more than the fewest lanes where the bank count halves, ShortRowsBwdGroup: 16-bit 20 on 2,
+    # 149 and 223 on 16, 191, 193 (tiles of an even count of 4-row passes, so that each starts at a
+    # 16-byte boundary; under a gpu_check.sh job an odd one, half the tiles starting mid-vector) and
+    # 255 on 32, float32 22 on 2; 79 and 101 on 8, 95 on 16, 65, 127 and 129 on 32 under the
+    # gpu_check.sh job that widens wherever the count falls; every row it holds, float32 to 127 too,
+    # under the gpu_check.sh jobs that set JAX_SOFTMAX_SHORT_ODD_BWD=2, with one pass of rows and
+    # batched copies, the largest tiles and plain copies, the tiles copied by bulk copies in only or
+    # by the threads, or a warp's rows 2 or 4 apart), and attention_softmax's scale (taken into the
+    # kernel's rows).
     v = VEC[dtype]
     top = 32 * v - 1
     sizes = [1, 2, 3, 5, 7, 9, 15, 17, 18, 20, 22, 31, 33, 34, 47, 63, 65, 66, 79, 95, 97, 101, 127,
