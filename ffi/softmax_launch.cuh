@@ -1386,16 +1386,47 @@ using Launched = std::optional<ffi::Error>;
 // JAX_SOFTMAX_SHORT_TILE_KIB (0-46; 0 one pass of rows) overrides the table for A/B runs, and
 // JAX_SOFTMAX_SHORT_COPY_BULK (read once) 0 takes the table's plain or batched copies instead
 // (JAX_SOFTMAX_SHORT_COPY_BATCH, 0 or 1, then overrides those), 1 bulk copies in only.
+// Tiles are whole units of align_bytes (LaunchShortRows rounds their passes). Backward tiles are
+// whole 16-byte vectors, rounded up where they fit (session 68): every CTA's span starts at a
+// 16-byte boundary, which the bulk store takes and ShortRowsSpacing counts banks for; only the
+// 32-lane backward rows (4 rows a pass) of odd length change (step 2): 16-bit 193 took 7 passes,
+// half its CTAs starting 4 elements past a boundary (H200, session 68: 85% of the copy against
+// 95-98% for its neighbours).
+// Forward tiles are whole 32-byte sectors, rounded down (session 71): a span that starts 16 bytes
+// into a sector has its bulk copies in and out split over one more sector at each end and across
+// every 128-byte line, and the forward 16-bit rows of 16 lanes (8 rows a pass) whose passes x
+// columns is odd, or of 32 lanes (4 rows) where it is not a multiple of 4, started every other
+// CTA so. ncu (H200, 128 MiB, bfloat16 257, 511 and 513 against 300, 319 and 1023): L2 read
+// sectors 6.73M against 6.31M, written 7.08M against 6.29M, the DRAM bytes the same; with sector
+// tiles 6.31M and 6.29M. Measured (H200, us per call at 256 MiB, vector tiles / sector tiles
+// rounded up / down; 125 us moves the bytes at the copy's rate): bfloat16 257 135 / 132 / 129, 449
+// 135 / 132 / 128, 511 137 / 132 / 130, 513 137 / 133 / 129, 577 137 / 133 / 130; 300 and 641
+// (sectors already) 132-133 and 131 under all three. Rounding down halves some tiles (511: 3
+// passes -> 2, 16 KiB), which the measurement favours; rounding up took 511 to 4 passes, 32 KiB,
+// 6 CTAs an SM. Backward sector tiles did not gain: bfloat16 257 (32 lanes) 197 / 203 / 197, 479
+// (16 lanes) 193 / 195 / 195, 223 196 / 194 / 193.
+// JAX_SOFTMAX_SHORT_ALIGNED_TILES (read once; A/B runs and tests) sets one rule for both
+// directions: 0 the passes as the tile size gives them (as before session 68), 1 vector tiles
+// rounded up (the forward's before session 71), 2 sector tiles rounded up, 3 sector tiles
+// rounded down; sector tiles that do not fit fall back to vector tiles (LaunchShortRows).
 struct ShortRowsTuning {
   int tile_kib;
-  int copy;  // ShortCopy
+  int copy;         // ShortCopy
+  int align_bytes;  // tiles of whole units of this many bytes: 1 (any), 16 or 32
+  bool round_down;  // to such a count of passes: down, rather than up where that tile fits
 };
 inline ShortRowsTuning ShortRowsTuningFor(bool bwd, size_t elem_bytes, int64_t pass_bytes) {
   static const long tile_knob = EnvKnob("JAX_SOFTMAX_SHORT_TILE_KIB", -1);
   static const long batch_knob = EnvKnob("JAX_SOFTMAX_SHORT_COPY_BATCH", -1);
   static const long bulk_knob = EnvKnob("JAX_SOFTMAX_SHORT_COPY_BULK", 2);
-  ShortRowsTuning t = !bwd && elem_bytes == 4 ? ShortRowsTuning{12, kShortCopyBatched}
-                                              : ShortRowsTuning{24, kShortCopyPlain};
+  static const long aligned_knob = EnvKnob("JAX_SOFTMAX_SHORT_ALIGNED_TILES", -1);
+  ShortRowsTuning t = !bwd && elem_bytes == 4 ? ShortRowsTuning{12, kShortCopyBatched, 32, true}
+                      : bwd                   ? ShortRowsTuning{24, kShortCopyPlain, 16, false}
+                                              : ShortRowsTuning{24, kShortCopyPlain, 32, true};
+  if (aligned_knob >= 0) {
+    t.align_bytes = aligned_knob >= 2 ? 32 : aligned_knob == 1 ? 16 : 1;
+    t.round_down = aligned_knob >= 3;
+  }
   if (tile_knob >= 0) t.tile_kib = static_cast<int>(std::min<long>(tile_knob, 46));
   if (bwd)  // one pass
     t.copy = 2 * pass_bytes > int64_t(t.tile_kib) * 1024 ? kShortCopyBatched : kShortCopyPlain;
@@ -1496,48 +1527,23 @@ Launched LaunchShortRows(const LaunchCtx& c) {
   };
   // The kernels' static shared memory (copy_bar): 128 bytes by ptxas's report of the whole build.
   constexpr size_t kSmemLimit = 48 * 1024 - 128;
-  // A tile of whole vectors, so that every CTA's span starts at a 16-byte boundary (the bulk store
-  // takes only such spans, and ShortRowsSpacing counts banks for them): passes a multiple of
-  // `step`. Only the 32-lane backward rows (4 rows a pass) of odd length need it (step 2):
-  // 16-bit 193 took 7 passes, half its CTAs starting 4 elements past a boundary (H200, session 68:
-  // 85% of the copy against 95-98% for its neighbours). Rounded up where the tile still fits,
-  // else down.
-  // Forward tiles are whole 32-byte sectors instead, rounded down (session 71): a span that starts
-  // 16 bytes into a sector has its bulk copies in and out split over one more sector at each end
-  // and across every 128-byte line, and the forward 16-bit rows of 16 lanes (8 rows a pass) whose
-  // passes x columns is odd, or of 32 lanes (4 rows) where it is not a multiple of 4, started
-  // every other CTA so. ncu (H200, 128 MiB, bfloat16 257, 511 and 513 against 300, 319 and 1023):
-  // L2 read sectors 6.73M against 6.31M, written 7.08M against 6.29M, the DRAM bytes the same;
-  // with sector tiles 6.31M and 6.29M. Measured (H200, us per call at 256 MiB, vector tiles /
-  // sector tiles rounded up / down; 125 us moves the bytes at the copy's rate): bfloat16 257 135 /
-  // 132 / 129, 449 135 / 132 / 128, 511 137 / 132 / 130, 513 137 / 133 / 129, 577 137 / 133 / 130;
-  // 300 and 641 (sectors already) 132-133 and 131 under all three. Rounding down halves some tiles
-  // (511: 3 passes -> 2, 16 KiB), which the measurement favours; rounding up took 511 to 4 passes,
-  // 32 KiB, 6 CTAs an SM. Backward sector tiles did not gain: bfloat16 257 (32 lanes) 197 / 203 /
-  // 197, 479 (16 lanes) 193 / 195 / 195, 223 196 / 194 / 193, so the backward keeps vector tiles.
-  // JAX_SOFTMAX_SHORT_ALIGNED_TILES (read once; A/B runs and tests) sets one rule for both
-  // directions: 0 the passes as the tile size gives them (as before session 68), 1 vector tiles
-  // rounded up (the forward's before session 71), 2 sector tiles rounded up, 3 sector tiles
-  // rounded down; sector tiles that do not fit fall back to vector tiles.
-  static const long aligned_tiles = EnvKnob("JAX_SOFTMAX_SHORT_ALIGNED_TILES", -1);
-  const long tile_rule = aligned_tiles >= 0 ? aligned_tiles : kBwd ? 1 : 3;
-  // Passes a multiple of the step that makes a tile whole units of align_bytes: rounded up where
-  // that tile fits (and round_down is false), else down, at least one step.
+  // Passes a multiple of `step`, the fewest that make a tile whole units of align_bytes
+  // (ShortRowsTuning): rounded up where that tile fits and round_down is false, else down, at
+  // least one step. Sector tiles that do not fit (32-lane backward rows of odd length past 766
+  // columns, whose aligned passes would take 64 x cols bytes; only under
+  // JAX_SOFTMAX_SHORT_ALIGNED_TILES=2 or 3) take vector tiles instead.
   const auto aligned_passes = [&](int64_t align_bytes, bool round_down) {
     int64_t step = 1;
-    while (step * kRowsPerPass * c.p.cols * int64_t(sizeof(T)) % align_bytes != 0) step *= 2;
+    while (step * (pass_bytes / kOperands) % align_bytes != 0) step *= 2;
     if (passes % step == 0) return passes;
     const int64_t up = passes + step - passes % step;
     return !round_down && up <= 16 && smem_of(up) <= kSmemLimit
                ? up
                : std::max(step, passes - passes % step);
   };
-  if (tile_rule >= 2) {
-    const int64_t sector_passes = aligned_passes(32, tile_rule >= 3);
-    passes = smem_of(sector_passes) <= kSmemLimit ? sector_passes : aligned_passes(16, false);
-  } else if (tile_rule == 1) {
-    passes = aligned_passes(16, false);
-  }
+  const int64_t aligned = aligned_passes(tuning.align_bytes, tuning.round_down);
+  passes = tuning.align_bytes > 16 && smem_of(aligned) > kSmemLimit ? aligned_passes(16, false)
+                                                                     : aligned;
   const int64_t rows_per_cta = passes * kRowsPerPass;
   const int64_t grid = (c.p.rows + rows_per_cta - 1) / rows_per_cta;
   if (grid > INT_MAX) return std::nullopt;

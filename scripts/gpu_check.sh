@@ -289,8 +289,14 @@ if want test; then
       -- -k "$(with_test_k "gpu and test_kernel_tiers and (float_half_warp_rows or float_short_row_lanes or float_three_warp_rows)")"
     test_job float_quarter_warps JAX_SOFTMAX_FLOAT_SHORT_WARPS=2 \
       -- -k "$(with_test_k "gpu and test_kernel_tiers and float_short_row_lanes")"
-    # The short-row kernels' test under knobs: short_job NAME [VAR=value]...
-    short_job() { test_job "$@" -- -k "$(with_test_k "gpu and test_kernel_tiers and short_windowed_rows")"; }
+    # A selection of the kernel-tier tests under knobs: tiers_job SELECTION NAME [VAR=value]...;
+    # the short-row kernels' tests: short_job / wide_job NAME [VAR=value]...
+    tiers_job() {
+      local selection=$1
+      shift
+      test_job "$@" -- -k "$(with_test_k "gpu and test_kernel_tiers and ($selection)")"
+    }
+    short_job() { tiers_job short_windowed_rows "$@"; }
     # Windowed forward rows of up to 32 vectors under session 63's rule (16-bit rows of 129-255 on
     # the staged tiers; by default the short-row kernel on 8 lanes since session 64) and on the
     # tiers they took before session 63 (JAX_SOFTMAX_SHORT_ODD_ROWS=2 and =0).
@@ -326,7 +332,7 @@ if want test; then
     # the forward's 16-bit rows by default, the backward's where it won): the backward kernel for
     # every such row, then neither (the staged, warp and block tiers, as before session 69). The
     # knobs touch no row of up to 32 vectors, so short_windowed_rows stays out of these jobs.
-    wide_job() { test_job "$@" -- -k "$(with_test_k "gpu and test_kernel_tiers and short_wide_rows")"; }
+    wide_job() { tiers_job short_wide_rows "$@"; }
     wide_job short_wide_rows_all JAX_SOFTMAX_SHORT_WIDE_BWD=2
     # The backward's rows on the fewest lanes that hold them (as in session 69), not on 32 where
     # the bank count halves (16-bit 257-512 within 3 of a multiple of 64, session 70).
@@ -339,9 +345,10 @@ if want test; then
     # sectors rounded down, session 71, the backward's whole vectors rounded up): vector tiles
     # (the forward's before session 71) and sector tiles rounded up, the wide rows too, which
     # these rules change most (16-bit forward rows of 16 and 32 lanes).
-    both_job() { test_job "$@" -- -k "$(with_test_k "gpu and test_kernel_tiers and (short_windowed_rows or short_wide_rows)")"; }
-    both_job short_rows_vector_tiles JAX_SOFTMAX_SHORT_ALIGNED_TILES=1
-    both_job short_rows_sector_tiles_up JAX_SOFTMAX_SHORT_ALIGNED_TILES=2
+    tiers_job "short_windowed_rows or short_wide_rows" short_rows_vector_tiles \
+      JAX_SOFTMAX_SHORT_ALIGNED_TILES=1
+    tiers_job "short_windowed_rows or short_wide_rows" short_rows_sector_tiles_up \
+      JAX_SOFTMAX_SHORT_ALIGNED_TILES=2
   fi
   wait_tests
   if test_part suite; then
