@@ -1386,6 +1386,21 @@ using Launched = std::optional<ffi::Error>;
 // JAX_SOFTMAX_SHORT_TILE_KIB (0-46; 0 one pass of rows) overrides the table for A/B runs, and
 // JAX_SOFTMAX_SHORT_COPY_BULK (read once) 0 takes the table's plain or batched copies instead
 // (JAX_SOFTMAX_SHORT_COPY_BATCH, 0 or 1, then overrides those), 1 bulk copies in only.
+// Session 71 (H200, bfloat16 forward, us per call at 256 MiB, sector tiles rounded down, by
+// JAX_SOFTMAX_SHORT_TILE_KIB 24 / 12 / 16 / 20, each tile's bytes in brackets): 33 (2 lanes) 132
+// (21K) / 138 (8.4K) / 130 (12.7K) / 131 (16.9K), 65 131 (20.8K) / 139 (8.3K) / 128 (12.5K) / 131
+// (16.6K), 131 131 (21K) / 139 (8.4K) / 128 (12.6K) / 131 (16.8K), 257 129 (16.4K) / 142 (8.2K) /
+// 142 (8.2K) / 129 (16.4K), 300 132 (24K) / 130 (9.6K) / 129 (14.4K) / 132 (19.2K), 383 133
+// (24.5K) / 128 (12.3K) / 128 / 128; 319 132 (20.4K) / 128 (10.2K at 16), 351 132 / 128 (11.2K),
+// 199 130 / 129 (12.7K), 249 131 / 130 (15.9K). So tiles of 10-14.5 KB ran at 128-130 us, 16-17
+// KB at 129-131, 19-24.5 KB at 131-133, 8.2-8.4 KB at 138-142 (too few bytes in flight at 8 CTAs
+// an SM). So the forward's 16-bit tiles are the whole-sector pass count nearest 12 KiB among
+// those of at least 9 KiB (`nearest`). Predicted: 33, 65, 131, 300, 319, 351 and 383 from 131-133
+// to 128-130, 257, 449 and 511 unchanged. Measured (session 72, H200, one process each, us per
+// call, session 71's rule / nearest): bfloat16 17 132 / 130, 33 132 / 130, 65 131 / 128, 131 131
+// / 128, 199 130 / 129, 249 131 / 130, 300 133 / 129, 319 132 / 128, 351 132 / 128, 383 133 /
+// 128, 516 131 / 129; float16 383 133 / 128; 257 129, 511 130 and 513 129 under both.
+// JAX_SOFTMAX_SHORT_TILE_NEAREST=0 (read once; A/B runs) keeps session 71's 24 KiB, rounded down.
 // Tiles are whole units of align_bytes (LaunchShortRows rounds their passes). Backward tiles are
 // whole 16-byte vectors, rounded up where they fit (session 68): every CTA's span starts at a
 // 16-byte boundary, which the bulk store takes and ShortRowsSpacing counts banks for; only the
@@ -1414,20 +1429,27 @@ struct ShortRowsTuning {
   int copy;         // ShortCopy
   int align_bytes;  // tiles of whole units of this many bytes: 1 (any), 16 or 32
   bool round_down;  // to such a count of passes: down, rather than up where that tile fits
+  bool nearest;     // passes: the aligned count nearest tile_kib, at least 3/4 of it
 };
 inline ShortRowsTuning ShortRowsTuningFor(bool bwd, size_t elem_bytes, int64_t pass_bytes) {
   static const long tile_knob = EnvKnob("JAX_SOFTMAX_SHORT_TILE_KIB", -1);
   static const long batch_knob = EnvKnob("JAX_SOFTMAX_SHORT_COPY_BATCH", -1);
   static const long bulk_knob = EnvKnob("JAX_SOFTMAX_SHORT_COPY_BULK", 2);
   static const long aligned_knob = EnvKnob("JAX_SOFTMAX_SHORT_ALIGNED_TILES", -1);
-  ShortRowsTuning t = !bwd && elem_bytes == 4 ? ShortRowsTuning{12, kShortCopyBatched, 32, true}
-                      : bwd                   ? ShortRowsTuning{24, kShortCopyPlain, 16, false}
-                                              : ShortRowsTuning{24, kShortCopyPlain, 32, true};
+  static const bool nearest = EnvKnob("JAX_SOFTMAX_SHORT_TILE_NEAREST", 1) != 0;
+  ShortRowsTuning t =
+      !bwd && elem_bytes == 4 ? ShortRowsTuning{12, kShortCopyBatched, 32, true, false}
+      : bwd                   ? ShortRowsTuning{24, kShortCopyPlain, 16, false, false}
+      : nearest               ? ShortRowsTuning{12, kShortCopyPlain, 32, true, true}
+                              : ShortRowsTuning{24, kShortCopyPlain, 32, true, false};
   if (aligned_knob >= 0) {
     t.align_bytes = aligned_knob >= 2 ? 32 : aligned_knob == 1 ? 16 : 1;
     t.round_down = aligned_knob >= 3;
   }
-  if (tile_knob >= 0) t.tile_kib = static_cast<int>(std::min<long>(tile_knob, 46));
+  if (tile_knob >= 0) {
+    t.tile_kib = static_cast<int>(std::min<long>(tile_knob, 46));
+    t.nearest = false;
+  }
   if (bwd)  // one pass
     t.copy = 2 * pass_bytes > int64_t(t.tile_kib) * 1024 ? kShortCopyBatched : kShortCopyPlain;
   if (batch_knob >= 0) t.copy = batch_knob == 1 ? kShortCopyBatched : kShortCopyPlain;
@@ -1532,18 +1554,41 @@ Launched LaunchShortRows(const LaunchCtx& c) {
   // least one step. Sector tiles that do not fit (32-lane backward rows of odd length past 766
   // columns, whose aligned passes would take 64 x cols bytes; only under
   // JAX_SOFTMAX_SHORT_ALIGNED_TILES=2 or 3) take vector tiles instead.
-  const auto aligned_passes = [&](int64_t align_bytes, bool round_down) {
+  const auto step_for = [&](int64_t align_bytes) {
     int64_t step = 1;
     while (step * (pass_bytes / kOperands) % align_bytes != 0) step *= 2;
+    return step;
+  };
+  const auto aligned_passes = [&](int64_t align_bytes, bool round_down) {
+    const int64_t step = step_for(align_bytes);
     if (passes % step == 0) return passes;
     const int64_t up = passes + step - passes % step;
     return !round_down && up <= 16 && smem_of(up) <= kSmemLimit
                ? up
                : std::max(step, passes - passes % step);
   };
-  const int64_t aligned = aligned_passes(tuning.align_bytes, tuning.round_down);
-  passes = tuning.align_bytes > 16 && smem_of(aligned) > kSmemLimit ? aligned_passes(16, false)
-                                                                     : aligned;
+  // `nearest` (ShortRowsTuningFor): of the pass counts that make whole units of align_bytes and
+  // fit, the one whose tile is nearest the target among those of at least 3/4 of it (where none
+  // reaches that, the largest), ranked by (under 3/4 of the target, distance from it); where none
+  // fits, the rounding below.
+  int64_t nearest_passes = 0;
+  if (tuning.nearest) {
+    const int64_t target = int64_t(tuning.tile_kib) * 1024, least = target * 3 / 4;
+    const auto rank = [&](int64_t n) {
+      const int64_t bytes = n * pass_bytes;
+      return std::make_pair(bytes < least, bytes > target ? bytes - target : target - bytes);
+    };
+    const int64_t step = step_for(tuning.align_bytes);
+    for (int64_t n = step; n <= 16 && smem_of(n) <= kSmemLimit; n += step)
+      if (nearest_passes == 0 || rank(n) < rank(nearest_passes)) nearest_passes = n;
+  }
+  if (nearest_passes > 0) {
+    passes = nearest_passes;
+  } else {
+    const int64_t aligned = aligned_passes(tuning.align_bytes, tuning.round_down);
+    passes = tuning.align_bytes > 16 && smem_of(aligned) > kSmemLimit ? aligned_passes(16, false)
+                                                                       : aligned;
+  }
   const int64_t rows_per_cta = passes * kRowsPerPass;
   const int64_t grid = (c.p.rows + rows_per_cta - 1) / rows_per_cta;
   if (grid > INT_MAX) return std::nullopt;

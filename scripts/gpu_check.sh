@@ -349,6 +349,10 @@ if want test; then
       JAX_SOFTMAX_SHORT_ALIGNED_TILES=1
     tiers_job "short_windowed_rows or short_wide_rows" short_rows_sector_tiles_up \
       JAX_SOFTMAX_SHORT_ALIGNED_TILES=2
+    # The forward's 16-bit tiles of 24 KiB rounded down to whole sectors (session 71; by default
+    # the whole-sector pass count nearest 12 KiB, at least 9: JAX_SOFTMAX_SHORT_TILE_NEAREST).
+    tiers_job "short_windowed_rows or short_wide_rows" short_rows_tiles_24k \
+      JAX_SOFTMAX_SHORT_TILE_NEAREST=0
   fi
   wait_tests
   if test_part suite; then

@@ -74,11 +74,11 @@ CASES = [  # (rows, cols, dtype)
     (1029, 129, jnp.bfloat16),
     (1031, 193, jnp.bfloat16),
     # Session 69: rows past 32 vectors on the short-row kernels, on 16 lanes (bfloat16 301
-    # columns: forward 4 passes of 8 rows, 5 rounded down to whole 32-byte sectors since session
-    # 71, backward 2) and 32 (1001: forward 4 passes of 4, 3 rounded to a multiple of 4 for whole
-    # sectors; its backward takes the warp tier, and the kernel's 2 passes, 1 rounded up, under
-    # JAX_SOFTMAX_SHORT_WIDE_BWD=2), float32 backward on 8 (131: 1 pass of 16 rows); a last CTA
-    # of few rows.
+    # columns: forward 2 passes of 8 rows, the whole-sector count nearest 12 KiB since session
+    # 72, 4 under JAX_SOFTMAX_SHORT_TILE_NEAREST=0; backward 2) and 32 (1001: forward 4 passes of
+    # 4, 3 rounded to a multiple of 4 for whole sectors; its backward takes the warp tier, and
+    # the kernel's 2 passes, 1 rounded up, under JAX_SOFTMAX_SHORT_WIDE_BWD=2), float32 backward
+    # on 8 (131: 1 pass of 16 rows); a last CTA of few rows.
     (1031, 301, jnp.bfloat16),
     # The backward of 257 columns on 32 lanes (the bank count halves from 16, session 70): 6
     # passes of 4 rows (5 rounded up to an even count, whole vectors); the forward on 16 lanes,
