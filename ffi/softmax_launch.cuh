@@ -23,9 +23,10 @@
 //   cols <= 32 * E          one warp per row, E' <= E elements per lane (E' the smallest power
 //                           of two that fits); on sm_90+ windowed rows of up to 1023 columns
 //                           past 32 V take the short-row kernels of 8-32 lanes: 16-bit forward
-//                           rows all (ShortWideForwardRows), backward rows where they won
-//                           (ShortWideBackwardRows, session 69); on the H200 float32 windowed
-//                           forward rows of
+//                           rows all, float32 to 608 columns (ShortWideForwardRow, sessions 69
+//                           and 72), backward rows where they won (ShortWideBackwardRows,
+//                           session 69); otherwise (before sm_90, under the knobs) on the H200
+//                           float32 windowed forward rows of
 //                           W = 129-160 take 8 lanes of 5 vectors, W = 161-228 8 lanes of 8,
 //                           W = 229-256 16 lanes of 4 (FloatShortRowShape), W = 257-452 half a
 //                           warp of 8 vectors (FloatHalfWarpRows)
@@ -1685,9 +1686,9 @@ Launched LaunchShortRowsBwdLanes(const LaunchCtx& c) {
 // The short-row kernel on the fewest lanes that hold the row: 1, 2, 4, ..., 32 lanes for rows of
 // up to 1, 2, 4, ..., 32 kShortRowValues columns. Rows of up to 32 vectors take 1-8 lanes
 // (ShortOddRowsMode, ShortOddBwdMode: 16-bit backward rows to 255 columns, float32 to 128); rows
-// past them 16-bit forward rows on 16 or 32 (ShortWideForwardRows), backward rows on 8-32
-// (ShortWideBackwardRows: float32 from 129 columns, 16-bit from 257). Backward rows may take more
-// lanes than the fewest (LaunchShortRowsBwdLanes).
+// past them 16-bit forward rows on 16 or 32 and float32 to 608 columns (ShortWideForwardRow),
+// backward rows on 8-32 (ShortWideBackwardRows: float32 from 129 columns, 16-bit from
+// 257). Backward rows may take more lanes than the fewest (LaunchShortRowsBwdLanes).
 // Backward rows past 32 vectors take that rule up to 32 lanes too (session 70; ShortRowsBwdGroup:
 // where the bank count halves and each lane keeps 5 columns or more). By the count it moves
 // 16-bit rows of 257-512 columns within 3 of a multiple of 64 (4 bank ways on 16 lanes, 2 on 32:
@@ -1712,14 +1713,8 @@ Launched LaunchShortRowsFewestLanes(const LaunchCtx& c) {
   if (c.p.cols <= 2 * kV) return on(std::integral_constant<int, 2>{});
   if (c.p.cols <= 4 * kV) return on(std::integral_constant<int, 4>{});
   if (c.p.cols <= 8 * kV) return on(std::integral_constant<int, 8>{});
-  // Float32 forward rows end at 4 kShortRowValues (the warp tiers past 32 vectors): no kernel of
-  // 16 or 32 lanes for them.
-  if constexpr (!kBwd && sizeof(T) >= 4) {
-    return std::nullopt;
-  } else {
-    if (c.p.cols <= 16 * kV) return on(std::integral_constant<int, 16>{});
-    return on(std::integral_constant<int, 32>{});
-  }
+  if (c.p.cols <= 16 * kV) return on(std::integral_constant<int, 16>{});
+  return on(std::integral_constant<int, 32>{});
 }
 
 // CTAs of a staged row launch: tiles_per_cta tiles each, or (0) persistent waves of the CTAs
@@ -2220,11 +2215,24 @@ inline int ShortOddRowsMode() {
 // 125 us moves the bytes at the copy's rate): bfloat16 257 145 / 135, 300 145 / 132, 319 148 /
 // 132, 383 146 / 133, 449 152 / 135, 511 142 / 137, 513 139 / 137, 641 151 / 131, 767 136 / 132,
 // 1001 137 / 133, 1023 136 / 132; float16 641 151 / 131: the kernel at every one.
-// JAX_SOFTMAX_SHORT_WIDE_FWD (read once; A/B runs and tests): 0 leaves them on the staged tiers,
-// as before session 69.
-inline bool ShortWideForwardRows() {
-  static const bool enabled = EnvKnob("JAX_SOFTMAX_SHORT_WIDE_FWD", 1) != 0;
-  return enabled;
+// Float32 windowed forward rows of 129-608 columns take the same kernel, on 8, 16 or 32 lanes
+// (session 72), rather than the register lanes (FloatShortRowShape, FloatHalfWarpRows) and warps,
+// which ran at 90-94% of the copy. Measured (H200, us per call at 256 MiB, register tiers /
+// kernel, tiles of 12 KiB / 16 / 24; 125 us moves the bytes at the copy's rate): 131 138 / 127 /
+// 127 / 132, 149 135 / 128 / 128 / 132, 199 135 / 130 / 130 / 130, 257 139 / 126 / 126 / 131, 383
+// 132 / 129 / 129 / 132, 449 132 / 129 / 129 / 129; the 12 KiB tiles stand. A second run, tiers /
+// kernel: 131 139 / 127, 257 140 / 127, 449 133 / 130, 511 130 / 130; on 32 lanes 513 134 / 130,
+// 545 136 / 130, 577 134 / 130, 609 132 / 131, then the kernel lost or tied: 641 130 / 131, 705
+// 131 / 131, 769 131 / 132 (first run: 641 129 / 131, 1001 131 / 133, 1023 131 / 132). So to 608
+// columns (19 a lane on 32 lanes).
+// JAX_SOFTMAX_SHORT_WIDE_FWD (read once; A/B runs and tests): 0 leaves every such row on the
+// staged and register tiers, as before session 69; 1 takes the 16-bit rows only, as before
+// session 72; 3 the float32 rows of up to 1023 columns too.
+inline bool ShortWideForwardRow(size_t elem_bytes, int64_t cols) {
+  static const long mode = EnvKnob("JAX_SOFTMAX_SHORT_WIDE_FWD", 2);
+  constexpr int64_t kFloatTop = 19 * 32;
+  if (elem_bytes < 4) return mode >= 1;
+  return mode >= 3 || (mode == 2 && cols <= kFloatTop);
 }
 
 // Windowed backward rows past 32 vectors of up to 1023 columns (float32 from 129, 16-bit from
@@ -2347,8 +2355,8 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
         const int mode = ShortOddRowsMode();
         const bool short_rows =
             n <= 32 * kVec ? mode == 1 || (mode == 2 && c.p.cols <= 4 * kShortRowValues)
-                           : sizeof(T) < 4 && c.p.cols < 32 * kShortRowValues && mode == 1 &&
-                                 ShortWideForwardRows();
+                           : c.p.cols < 32 * kShortRowValues && mode == 1 &&
+                                 ShortWideForwardRow(sizeof(T), c.p.cols);
         if (short_rows)
           if (Launched launched = LaunchShortRowsFewestLanes<T, false>(c)) return *launched;
       }

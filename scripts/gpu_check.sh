@@ -283,12 +283,17 @@ if want test; then
     # (JAX_SOFTMAX_FLOAT_SHORT_WARPS=1, JAX_SOFTMAX_FLOAT_THREE_WARPS=2), and those of W = 129-256
     # on 8 lanes of 8 vectors (the H200's rule: W = 161-228; JAX_SOFTMAX_FLOAT_SHORT_WARPS=2). The
     # first job lets a warp's threads take the two load and store paths apart, as before session 61
-    # (JAX_SOFTMAX_WARP_UNIFORM_ENDS=0).
+    # (JAX_SOFTMAX_WARP_UNIFORM_ENDS=0). Since session 72 the short-row kernel takes the float32
+    # odd rows of 129-512 columns on sm_90+, so these jobs, and float_register_lanes (the H200's
+    # rules of FloatShortRowShape and FloatHalfWarpRows), leave them to the register tiers
+    # (JAX_SOFTMAX_SHORT_WIDE_FWD=1).
     test_job float_half_warps JAX_SOFTMAX_FLOAT_HALF_WARPS=2 JAX_SOFTMAX_FLOAT_SHORT_WARPS=1 \
-      JAX_SOFTMAX_FLOAT_THREE_WARPS=2 JAX_SOFTMAX_WARP_UNIFORM_ENDS=0 \
+      JAX_SOFTMAX_FLOAT_THREE_WARPS=2 JAX_SOFTMAX_WARP_UNIFORM_ENDS=0 JAX_SOFTMAX_SHORT_WIDE_FWD=1 \
       -- -k "$(with_test_k "gpu and test_kernel_tiers and (float_half_warp_rows or float_short_row_lanes or float_three_warp_rows)")"
-    test_job float_quarter_warps JAX_SOFTMAX_FLOAT_SHORT_WARPS=2 \
+    test_job float_quarter_warps JAX_SOFTMAX_FLOAT_SHORT_WARPS=2 JAX_SOFTMAX_SHORT_WIDE_FWD=1 \
       -- -k "$(with_test_k "gpu and test_kernel_tiers and float_short_row_lanes")"
+    test_job float_register_lanes JAX_SOFTMAX_SHORT_WIDE_FWD=1 \
+      -- -k "$(with_test_k "gpu and test_kernel_tiers and (float_half_warp_rows or float_short_row_lanes)")"
     # A selection of the kernel-tier tests under knobs: tiers_job SELECTION NAME [VAR=value]...;
     # the short-row kernels' tests: short_job / wide_job NAME [VAR=value]...
     tiers_job() {
@@ -329,11 +334,12 @@ if want test; then
     short_job short_rows_bulk_in JAX_SOFTMAX_SHORT_COPY_BULK=1 JAX_SOFTMAX_SHORT_ODD_BWD=2
     short_job short_rows_bulk_one_pass JAX_SOFTMAX_SHORT_ODD_BWD=2 JAX_SOFTMAX_SHORT_TILE_KIB=0
     # Rows past 32 vectors of up to 1023 columns on the short-row kernels of 8-32 lanes (session 69:
-    # the forward's 16-bit rows by default, the backward's where it won): the backward kernel for
-    # every such row, then neither (the staged, warp and block tiers, as before session 69). The
-    # knobs touch no row of up to 32 vectors, so short_windowed_rows stays out of these jobs.
+    # the forward's 16-bit rows and float32 rows to 608 columns by default, the backward's where it
+    # won): the kernels for every such row (the forward's float32 rows to 1023 too), then neither
+    # (the staged, warp and block tiers, as before session 69). The knobs touch no row of up to 32 vectors, so short_windowed_rows
+    # stays out of these jobs.
     wide_job() { tiers_job short_wide_rows "$@"; }
-    wide_job short_wide_rows_all JAX_SOFTMAX_SHORT_WIDE_BWD=2
+    wide_job short_wide_rows_all JAX_SOFTMAX_SHORT_WIDE_FWD=3 JAX_SOFTMAX_SHORT_WIDE_BWD=2
     # The backward's rows on the fewest lanes that hold them (as in session 69), not on 32 where
     # the bank count halves (16-bit 257-512 within 3 of a multiple of 64, session 70).
     wide_job short_wide_rows_lanes JAX_SOFTMAX_SHORT_WIDE_BWD=2 JAX_SOFTMAX_SHORT_WIDER_LANES=0

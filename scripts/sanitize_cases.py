@@ -78,7 +78,7 @@ CASES = [  # (rows, cols, dtype)
     # 72, 4 under JAX_SOFTMAX_SHORT_TILE_NEAREST=0; backward 2) and 32 (1001: forward 4 passes of
     # 4, 3 rounded to a multiple of 4 for whole sectors; its backward takes the warp tier, and
     # the kernel's 2 passes, 1 rounded up, under JAX_SOFTMAX_SHORT_WIDE_BWD=2), float32 backward
-    # on 8 (131: 1 pass of 16 rows); a last CTA of few rows.
+    # on 8 (131: 1 pass of 16 rows; its forward too since session 72); a last CTA of few rows.
     (1031, 301, jnp.bfloat16),
     # The backward of 257 columns on 32 lanes (the bank count halves from 16, session 70): 6
     # passes of 4 rows (5 rounded up to an even count, whole vectors); the forward on 16 lanes,
@@ -86,6 +86,9 @@ CASES = [  # (rows, cols, dtype)
     (1031, 257, jnp.bfloat16),
     (1031, 1001, jnp.bfloat16),
     (1031, 131, jnp.float32),
+    # The float32 forward short-row kernel on 16 lanes (session 72): one pass of 8 rows of 449
+    # columns a CTA (14368 bytes, whole sectors), the last CTA of 7 rows.
+    (1031, 449, jnp.float32),
     (2, 16384, jnp.float16),
     (3, 262144, jnp.bfloat16),
     (1, 524288, jnp.bfloat16),
@@ -121,7 +124,10 @@ CASES = [  # (rows, cols, dtype)
     (301, 1001, jnp.float32),  # register warp tier (windowed float32 rows stage beyond 2^16)
     # float32 odd rows of W = 257-452 on half-warp rows of 8 vectors (the H200's rule since
     # session 59, FloatHalfWarpRows; every GPU under JAX_SOFTMAX_FLOAT_HALF_WARPS=2): 13 rows, so
-    # that the last CTA's eight rows (two per warp) are partial
+    # that the last CTA's eight rows (two per warp) are partial. Since session 72 the forward
+    # short-row kernel takes these rows on sm_90+ (16 lanes, one pass of 8 rows a CTA, the
+    # second CTA's partial), and the next two (8 lanes, one pass of 16 rows, one partial CTA);
+    # the register rows where JAX_SOFTMAX_SHORT_WIDE_FWD=1.
     (13, 319, jnp.float32),
     # float32 odd rows of W = 161-228 on 8 lanes of 8 vectors and of W = 129-160 on 8 lanes of 5
     # (the H200's rules since sessions 60 and 61, FloatShortRowShape; every GPU under

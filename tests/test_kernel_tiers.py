@@ -321,7 +321,9 @@ def test_float_half_warp_rows(backend, device, rng):
     # (319, 321, 383), the rule's last width (449-451, W = 452), the first rows past it (453,
     # W = 456; 461, W = 464), the tier's top (511, W = 512) and the next tier (513), in an odd
     # number of rows (rows_past_one_wave), so that the last CTA's rows are partial and the row
-    # starts take every alignment.
+    # starts take every alignment. Since session 72 the forward short-row kernel takes these rows
+    # on sm_90+ (ShortWideForwardRow: 8 lanes to 256 columns, 16 to 512, 513 on 32);
+    # gpu_check.sh's float jobs run this test with JAX_SOFTMAX_SHORT_WIDE_FWD=1 for the rows above.
     sizes = [255, 257, 259, 319, 321, 383, 449, 450, 451, 453, 455, 461, 511, 513]
     check_sizes(device, rng, jnp.float32, sizes, rows_past_one_wave)
 
@@ -338,7 +340,9 @@ def test_float_short_row_lanes(backend, device, rng):
     # W = 164), the middle (193), the last rows of 8 vectors (225, 227, W = 228), the first of 16
     # lanes (229, 231, W = 232), the top (253, 255, W = 256) and the half warps past it (257), in
     # an odd number of rows (rows_past_one_wave), so that the last CTA's rows are partial and the
-    # row starts take every alignment.
+    # row starts take every alignment. As for test_float_half_warp_rows, the short-row kernel
+    # takes them by default on sm_90+ since session 72 (8 lanes, 16 from 257), the lanes above under
+    # gpu_check.sh's JAX_SOFTMAX_SHORT_WIDE_FWD=1.
     sizes = [127, 129, 131, 137, 149, 157, 159, 161, 163, 193, 225, 227, 229, 231, 253, 255, 257]
     check_sizes(device, rng, jnp.float32, sizes, rows_past_one_wave)
 
@@ -414,11 +418,13 @@ def check_sizes_scaled(device, rng, dtype, sizes, rows):
 )
 def test_short_wide_rows(backend, device, rng, dtype):
     # Rows past 32 vectors of up to 1023 columns whose length is not a multiple of the vector
-    # width (float32 129-1023, 16-bit 257-1023). The forward's 16-bit rows take the short-row
-    # kernel on 16 lanes (to 512 columns, 8 rows a pass) or 32 (to 1023, 4 rows a pass), tiles of
-    # whole 32-byte sectors (an even count of passes for odd lengths on 16 lanes, a multiple of 4
-    # on 32, rounded down: 257 5 -> 4, 449 and 511 3 -> 2, 513 and 577 6 -> 4;
-    # ShortWideForwardRows, LaunchShortRows), every lane with 16 or more of them; the backward's
+    # width (float32 129-1023, 16-bit 257-1023). The forward's float32 rows of up to 608
+    # columns take the short-row kernel on 8, 16 or 32 lanes (session 72; past 608 the warp
+    # tiers, the kernel under gpu_check.sh's JAX_SOFTMAX_SHORT_WIDE_FWD=3). The forward's
+    # 16-bit rows take the kernel on 16 lanes (to 512 columns, 8 rows a pass) or 32 (to 1023, 4
+    # rows a pass), tiles of whole 32-byte sectors (an even count of passes for odd lengths on 16
+    # lanes, a multiple of 4 on 32; the count nearest 12 KiB: 257 4, 449 and 511 2, 513 and 577
+    # 4; ShortWideForwardRow, LaunchShortRows), every lane with 16 or more of them; the backward's
     # the backward kernel where it won (ShortWideBackwardRows: float32 129-148, 16-bit 257-495
     # and 513-959), on the fewest of 8, 16 or 32 lanes or on 32 where the bank count halves
     # (16-bit 257, 319, 383, 447, 449, 511; ShortRowsBwdGroup through LaunchShortRowsFewestLanes),
@@ -427,11 +433,11 @@ def test_short_wide_rows(backend, device, rng, dtype):
     # (JAX_SOFTMAX_SHORT_WIDER_LANES=0), with neither kernel (both wide knobs 0: the tiers before
     # session 69), and under the other tile rules (JAX_SOFTMAX_SHORT_ALIGNED_TILES=1 and 2).
     # Each lane count's first sizes, its top and the next size, each range's ends and the sizes
-    # past them, odd and even lengths, in 1031 rows (a partial last CTA); `where` rows take other
-    # kernels.
+    # past them (float32's forward kernel to 608: 607, 609, 610), odd and even lengths, in 1031
+    # rows (a partial last CTA); `where` rows take other kernels.
     v = VEC[dtype]
     sizes = [129, 131, 147, 149, 161, 255, 257, 258, 263, 300, 319, 383, 447, 449, 495, 497, 511,
-             513, 514, 577, 641, 767, 959, 961, 1001, 1021, 1023, 1025]
+             513, 514, 577, 607, 609, 610, 641, 767, 959, 961, 1001, 1021, 1023, 1025]
     sizes = [n for n in sizes if n > 32 * v and n % v != 0]
     check_sizes_scaled(device, rng, dtype, sizes, 1031)
 
