@@ -937,6 +937,10 @@ inline long RawWideKnob() {
 // (AmpleDramPerSm: the H200's rule).
 // JAX_SOFTMAX_FLOAT_HALF_WARPS (read once; A/B runs): 0 keeps the one-warp rows, 2 takes half
 // warps for all of W = 257-512 on every GPU; unset (or any other value), the rule above.
+// Since session 72 the forward short-row kernel takes these rows on sm_90+ (ShortWideForwardRow,
+// to 608 columns), and the rows of FloatShortRowShape below: both rules apply only where the
+// kernel does not take them (before sm_90, under JAX_SOFTMAX_STAGED=0, and under
+// JAX_SOFTMAX_SHORT_WIDE_FWD=0 or 1, as gpu_check.sh's float jobs run them).
 inline bool FloatHalfWarpRows(const DeviceInfo& dev, int64_t width) {
   static const long knob = EnvKnob("JAX_SOFTMAX_FLOAT_HALF_WARPS", -1);
   if (knob == 0) return false;

@@ -284,7 +284,7 @@ if want test; then
     # on 8 lanes of 8 vectors (the H200's rule: W = 161-228; JAX_SOFTMAX_FLOAT_SHORT_WARPS=2). The
     # first job lets a warp's threads take the two load and store paths apart, as before session 61
     # (JAX_SOFTMAX_WARP_UNIFORM_ENDS=0). Since session 72 the short-row kernel takes the float32
-    # odd rows of 129-512 columns on sm_90+, so these jobs, and float_register_lanes (the H200's
+    # odd rows of 129-608 columns on sm_90+, so these jobs, and float_register_lanes (the H200's
     # rules of FloatShortRowShape and FloatHalfWarpRows), leave them to the register tiers
     # (JAX_SOFTMAX_SHORT_WIDE_FWD=1).
     test_job float_half_warps JAX_SOFTMAX_FLOAT_HALF_WARPS=2 JAX_SOFTMAX_FLOAT_SHORT_WARPS=1 \
@@ -336,8 +336,8 @@ if want test; then
     # Rows past 32 vectors of up to 1023 columns on the short-row kernels of 8-32 lanes (session 69:
     # the forward's 16-bit rows and float32 rows to 608 columns by default, the backward's where it
     # won): the kernels for every such row (the forward's float32 rows to 1023 too), then neither
-    # (the staged, warp and block tiers, as before session 69). The knobs touch no row of up to 32 vectors, so short_windowed_rows
-    # stays out of these jobs.
+    # (the staged, warp and block tiers, as before session 69). The knobs touch no row of up to 32
+    # vectors, so short_windowed_rows stays out of these jobs.
     wide_job() { tiers_job short_wide_rows "$@"; }
     wide_job short_wide_rows_all JAX_SOFTMAX_SHORT_WIDE_FWD=3 JAX_SOFTMAX_SHORT_WIDE_BWD=2
     # The backward's rows on the fewest lanes that hold them (as in session 69), not on 32 where
