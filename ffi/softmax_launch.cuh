@@ -1400,8 +1400,8 @@ using Launched = std::optional<ffi::Error>;
 // 199 130 / 129 (12.7K), 249 131 / 130 (15.9K). So tiles of 10-14.5 KB ran at 128-130 us, 16-17
 // KB at 129-131, 19-24.5 KB at 131-133, 8.2-8.4 KB at 138-142 (too few bytes in flight at 8 CTAs
 // an SM). So the forward's 16-bit tiles are the whole-sector pass count nearest 12 KiB among
-// those of at least 9 KiB (`nearest`). Predicted: 33, 65, 131, 300, 319, 351 and 383 from 131-133
-// to 128-130, 257, 449 and 511 unchanged. Measured (session 72, H200, one process each, us per
+// those of at least 9 KiB (kTilesNearest). Predicted: 33, 65, 131, 300, 319, 351 and 383 from
+// 131-133 to 128-130, 257, 449 and 511 unchanged. Measured (session 72, H200, one process each, us per
 // call, session 71's rule / nearest): bfloat16 17 132 / 130, 33 132 / 130, 65 131 / 128, 131 131
 // / 128, 199 130 / 129, 249 131 / 130, 300 133 / 129, 319 132 / 128, 351 132 / 128, 383 133 /
 // 128, 516 131 / 129; float16 383 133 / 128; 257 129, 511 130 and 513 129 under both.
@@ -1428,32 +1428,39 @@ using Launched = std::optional<ffi::Error>;
 // JAX_SOFTMAX_SHORT_ALIGNED_TILES (read once; A/B runs and tests) sets one rule for both
 // directions: 0 the passes as the tile size gives them (as before session 68), 1 vector tiles
 // rounded up (the forward's before session 71), 2 sector tiles rounded up, 3 sector tiles
-// rounded down; sector tiles that do not fit fall back to vector tiles (LaunchShortRows).
+// rounded down; sector tiles that do not fit fall back to vector tiles (LaunchShortRows). The
+// 16-bit forward tiles' nearest count (kTilesNearest) takes only the alignment from it.
+// Which of the pass counts whose tiles are whole units of align_bytes and fit a tile takes
+// (LaunchShortRows), against n, the count that tile_kib gives: kTilesUp the fewest of at least n
+// (else the most below it), kTilesDown the most of at most n (else the fewest above it),
+// kTilesNearest the one whose bytes are nearest tile_kib among those of at least 3/4 of it (else
+// the most).
+enum TilePasses : uint8_t { kTilesUp, kTilesDown, kTilesNearest };
 struct ShortRowsTuning {
   int tile_kib;
   int copy;         // ShortCopy
   int align_bytes;  // tiles of whole units of this many bytes: 1 (any), 16 or 32
-  bool round_down;  // to such a count of passes: down, rather than up where that tile fits
-  bool nearest;     // passes: the aligned count nearest tile_kib, at least 3/4 of it
+  TilePasses passes;
 };
 inline ShortRowsTuning ShortRowsTuningFor(bool bwd, size_t elem_bytes, int64_t pass_bytes) {
   static const long tile_knob = EnvKnob("JAX_SOFTMAX_SHORT_TILE_KIB", -1);
   static const long batch_knob = EnvKnob("JAX_SOFTMAX_SHORT_COPY_BATCH", -1);
   static const long bulk_knob = EnvKnob("JAX_SOFTMAX_SHORT_COPY_BULK", 2);
   static const long aligned_knob = EnvKnob("JAX_SOFTMAX_SHORT_ALIGNED_TILES", -1);
-  static const bool nearest = EnvKnob("JAX_SOFTMAX_SHORT_TILE_NEAREST", 1) != 0;
+  static const bool nearest_knob = EnvKnob("JAX_SOFTMAX_SHORT_TILE_NEAREST", 1) != 0;
   ShortRowsTuning t =
-      !bwd && elem_bytes == 4 ? ShortRowsTuning{12, kShortCopyBatched, 32, true, false}
-      : bwd                   ? ShortRowsTuning{24, kShortCopyPlain, 16, false, false}
-      : nearest               ? ShortRowsTuning{12, kShortCopyPlain, 32, true, true}
-                              : ShortRowsTuning{24, kShortCopyPlain, 32, true, false};
+      !bwd && elem_bytes == 4 ? ShortRowsTuning{12, kShortCopyBatched, 32, kTilesDown}
+      : bwd                   ? ShortRowsTuning{24, kShortCopyPlain, 16, kTilesUp}
+                              : ShortRowsTuning{24, kShortCopyPlain, 32, kTilesDown};
   if (aligned_knob >= 0) {
     t.align_bytes = aligned_knob >= 2 ? 32 : aligned_knob == 1 ? 16 : 1;
-    t.round_down = aligned_knob >= 3;
+    t.passes = aligned_knob >= 3 ? kTilesDown : kTilesUp;
   }
   if (tile_knob >= 0) {
     t.tile_kib = static_cast<int>(std::min<long>(tile_knob, 46));
-    t.nearest = false;
+  } else if (!bwd && elem_bytes < 4 && nearest_knob) {  // session 72
+    t.tile_kib = 12;
+    t.passes = kTilesNearest;
   }
   if (bwd)  // one pass
     t.copy = 2 * pass_bytes > int64_t(t.tile_kib) * 1024 ? kShortCopyBatched : kShortCopyPlain;
@@ -1547,60 +1554,41 @@ Launched LaunchShortRows(const LaunchCtx& c) {
   const int64_t pass_bytes = kOperands * kRowsPerPass * c.p.cols * int64_t(sizeof(T));
   constexpr int64_t kVec = 16 / int64_t(sizeof(T));
   const ShortRowsTuning tuning = ShortRowsTuningFor(kBwd, sizeof(T), pass_bytes);
-  int64_t passes = std::clamp<int64_t>(int64_t(tuning.tile_kib) * 1024 / pass_bytes, 1, 16);
+  const int64_t target = int64_t(tuning.tile_kib) * 1024;
+  const int64_t sized = std::clamp<int64_t>(target / pass_bytes, 1, 16);  // the size's count
   const auto smem_of = [&](int64_t n) {
     return size_t(kOperands) *
            size_t(ShortRowsSlots(n * kRowsPerPass * c.p.cols, kVec)) * sizeof(T);
   };
   // The kernels' static shared memory (copy_bar): 128 bytes by ptxas's report of the whole build.
   constexpr size_t kSmemLimit = 48 * 1024 - 128;
-  // Passes a multiple of `step`, the fewest that make a tile whole units of align_bytes
-  // (ShortRowsTuning): rounded up where that tile fits and round_down is false, else down, at
-  // least one step. Sector tiles that do not fit (32-lane backward rows of odd length past 766
-  // columns, whose aligned passes would take 64 x cols bytes; only under
-  // JAX_SOFTMAX_SHORT_ALIGNED_TILES=2 or 3) take vector tiles instead.
-  const auto step_for = [&](int64_t align_bytes) {
+  // The tile's passes (at most 16): of the counts that make it whole units of `align` bytes
+  // (multiples of `step`) and fit, the one `rule` ranks first (ShortRowsTuning's TilePasses);
+  // 0 where none fits. Sector tiles that fit nowhere (32-lane backward rows of odd length past
+  // 766 columns, whose aligned passes would take 64 x cols bytes; only under
+  // JAX_SOFTMAX_SHORT_ALIGNED_TILES=2 or 3) take vector tiles, rounded up, instead.
+  const auto pick_passes = [&](int64_t align, TilePasses rule) -> int64_t {
     int64_t step = 1;
-    while (step * (pass_bytes / kOperands) % align_bytes != 0) step *= 2;
-    return step;
-  };
-  const auto aligned_passes = [&](int64_t align_bytes, bool round_down) {
-    const int64_t step = step_for(align_bytes);
-    if (passes % step == 0) return passes;
-    const int64_t up = passes + step - passes % step;
-    return !round_down && up <= 16 && smem_of(up) <= kSmemLimit
-               ? up
-               : std::max(step, passes - passes % step);
-  };
-  // `nearest` (ShortRowsTuningFor): of the pass counts that make whole units of align_bytes and
-  // fit, the one whose tile is nearest the target among those of at least 3/4 of it (where none
-  // reaches that, the largest), ranked by (under 3/4 of the target, distance from it); where none
-  // fits, the rounding below.
-  int64_t nearest_passes = 0;
-  if (tuning.nearest) {
-    const int64_t target = int64_t(tuning.tile_kib) * 1024, least = target * 3 / 4;
-    const auto rank = [&](int64_t n) {
+    while (step * (pass_bytes / kOperands) % align != 0) step *= 2;
+    const auto rank = [&](int64_t n) -> std::pair<bool, int64_t> {
+      if (rule == kTilesUp) return {n < sized, n >= sized ? n : -n};
+      if (rule == kTilesDown) return {n > sized, n <= sized ? -n : n};
       const int64_t bytes = n * pass_bytes;
-      return std::make_pair(bytes < least, bytes > target ? bytes - target : target - bytes);
+      return {bytes < target * 3 / 4, bytes > target ? bytes - target : target - bytes};
     };
-    const int64_t step = step_for(tuning.align_bytes);
+    int64_t best = 0;
     for (int64_t n = step; n <= 16 && smem_of(n) <= kSmemLimit; n += step)
-      if (nearest_passes == 0 || rank(n) < rank(nearest_passes)) nearest_passes = n;
-  }
-  if (nearest_passes > 0) {
-    passes = nearest_passes;
-  } else {
-    const int64_t aligned = aligned_passes(tuning.align_bytes, tuning.round_down);
-    passes = tuning.align_bytes > 16 && smem_of(aligned) > kSmemLimit ? aligned_passes(16, false)
-                                                                       : aligned;
-  }
+      if (best == 0 || rank(n) < rank(best)) best = n;
+    return best;
+  };
+  int64_t passes = pick_passes(tuning.align_bytes, tuning.passes);
+  if (passes == 0 && tuning.align_bytes > 16) passes = pick_passes(16, kTilesUp);
+  if (passes == 0) return std::nullopt;
   const int64_t rows_per_cta = passes * kRowsPerPass;
   const int64_t grid = (c.p.rows + rows_per_cta - 1) / rows_per_cta;
   if (grid > INT_MAX) return std::nullopt;
-  const size_t smem = smem_of(passes);
-  if (smem > kSmemLimit) return std::nullopt;
-  const KernelLaunch launch(static_cast<unsigned>(grid), kShortRowsBlock, smem, c.stream, 1,
-                            c.dependent);
+  const KernelLaunch launch(static_cast<unsigned>(grid), kShortRowsBlock, smem_of(passes), c.stream,
+                            1, c.dependent);
   const int spacing = ShortRowsSpacing<int(sizeof(T)), kGroup>(c.p.cols);
   if constexpr (kBwd)
     return Launch(launch, softmax_short_rows_bwd_kernel<T, kGroup>,

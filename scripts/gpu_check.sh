@@ -198,84 +198,78 @@ if want test; then
     done
   fi
   if test_part knobs; then
+    # A selection of the kernel-tier tests under knobs: tiers_job SELECTION NAME [VAR=value]...
+    tiers_job() {
+      local selection=$1
+      shift
+      test_job "$@" -- -k "$(with_test_k "gpu and test_kernel_tiers and ($selection)")"
+    }
     # Chained calls (each kernel launched with programmatic dependent launch) inside CUDA graphs:
     # XLA records every fusion and custom call of these programs into command buffers.
-    test_job command_buffers \
-      "XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" \
-      -- -k "$(with_test_k "gpu and test_kernel_tiers and dependent_calls")"
+    tiers_job dependent_calls command_buffers \
+      "XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
     # Every cluster tier at the size its rows need (by default only where that fits more clusters
     # on the GPU: FitCluster), and the 16-bit backward rows of 16385-131072 columns on the
     # tiers of 16 values that those of 32 replaced (JAX_SOFTMAX_RAW_WIDE=0; the plain ones of up to
     # 24576 too, which since session 45 take blocks of 40 and 48 values: JAX_SOFTMAX_BWD_BLOCKS=0),
     # and the float32 backward rows read twice with both y and dy kept in shared memory
     # (JAX_SOFTMAX_REREAD_SMEM=2).
-    test_job cluster_fit_all JAX_SOFTMAX_CLUSTER_FIT=2 JAX_SOFTMAX_RAW_WIDE=0 JAX_SOFTMAX_BWD_BLOCKS=0 \
-      JAX_SOFTMAX_REREAD_SMEM=2 \
-      -- -k "$(with_test_k "gpu and test_kernel_tiers and (cluster_ctas or many_long_rows)")"
+    tiers_job "cluster_ctas or many_long_rows" cluster_fit_all JAX_SOFTMAX_CLUSTER_FIT=2 \
+      JAX_SOFTMAX_RAW_WIDE=0 JAX_SOFTMAX_BWD_BLOCKS=0 JAX_SOFTMAX_REREAD_SMEM=2
     # The 16-bit backward rows of 16385-32768 on two CTAs of the 4 x 512 x 32 clusters on every GPU,
     # full rows too (JAX_SOFTMAX_RAW_WIDE=2): by default the H200 keeps those of up to 20480 on
     # 8 x 256 x 16 (session 45), so that only the H100 ran the two CTAs there.
-    test_job mid_bwd_two_ctas JAX_SOFTMAX_RAW_WIDE=2 \
-      -- -k "$(with_test_k "gpu and test_kernel_tiers and mid_backward_rows")"
+    tiers_job mid_backward_rows mid_bwd_two_ctas JAX_SOFTMAX_RAW_WIDE=2
     # The broadcast operands' rows taken copy by copy (RowOrder) in every tier: by default only
     # where the bytes between copies exceed a quarter of L2 (OperandReuseOrder), which the tests'
     # shapes do not reach (session 31, H100: 16 passed, 25 s).
-    test_job reuse_order JAX_SOFTMAX_REUSE_ORDER=2 \
-      -- -k "$(with_test_k "gpu and test_kernel_tiers and broadcast_operand_order")"
+    tiers_job broadcast_operand_order reuse_order JAX_SOFTMAX_REUSE_ORDER=2
     # The 16-bit odd rows of 16385-32768 on the staged clusters that one CTA of up to 1024 threads
     # replaced (to 24576 in session 33, beyond in 44; since session 49 the reread blocks take them,
     # JAX_SOFTMAX_REREAD_BLOCKS=2 keeps them off those), and the float32 rows of 16385-32768 on the
     # clusters that such a CTA replaced in session 42 (JAX_SOFTMAX_WIDE_BLOCKS=0, and
     # JAX_SOFTMAX_REREAD_FLOAT=0 past the reread blocks of session 50; test_wide_block_rows, every
     # dtype).
-    test_job wide_blocks_off JAX_SOFTMAX_WIDE_BLOCKS=0 JAX_SOFTMAX_REREAD_BLOCKS=2 \
-      JAX_SOFTMAX_REREAD_FLOAT=0 \
-      -- -k "$(with_test_k "gpu and test_kernel_tiers and (wide_block_rows or cluster_ctas)")"
+    tiers_job "wide_block_rows or cluster_ctas" wide_blocks_off JAX_SOFTMAX_WIDE_BLOCKS=0 \
+      JAX_SOFTMAX_REREAD_BLOCKS=2 JAX_SOFTMAX_REREAD_FLOAT=0
     # The 16-bit odd rows of 16385-32768 on the wide blocks that the reread blocks replaced in
     # session 49: two CTAs per SM to W = 24576, beyond the H100's one CTA with a ring and the H200's
     # staged clusters (JAX_SOFTMAX_REREAD_BLOCKS=2); and the float32 rows of 16385-28636 on the
     # wide blocks of two tiles that the reread blocks replaced in session 50
     # (JAX_SOFTMAX_REREAD_FLOAT=0).
-    test_job odd_wide_blocks JAX_SOFTMAX_REREAD_BLOCKS=2 JAX_SOFTMAX_REREAD_FLOAT=0 \
-      -- -k "$(with_test_k "gpu and test_kernel_tiers and wide_block_rows")"
+    tiers_job wide_block_rows odd_wide_blocks JAX_SOFTMAX_REREAD_BLOCKS=2 \
+      JAX_SOFTMAX_REREAD_FLOAT=0
     # The reread blocks' odd rows (and float32 plain ones) copied from their own 16-byte window
     # start, as before session 50 (JAX_SOFTMAX_COPY_ALIGN=16; default: from 128-byte boundaries),
     # and the plain 16-bit rows of cols % 16 == 8 on the plain reread kernel, as before session 51
     # (default: the windowed one).
-    test_job copy_align_16 JAX_SOFTMAX_COPY_ALIGN=16 \
-      -- -k "$(with_test_k "gpu and test_kernel_tiers and (wide_block_rows or windowed_row_neighbours or reread_block_rows)")"
+    tiers_job "wide_block_rows or windowed_row_neighbours or reread_block_rows" copy_align_16 \
+      JAX_SOFTMAX_COPY_ALIGN=16
     # Plain 16-bit rows of 8193-16383 on the register tier's 512 x 32 block, which the staged one
     # replaced in session 51 (JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=0).
-    test_job plain16_register_blocks JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=0 \
-      -- -k "$(with_test_k "gpu and test_kernel_tiers and plain_block_rows")"
+    tiers_job plain_block_rows plain16_register_blocks JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=0
     # The 16-bit odd rows whose staged tiers take OddRowTilesPerCta tiles per CTA (two on the H200,
     # and on the H100 up to 3072 columns; since session 54 on the H200 also the thinly filled rows
     # of the 256- and 512-thread blocks) at one tile per CTA, the H100's default beyond, the
     # wide blocks among them (JAX_SOFTMAX_REREAD_BLOCKS=2), and the float32 wide blocks (two by
     # default; JAX_SOFTMAX_REREAD_FLOAT=0 for all their rows).
-    test_job odd_rows_one_tile JAX_SOFTMAX_TILES_PER_CTA=1 JAX_SOFTMAX_REREAD_BLOCKS=2 \
-      JAX_SOFTMAX_REREAD_FLOAT=0 \
-      -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_rings or wide_block_rows)")"
+    tiers_job "odd_row_rings or wide_block_rows" odd_rows_one_tile JAX_SOFTMAX_TILES_PER_CTA=1 \
+      JAX_SOFTMAX_REREAD_BLOCKS=2 JAX_SOFTMAX_REREAD_FLOAT=0
     # The 16-bit odd rows that the tiers of 5/4 E, 3/2 E and 3/4 E values per thread (sessions
     # 38-39) and the staged 5-warp block took over, the plain rows in the same gaps (session 40),
     # and the rows past the tiers' tops on 7/4 E and 64 threads of 5/4 E (session 41), on session
     # 37's tiers (JAX_SOFTMAX_ODD_TIERS=0). Two jobs: as one it ran past 500 s beside the others
     # (H200, session 42; 445 s in session 41).
-    test_job odd_tiers_off JAX_SOFTMAX_ODD_TIERS=0 \
-      -- -k "$(with_test_k "gpu and test_kernel_tiers and (odd_row_tiers or odd_row_rings)")"
-    test_job plain_gaps_off JAX_SOFTMAX_ODD_TIERS=0 \
-      -- -k "$(with_test_k "gpu and test_kernel_tiers and (plain_row_gaps or past_top_rows)")"
+    tiers_job "odd_row_tiers or odd_row_rings" odd_tiers_off JAX_SOFTMAX_ODD_TIERS=0
+    tiers_job "plain_row_gaps or past_top_rows" plain_gaps_off JAX_SOFTMAX_ODD_TIERS=0
     # The same rows on the H200's ranges of those tiers (JAX_SOFTMAX_ODD_TIERS=2), which an H100
     # takes only under that knob. Two jobs: as one it took 454-459 s beside the others (H200,
     # session 42; H100, session 43), against a limit of 500-520.
-    test_job odd_tiers_h200 JAX_SOFTMAX_ODD_TIERS=2 \
-      -- -k "$(with_test_k "gpu and test_kernel_tiers and odd_row_tiers")"
-    test_job plain_gaps_h200 JAX_SOFTMAX_ODD_TIERS=2 \
-      -- -k "$(with_test_k "gpu and test_kernel_tiers and (plain_row_gaps or past_top_rows)")"
+    tiers_job odd_row_tiers odd_tiers_h200 JAX_SOFTMAX_ODD_TIERS=2
+    tiers_job "plain_row_gaps or past_top_rows" plain_gaps_h200 JAX_SOFTMAX_ODD_TIERS=2
     # The 16-bit plain rows of 16385-32768 on the register tiers that the reread blocks replaced by
     # default (JAX_SOFTMAX_REREAD_BLOCKS=0).
-    test_job reread_blocks_off JAX_SOFTMAX_REREAD_BLOCKS=0 \
-      -- -k "$(with_test_k "gpu and test_kernel_tiers and reread_block_rows")"
+    tiers_job reread_block_rows reread_blocks_off JAX_SOFTMAX_REREAD_BLOCKS=0
     # The float32 odd rows' half-warp rows (the H200's rule for W = 257-452) on all of W = 257-512
     # and on every GPU (JAX_SOFTMAX_FLOAT_HALF_WARPS=2).
     # With them the float32 odd rows of W = 129-256 on 16 lanes (the H200's rule: W = 229-256) and of
@@ -287,20 +281,14 @@ if want test; then
     # odd rows of 129-608 columns on sm_90+, so these jobs, and float_register_lanes (the H200's
     # rules of FloatShortRowShape and FloatHalfWarpRows), leave them to the register tiers
     # (JAX_SOFTMAX_SHORT_WIDE_FWD=1).
-    test_job float_half_warps JAX_SOFTMAX_FLOAT_HALF_WARPS=2 JAX_SOFTMAX_FLOAT_SHORT_WARPS=1 \
-      JAX_SOFTMAX_FLOAT_THREE_WARPS=2 JAX_SOFTMAX_WARP_UNIFORM_ENDS=0 JAX_SOFTMAX_SHORT_WIDE_FWD=1 \
-      -- -k "$(with_test_k "gpu and test_kernel_tiers and (float_half_warp_rows or float_short_row_lanes or float_three_warp_rows)")"
-    test_job float_quarter_warps JAX_SOFTMAX_FLOAT_SHORT_WARPS=2 JAX_SOFTMAX_SHORT_WIDE_FWD=1 \
-      -- -k "$(with_test_k "gpu and test_kernel_tiers and float_short_row_lanes")"
-    test_job float_register_lanes JAX_SOFTMAX_SHORT_WIDE_FWD=1 \
-      -- -k "$(with_test_k "gpu and test_kernel_tiers and (float_half_warp_rows or float_short_row_lanes)")"
-    # A selection of the kernel-tier tests under knobs: tiers_job SELECTION NAME [VAR=value]...;
-    # the short-row kernels' tests: short_job / wide_job NAME [VAR=value]...
-    tiers_job() {
-      local selection=$1
-      shift
-      test_job "$@" -- -k "$(with_test_k "gpu and test_kernel_tiers and ($selection)")"
-    }
+    tiers_job "float_half_warp_rows or float_short_row_lanes or float_three_warp_rows" \
+      float_half_warps JAX_SOFTMAX_FLOAT_HALF_WARPS=2 JAX_SOFTMAX_FLOAT_SHORT_WARPS=1 \
+      JAX_SOFTMAX_FLOAT_THREE_WARPS=2 JAX_SOFTMAX_WARP_UNIFORM_ENDS=0 JAX_SOFTMAX_SHORT_WIDE_FWD=1
+    tiers_job float_short_row_lanes float_quarter_warps JAX_SOFTMAX_FLOAT_SHORT_WARPS=2 \
+      JAX_SOFTMAX_SHORT_WIDE_FWD=1
+    tiers_job "float_half_warp_rows or float_short_row_lanes" float_register_lanes \
+      JAX_SOFTMAX_SHORT_WIDE_FWD=1
+    # The short-row kernels' tests: short_job / wide_job NAME [VAR=value]...
     short_job() { tiers_job short_windowed_rows "$@"; }
     # Windowed forward rows of up to 32 vectors under session 63's rule (16-bit rows of 129-255 on
     # the staged tiers; by default the short-row kernel on 8 lanes since session 64) and on the
