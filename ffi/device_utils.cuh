@@ -62,6 +62,17 @@ __device__ __forceinline__ double rcp_acc(double x) { return 1.0 / x; }
 __device__ __forceinline__ float log_acc(float x) { return logf(x); }
 __device__ __forceinline__ double log_acc(double x) { return log(x); }
 
+// fn(std::true_type{}) or fn(std::false_type{}) as a run-time flag that is uniform over the grid
+// says (log-softmax in the short-row kernels): fn's body is compiled once per value, so that its
+// per-element tests of the flag fold away instead of being predicated into every element.
+template <typename Fn>
+__device__ __forceinline__ void with_constant_flag(bool flag, Fn&& fn) {
+  if (flag)
+    fn(std::true_type{});
+  else
+    fn(std::false_type{});
+}
+
 // x, made opaque to the compiler by an empty asm statement that claims to change it (nothing is
 // emitted): code computed from the result cannot be merged with the same code computed from x.
 __device__ __forceinline__ float opaque(float x) {

@@ -3097,7 +3097,7 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
       }
       // One branch on log for the whole row (uniform over the grid): with a run-time log in every
       // step the values of both (z and exp(z - max)) stayed live.
-      auto finish = [&](auto log_tag) {
+      with_constant_flag(log, [&](auto log_tag) {
         constexpr bool kLog = decltype(log_tag)::value;
         const FwdStats<A> st = group_fwd_stats<kGroup>(v, true, kLog);
         // The store tests k < lane_cols, not c < cols as the load does: with the same test the
@@ -3111,11 +3111,7 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
           for (int k = 0; k < kN; ++k)
             if (k < lane_cols) row[lane + k * kGroup] = from_acc<T>(fwd_output(v[k], st, kLog));
         }
-      };
-      if (log)
-        finish(std::true_type{});
-      else
-        finish(std::false_type{});
+      });
     });
   });
   const bool bulk_store = copy_mode == kShortCopyBulkStore;
@@ -3166,7 +3162,7 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
     for (int i = 0; i < full_steps; ++i) fn(lane + i * kGroup);
     if (tail_col < cols) fn(tail_col);
   };
-  // One branch on log for the whole tile (uniform over the grid), as the forward kernel's finish:
+  // One branch on log for the whole tile (with_constant_flag), as the forward kernel's per row:
   // with the run-time log in every step the compiler predicated the log-softmax's exp (FMUL,
   // MUFU.EX2, FFMA) into each element's output, issued and switched off, 3 of the element's
   // 20-odd instructions in a kernel near its issue limit (ncu, H200, session 73: bfloat16 193 on
@@ -3176,7 +3172,7 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
   // the copy's rate): bfloat16 193 210 / 203, 191 199 / 198; 17, 65, 129, 255, float16 223,
   // float32 19 and 131 the same (190-233 us; not profiled: 129's 232 is its bank conflicts,
   // session 67).
-  const auto tile_rows = [&](auto log_tag) {
+  with_constant_flag(log, [&](auto log_tag) {
     constexpr bool kLog = decltype(log_tag)::value;
     for_short_tile_rows<kGroup>(rows_per_cta, sp, cols, row_spacing, [&](bool live, int offset) {
       T* y_row = ys + offset;
@@ -3192,11 +3188,7 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
               bwd_output(to_acc(y_row[c]), to_acc(g_row[c]), true, dot, scale, kLog));
         });
     });
-  };
-  if (log)
-    tile_rows(std::true_type{});
-  else
-    tile_rows(std::false_type{});
+  });
   const bool bulk_store = copy_mode == kShortCopyBulkStore;
   if (bulk_store) fence_proxy_async_shared();  // this thread's outputs, before the bulk store
   __syncthreads();

@@ -288,7 +288,7 @@ if want test; then
       JAX_SOFTMAX_SHORT_WIDE_FWD=1
     tiers_job "float_half_warp_rows or float_short_row_lanes" float_register_lanes \
       JAX_SOFTMAX_SHORT_WIDE_FWD=1
-    # The short-row kernels' tests: short_job / wide_job NAME [VAR=value]...
+    # The short-row kernels' tests: short_job / wide_job / both_job NAME [VAR=value]...
     short_job() { tiers_job short_windowed_rows "$@"; }
     # Windowed forward rows of up to 32 vectors under session 63's rule (16-bit rows of 129-255 on
     # the staged tiers; by default the short-row kernel on 8 lanes since session 64) and on the
@@ -339,14 +339,12 @@ if want test; then
     # sectors rounded down, session 71, the backward's whole vectors rounded up): vector tiles
     # (the forward's before session 71) and sector tiles rounded up, the wide rows too, which
     # these rules change most (16-bit forward rows of 16 and 32 lanes).
-    tiers_job "short_windowed_rows or short_wide_rows" short_rows_vector_tiles \
-      JAX_SOFTMAX_SHORT_ALIGNED_TILES=1
-    tiers_job "short_windowed_rows or short_wide_rows" short_rows_sector_tiles_up \
-      JAX_SOFTMAX_SHORT_ALIGNED_TILES=2
+    both_job() { tiers_job "short_windowed_rows or short_wide_rows" "$@"; }
+    both_job short_rows_vector_tiles JAX_SOFTMAX_SHORT_ALIGNED_TILES=1
+    both_job short_rows_sector_tiles_up JAX_SOFTMAX_SHORT_ALIGNED_TILES=2
     # The forward's 16-bit tiles of 24 KiB rounded down to whole sectors (session 71; by default
     # the whole-sector pass count nearest 12 KiB, at least 9: JAX_SOFTMAX_SHORT_TILE_NEAREST).
-    tiers_job "short_windowed_rows or short_wide_rows" short_rows_tiles_24k \
-      JAX_SOFTMAX_SHORT_TILE_NEAREST=0
+    both_job short_rows_tiles_24k JAX_SOFTMAX_SHORT_TILE_NEAREST=0
   fi
   wait_tests
   if test_part suite; then
