@@ -2982,24 +2982,43 @@ __device__ __forceinline__ void load_short_spans(T* const (&tiles)[kSpans],
 // in the tile. Every thread runs every pass (the group's shuffles), rows past the CTA's last
 // (live false) included.
 //
-// Which rows of a pass a warp takes: row_spacing (1, 2 or 4, the launcher's ShortRowsSpacing)
-// consecutive warps interleave theirs, so that a warp's rows sit row_spacing rows apart. Rows
+// Which rows of a pass a warp takes: row_spacing (1, 2 or 4; 8 or 16 below; the launcher's
+// ShortRowsSpacing) consecutive warps interleave theirs, so that a warp's rows sit row_spacing rows apart. Rows
 // are laid end to end in the tile, so with consecutive rows a warp's lanes read the same few
 // banks wherever cols * sizeof(T) is close to a multiple of 128 bytes (65 bfloat16 columns on 4
 // lanes: rows 130 bytes apart, a 4- to 5-way bank conflict on every access).
+//
+// Spacings 8 and 16 (the 4 warps cannot interleave more than 4 ways in one pass; the backward
+// kernel's 16-bit 129 and float32's odd 129-147 by default, PassWindowSpacing) take windows of row_spacing / 4 passes: in each, the
+// warps take the window's row_spacing interleaved slots 4 at a time (the same first row as the
+// formula gives for spacings 1-4, then 4 rows on per pass within the window), so that a warp's
+// rows still sit row_spacing rows apart. The launcher then makes rows_per_cta whole windows, so
+// that every thread still runs one row per pass. One loop for both, not a second inlined copy of
+// row_fn.
 template <int kGroup, typename RowFn>
 __device__ __forceinline__ void for_short_tile_rows(int rows_per_cta, const ShortRowsSpan& s,
                                                     int cols, int row_spacing, RowFn&& row_fn) {
   static_assert(kShortRowsBlock == 4 * 32 && kGroup <= 32, "row spacings 1, 2 and 4 over 4 warps");
-  constexpr int kRowsPerWarp = 32 / kGroup;
+  constexpr int kRowsPerWarp = 32 / kGroup, kPassRows = kShortRowsBlock / kGroup;
   const int warp = threadIdx.x / 32;
   const int first = warp / row_spacing * (row_spacing * kRowsPerWarp) +
                     threadIdx.x % 32 / kGroup * row_spacing + warp % row_spacing;
+  const int window_passes = row_spacing > 4 ? row_spacing / 4 : 1;
   // Counted in elements, not rows: with a row index beside the offset the forward kernels of 2
   // lanes or more spilled 4 bytes (ptxas). A tile holds less than 48 KiB, so ints do.
   const int end = s.lead + rows_per_cta * cols, live_end = s.lead + s.rows_here * cols;
-  for (int offset = s.lead + first * cols; offset < end; offset += kShortRowsBlock / kGroup * cols)
+  const int pass_step = 4 * cols;  // within a window
+  const int window_step = (kPassRows * window_passes - 4 * (window_passes - 1)) * cols;
+  int pass = 0;  // within the window
+  for (int offset = s.lead + first * cols; offset < end;) {
     row_fn(offset < live_end, offset);
+    if (++pass == window_passes) {
+      pass = 0;
+      offset += window_step;
+    } else {
+      offset += pass_step;
+    }
+  }
 }
 
 // Calls fn(std::integral_constant<int, 4 * value_chunks>()): the short-row kernel's values per

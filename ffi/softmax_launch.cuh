@@ -1486,7 +1486,9 @@ inline ShortRowsTuning ShortRowsTuningFor(bool bwd, size_t elem_bytes, int64_t p
 // Measured (H200, session 65, us per call at 256 MiB, rows consecutive / spaced, every lane with
 // 32 values): forward bfloat16 17 166 / 156, 65 289 / 249, 131 260 / 248, float16 65 289 / 245;
 // backward bfloat16 17 241 / 204, 33 238 / 204. The knob JAX_SOFTMAX_SHORT_ROW_SPACING (1, 2 or
-// 4; read once) fixes the spacing.
+// 4; read once) fixes the spacing; 8 or 16 too (windows of 2 or 4 passes, for_short_tile_rows; a
+// warp of one row has no spacing to change, so 32 lanes keep 1), which the backward kernel takes
+// for some rows by default (ShortRowsSpacing, below).
 inline int ShortRowsBankWays(int64_t cols, int elem_bytes, int group, int spacing) {
   int ways = 0;
   for (int lead = 0; lead < (elem_bytes < 4 ? 2 : 1); ++lead) {
@@ -1515,18 +1517,51 @@ inline std::pair<int, int> FewestBankWays(int64_t cols, int elem_bytes, int grou
 inline int FewestBankWaysSpacing(int64_t cols, int elem_bytes, int group) {
   return FewestBankWays(cols, elem_bytes, group).first;
 }
-template <int kElemBytes, int kGroup>
+// Pass-window spacings (8 or 16: windows of 2 or 4 passes, for_short_tile_rows) in the backward
+// kernel, since session 74: where the count at the better of them is at most half the best of 1,
+// 2 and 4, on rows of at most 20 columns a lane (kPassWindowCols). Of the rows the kernel
+// takes on the lanes ShortRowsBwdGroup gives them, that moves 16-bit 129 on 8 lanes (5 ways at 4,
+// 2 at 16; 32 lanes lost for it, session 68) and float32's odd rows of 129-147 on 8 lanes (2 ways
+// at 1-4, 1 at 8). The count alone does not foretell the gain: the other 16-bit rows it halves on 8 lanes
+// (149, 159, 161, 171, 191, 193, 213, 223, 225, 235, 255; ShortRowsBwdGroup widens them to 16
+// or 32 lanes) gained less the more columns a lane holds, and 223 lost.
+// Measured (H200, session 74, us per call at 256 MiB, best of 1-4 / pass windows; a backward at the
+// copy's rate takes 187): bfloat16 129 232 / 192; float32 129, 131, 137 and 147 193 / 191; on 8
+// lanes (JAX_SOFTMAX_SHORT_WIDER_LANES=0) at spacing 16, bfloat16 149 196 / 192, 161 195 / 193,
+// 191 221 / 194, 193 237 / 237, 223 204 / 233, 255 227 / 227. The forward kernel keeps 1-4: at 16
+// (bfloat16) 129 134 / 132, 149 129 / 132, 161 132 / 133, 193 130 / 133, 223 130 / 134, 255 131 /
+// 134; at 8 (float32) 131 128 / 132, 137 128 / 132. Branch, defaults, against main (forward
+// bfloat16 65, 129, 193, float32 131; backward bfloat16 129, 193): the same times, so the
+// loop of pass windows costs the other spacings nothing.
+// JAX_SOFTMAX_SHORT_PASS_WINDOWS=0 (read once) keeps the backward kernel on 1-4 too, as before
+// session 74.
+inline constexpr int kPassWindowCols = 20;
+inline int PassWindowSpacing(int64_t cols, int elem_bytes, int group) {
+  const auto [spacing, ways] = FewestBankWays(cols, elem_bytes, group);
+  if (group == 32 || cols > kPassWindowCols * int64_t(group)) return spacing;
+  const int ways8 = ShortRowsBankWays(cols, elem_bytes, group, 8);
+  const int ways16 = ShortRowsBankWays(cols, elem_bytes, group, 16);
+  const auto [wide, wide_ways] = ways16 < ways8 ? std::pair{16, ways16} : std::pair{8, ways8};
+  return 2 * wide_ways <= ways ? wide : spacing;
+}
+template <int kElemBytes, int kGroup, bool kBwd>
 int ShortRowsSpacing(int64_t cols) {
   static const long knob = EnvKnob("JAX_SOFTMAX_SHORT_ROW_SPACING", 0);
   if (knob == 1 || knob == 2 || knob == 4) return static_cast<int>(knob);
+  if (knob == 8 || knob == 16) return kGroup == 32 ? 1 : static_cast<int>(knob);
+  static const bool pass_windows =
+      kBwd && EnvKnob("JAX_SOFTMAX_SHORT_PASS_WINDOWS", 1) != 0;
+  const auto spacing_of = [](int64_t n) {
+    return pass_windows ? PassWindowSpacing(n, kElemBytes, kGroup)
+                    : FewestBankWaysSpacing(n, kElemBytes, kGroup);
+  };
   constexpr int kMaxCols = kGroup * kShortRowValues;  // the longest row of kGroup lanes
-  static const std::array<uint8_t, kMaxCols + 1> spacings = [] {
+  static const std::array<uint8_t, kMaxCols + 1> spacings = [&] {
     std::array<uint8_t, kMaxCols + 1> t{};
-    for (int n = 1; n <= kMaxCols; ++n)
-      t[n] = static_cast<uint8_t>(FewestBankWaysSpacing(n, kElemBytes, kGroup));
+    for (int n = 1; n <= kMaxCols; ++n) t[n] = static_cast<uint8_t>(spacing_of(n));
     return t;
   }();
-  return cols <= kMaxCols ? spacings[cols] : FewestBankWaysSpacing(cols, kElemBytes, kGroup);
+  return cols <= kMaxCols ? spacings[cols] : spacing_of(cols);
 }
 
 // The forward short-row kernel's chunks of 4 values per lane (with_short_row_values): the
@@ -1567,8 +1602,11 @@ Launched LaunchShortRows(const LaunchCtx& c) {
   // 0 where none fits. Sector tiles that fit nowhere (32-lane backward rows of odd length past
   // 766 columns, whose aligned passes would take 64 x cols bytes; only under
   // JAX_SOFTMAX_SHORT_ALIGNED_TILES=2 or 3) take vector tiles, rounded up, instead.
+  // Spacings 8 and 16 (ShortRowsSpacing) take whole windows of spacing / 4 passes
+  // (for_short_tile_rows), or spacing 4 where no such tile fits.
+  int spacing = ShortRowsSpacing<int(sizeof(T)), kGroup, kBwd>(c.p.cols);
   const auto pick_passes = [&](int64_t align, TilePasses rule) -> int64_t {
-    int64_t step = 1;
+    int64_t step = spacing > 4 ? spacing / 4 : 1;  // a power of two, as the doublings keep it
     while (step * (pass_bytes / kOperands) % align != 0) step *= 2;
     const auto rank = [&](int64_t n) -> std::pair<bool, int64_t> {
       if (rule == kTilesUp) return {n < sized, n >= sized ? n : -n};
@@ -1581,15 +1619,21 @@ Launched LaunchShortRows(const LaunchCtx& c) {
       if (best == 0 || rank(n) < rank(best)) best = n;
     return best;
   };
-  int64_t passes = pick_passes(tuning.align_bytes, tuning.passes);
-  if (passes == 0 && tuning.align_bytes > 16) passes = pick_passes(16, kTilesUp);
+  const auto pick_tile = [&] {
+    const int64_t n = pick_passes(tuning.align_bytes, tuning.passes);
+    return n == 0 && tuning.align_bytes > 16 ? pick_passes(16, kTilesUp) : n;
+  };
+  int64_t passes = pick_tile();
+  if (passes == 0 && spacing > 4) {
+    spacing = 4;
+    passes = pick_tile();
+  }
   if (passes == 0) return std::nullopt;
   const int64_t rows_per_cta = passes * kRowsPerPass;
   const int64_t grid = (c.p.rows + rows_per_cta - 1) / rows_per_cta;
   if (grid > INT_MAX) return std::nullopt;
   const KernelLaunch launch(static_cast<unsigned>(grid), kShortRowsBlock, smem_of(passes), c.stream,
                             1, c.dependent);
-  const int spacing = ShortRowsSpacing<int(sizeof(T)), kGroup>(c.p.cols);
   if constexpr (kBwd)
     return Launch(launch, softmax_short_rows_bwd_kernel<T, kGroup>,
                   "softmax short-row backward kernel", c.p, static_cast<int>(rows_per_cta),
@@ -2045,8 +2089,20 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   // tiers only. On their power-of-two tiers plain rows keep one: two lost there on the H100
   // (session 40, us per call at 256 MiB, bfloat16 1 / 2 tiles: 768 178 / 181, 1000 181 / 184,
   // 1024 180 / 181, 1400 183 / 184, 2048 180 / 181; 640 185 / 181 was the one gain).
+  // General 16-bit rows (a mask, bias or causal limit: attention's scores) on the 8-lane tiers of
+  // 2 kVec and kEB values (bfloat16 65-256 columns) take two, since session 74: there the staged
+  // kernel runs near its issue limit (ncu, H200, session 73, S = 128: 9.5 cycles per issued
+  // instruction at 8 warps per scheduler, a third of a warp's instructions before the stage's wait:
+  // CTA set-up and the fill), and a second tile per CTA overlaps one tile's reduction with the
+  // next one's copy. Measured (H200, session 74, attention forward at the benchmark's shapes, us
+  // per call, one / two tiles; 125 us moves the bytes at the copy's rate): S = 128 causal 140 /
+  // 134, (1, 1, S, S) mask 143 / 139, padding lengths 143 / 139, bias 152 / 149 (three and four
+  // tiles: 136-154); S = 256 134 / 134, 137 / 135, 137 / 136, 143 / 138; S = 512 (16 lanes, not
+  // taken) 134 / 134, 137 / 135, 137 / 135, 146 / 146; S = 1024 and 2048 the same.
+  const bool short_general16 =
+      kAccess == Access::kGeneral && sizeof(T) == 2 && n > 8 * kVec && n <= 8 * kEB;
   const int gap_tiles = kGap16 ? OddRowTilesPerCta<kE>(c.dev, n) : TilesPerCta();
-  const int tiles = kOdd16 ? gap_tiles : TilesPerCta();
+  const int tiles = kOdd16 ? gap_tiles : TilesPerCta(short_general16 ? 2 : 1);
   // (Where JAX_SOFTMAX_BLOCK_COPY_ALIGN is 2, the one-row tiers' plain 16-bit rows of
   // cols % 16 == 8 take their windowed kernel, inside LaunchStagedRows.)
 #define JS_STAGED(G, E, R) return LaunchStagedRows<T, G, E, kVec, kAccess, R>(c, 1, tiles)

@@ -309,6 +309,15 @@ if want test; then
     short_job short_rows_all_values JAX_SOFTMAX_SHORT_VALUE_CHUNKS=0 JAX_SOFTMAX_SHORT_ROW_SPACING=1
     short_job short_rows_spacing2 JAX_SOFTMAX_SHORT_ROW_SPACING=2 JAX_SOFTMAX_SHORT_ODD_BWD=2
     short_job short_rows_spacing4 JAX_SOFTMAX_SHORT_ROW_SPACING=4 JAX_SOFTMAX_SHORT_ODD_BWD=2
+    # The short rows of both tests (short_windowed_rows, and short_wide_rows past 32 vectors).
+    both_job() { tiers_job "short_windowed_rows or short_wide_rows" "$@"; }
+    # Spacings past the block's 4 warps (session 73; for_short_tile_rows's windows of 2 and 4
+    # passes, tiles of whole windows, or spacing 4 where none fits), the wide rows' 16 lanes too,
+    # then the backward kernel on spacings 1-4 only (by default 8 or 16 for 16-bit 129 and
+    # float32's odd 129-147 since session 74: PassWindowSpacing).
+    both_job short_rows_spacing8 JAX_SOFTMAX_SHORT_ROW_SPACING=8 JAX_SOFTMAX_SHORT_ODD_BWD=2
+    both_job short_rows_spacing16 JAX_SOFTMAX_SHORT_ROW_SPACING=16 JAX_SOFTMAX_SHORT_ODD_BWD=2
+    both_job short_rows_no_pass_windows JAX_SOFTMAX_SHORT_PASS_WINDOWS=0
     # Backward rows on the fewest lanes that hold them, as before session 68, on at most twice as
     # many, and wherever the bank count gives any fewer conflicts (ShortRowsBwdGroup; by default up
     # to 32 where it halves).
@@ -339,7 +348,6 @@ if want test; then
     # sectors rounded down, session 71, the backward's whole vectors rounded up): vector tiles
     # (the forward's before session 71) and sector tiles rounded up, the wide rows too, which
     # these rules change most (16-bit forward rows of 16 and 32 lanes).
-    both_job() { tiers_job "short_windowed_rows or short_wide_rows" "$@"; }
     both_job short_rows_vector_tiles JAX_SOFTMAX_SHORT_ALIGNED_TILES=1
     both_job short_rows_sector_tiles_up JAX_SOFTMAX_SHORT_ALIGNED_TILES=2
     # The forward's 16-bit tiles of 24 KiB rounded down to whole sectors (session 71; by default

@@ -377,7 +377,8 @@ def test_short_windowed_rows(backend, device, rng, dtype):
     # below that keeps the passes as the tile's size gives them: the 32-lane backward tiles of
     # 4-row passes that do not fill whole vectors, 16-bit 193), with softmax and log_softmax, a
     # `where` mask (other kernels) and the backward (its short-row kernel for 16-bit rows to 255
-    # columns, on 8 lanes past 128, and float32 to 96 with 95 and 97 either side, ShortOddBwdMode;
+    # columns, on 8 lanes past 128 (129 with a warp's rows 16 apart over windows of 4 passes since
+    # session 74, PassWindowSpacing), and float32 to 96 with 95 and 97 either side, ShortOddBwdMode;
     # on more than the fewest lanes where the bank count halves, ShortRowsBwdGroup: 16-bit 20 on 2,
     # 149 and 223 on 16, 191, 193 (tiles of an even count of 4-row passes, so that each starts at a
     # 16-byte boundary; under a gpu_check.sh job an odd one, half the tiles starting mid-vector) and
@@ -425,7 +426,8 @@ def test_short_wide_rows(backend, device, rng, dtype):
     # rows a pass), tiles of whole 32-byte sectors (an even count of passes for odd lengths on 16
     # lanes, a multiple of 4 on 32; the count nearest 12 KiB: 257 4, 449 and 511 2, 513 and 577
     # 4; ShortWideForwardRow, LaunchShortRows), every lane with 16 or more of them; the backward's
-    # the backward kernel where it won (ShortWideBackwardRows: float32 129-148, 16-bit 257-495
+    # the backward kernel where it won (ShortWideBackwardRows: float32 129-148, the odd ones to
+    # 147 with a warp's rows 8 apart over windows of 2 passes since session 74, 16-bit 257-495
     # and 513-959), on the fewest of 8, 16 or 32 lanes or on 32 where the bank count halves
     # (16-bit 257, 319, 383, 447, 449, 511; ShortRowsBwdGroup through LaunchShortRowsFewestLanes),
     # the warp and block tiers elsewhere. gpu_check.sh runs it again with the backward kernel for
@@ -642,7 +644,8 @@ def test_staged_ring_wraps(backend, device, rng, dtype, tier):
     # The staged tiers (sm_90+, forward rows: ffi/softmax_launch.cuh, LaunchStagedTier) feed each
     # CTA through shared memory: one tile per CTA for the row tiers by default, and a persistent
     # ring of 1-4 stages per CTA, refilled as soon as a stage is read, for the clusters (and for
-    # the row tiers under JAX_SOFTMAX_TILES_PER_CTA >= 2, which scripts/gpu_check.sh also runs).
+    # the row tiers under JAX_SOFTMAX_TILES_PER_CTA >= 2, which scripts/gpu_check.sh also runs;
+    # by default two tiles for the masked bfloat16 rows of 16V and 32V since session 74).
     # 64 MiB is several times what all CTAs' rings hold at once (at most 132 SMs x 8 CTAs x 3
     # stages x 8 KiB = 25 MiB, the 128-thread tiers in bfloat16), so each CTA's barrier phases
     # wrap; an odd row count leaves the last tile partial. Sizes: lane groups of one vector (4V),
