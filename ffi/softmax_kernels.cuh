@@ -2983,22 +2983,22 @@ __device__ __forceinline__ void load_short_spans(T* const (&tiles)[kSpans],
 // (live false) included.
 //
 // Which rows of a pass a warp takes: row_spacing (1, 2 or 4; 8 or 16 below; the launcher's
-// ShortRowsSpacing) consecutive warps interleave theirs, so that a warp's rows sit row_spacing rows apart. Rows
-// are laid end to end in the tile, so with consecutive rows a warp's lanes read the same few
-// banks wherever cols * sizeof(T) is close to a multiple of 128 bytes (65 bfloat16 columns on 4
-// lanes: rows 130 bytes apart, a 4- to 5-way bank conflict on every access).
+// ShortRowsSpacing) consecutive warps interleave theirs, so that a warp's rows sit row_spacing rows
+// apart. Rows are laid end to end in the tile, so with consecutive rows a warp's lanes read the
+// same few banks wherever cols * sizeof(T) is close to a multiple of 128 bytes (65 bfloat16 columns
+// on 4 lanes: rows 130 bytes apart, a 4- to 5-way bank conflict on every access).
 //
 // Spacings 8 and 16 (the 4 warps cannot interleave more than 4 ways in one pass; the backward
-// kernel's 16-bit 129 and float32's odd 129-147 by default, PassWindowSpacing) take windows of row_spacing / 4 passes: in each, the
-// warps take the window's row_spacing interleaved slots 4 at a time (the same first row as the
-// formula gives for spacings 1-4, then 4 rows on per pass within the window), so that a warp's
-// rows still sit row_spacing rows apart. The launcher then makes rows_per_cta whole windows, so
-// that every thread still runs one row per pass. One loop for both, not a second inlined copy of
-// row_fn.
+// kernel's 16-bit 129 and float32's odd 129-147 by default, PassWindowSpacing) take windows of
+// row_spacing / 4 passes: in each, the warps take the window's row_spacing interleaved slots 4 at a
+// time (the same first row as the formula gives for spacings 1-4, then 4 rows on per pass within
+// the window), so that a warp's rows still sit row_spacing rows apart. The launcher then makes
+// rows_per_cta whole windows, so that every thread still runs one row per pass. One loop for both,
+// not a second inlined copy of row_fn.
 template <int kGroup, typename RowFn>
 __device__ __forceinline__ void for_short_tile_rows(int rows_per_cta, const ShortRowsSpan& s,
                                                     int cols, int row_spacing, RowFn&& row_fn) {
-  static_assert(kShortRowsBlock == 4 * 32 && kGroup <= 32, "row spacings 1, 2 and 4 over 4 warps");
+  static_assert(kShortRowsBlock == 4 * 32 && kGroup <= 32, "row spacings over 4 warps");
   constexpr int kRowsPerWarp = 32 / kGroup, kPassRows = kShortRowsBlock / kGroup;
   const int warp = threadIdx.x / 32;
   const int first = warp / row_spacing * (row_spacing * kRowsPerWarp) +

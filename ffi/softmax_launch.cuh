@@ -1518,21 +1518,21 @@ inline int FewestBankWaysSpacing(int64_t cols, int elem_bytes, int group) {
   return FewestBankWays(cols, elem_bytes, group).first;
 }
 // Pass-window spacings (8 or 16: windows of 2 or 4 passes, for_short_tile_rows) in the backward
-// kernel, since session 74: where the count at the better of them is at most half the best of 1,
-// 2 and 4, on rows of at most 20 columns a lane (kPassWindowCols). Of the rows the kernel
-// takes on the lanes ShortRowsBwdGroup gives them, that moves 16-bit 129 on 8 lanes (5 ways at 4,
-// 2 at 16; 32 lanes lost for it, session 68) and float32's odd rows of 129-147 on 8 lanes (2 ways
-// at 1-4, 1 at 8). The count alone does not foretell the gain: the other 16-bit rows it halves on 8 lanes
-// (149, 159, 161, 171, 191, 193, 213, 223, 225, 235, 255; ShortRowsBwdGroup widens them to 16
-// or 32 lanes) gained less the more columns a lane holds, and 223 lost.
+// kernel, since session 74: where the count at the better of them is at most half the best of 1, 2
+// and 4, on rows of at most 20 columns a lane (kPassWindowCols). Of the rows the kernel takes on
+// the lanes ShortRowsBwdGroup gives them, that moves 16-bit 129 on 8 lanes (5 ways at 4, 2 at 16;
+// 32 lanes lost for it, session 68) and float32's odd rows of 129-147 on 8 lanes (2 ways at 1-4, 1
+// at 8). The count alone does not foretell the gain: the other 16-bit rows it halves on 8 lanes
+// (149, 159, 161, 171, 191, 193, 213, 223, 225, 235, 255; ShortRowsBwdGroup widens them to 16 or 32
+// lanes) gained less the more columns a lane holds, and 223 lost.
 // Measured (H200, session 74, us per call at 256 MiB, best of 1-4 / pass windows; a backward at the
 // copy's rate takes 187): bfloat16 129 232 / 192; float32 129, 131, 137 and 147 193 / 191; on 8
-// lanes (JAX_SOFTMAX_SHORT_WIDER_LANES=0) at spacing 16, bfloat16 149 196 / 192, 161 195 / 193,
-// 191 221 / 194, 193 237 / 237, 223 204 / 233, 255 227 / 227. The forward kernel keeps 1-4: at 16
+// lanes (JAX_SOFTMAX_SHORT_WIDER_LANES=0) at spacing 16, bfloat16 149 196 / 192, 161 195 / 193, 191
+// 221 / 194, 193 237 / 237, 223 204 / 233, 255 227 / 227. The forward kernel keeps 1-4: at 16
 // (bfloat16) 129 134 / 132, 149 129 / 132, 161 132 / 133, 193 130 / 133, 223 130 / 134, 255 131 /
 // 134; at 8 (float32) 131 128 / 132, 137 128 / 132. Branch, defaults, against main (forward
-// bfloat16 65, 129, 193, float32 131; backward bfloat16 129, 193): the same times, so the
-// loop of pass windows costs the other spacings nothing.
+// bfloat16 65, 129, 193, float32 131; backward bfloat16 129, 193): the same times, so the loop of
+// pass windows costs the other spacings nothing.
 // JAX_SOFTMAX_SHORT_PASS_WINDOWS=0 (read once) keeps the backward kernel on 1-4 too, as before
 // session 74.
 inline constexpr int kPassWindowCols = 20;
@@ -1549,11 +1549,10 @@ int ShortRowsSpacing(int64_t cols) {
   static const long knob = EnvKnob("JAX_SOFTMAX_SHORT_ROW_SPACING", 0);
   if (knob == 1 || knob == 2 || knob == 4) return static_cast<int>(knob);
   if (knob == 8 || knob == 16) return kGroup == 32 ? 1 : static_cast<int>(knob);
-  static const bool pass_windows =
-      kBwd && EnvKnob("JAX_SOFTMAX_SHORT_PASS_WINDOWS", 1) != 0;
+  static const bool pass_windows = kBwd && EnvKnob("JAX_SOFTMAX_SHORT_PASS_WINDOWS", 1) != 0;
   const auto spacing_of = [](int64_t n) {
     return pass_windows ? PassWindowSpacing(n, kElemBytes, kGroup)
-                    : FewestBankWaysSpacing(n, kElemBytes, kGroup);
+                        : FewestBankWaysSpacing(n, kElemBytes, kGroup);
   };
   constexpr int kMaxCols = kGroup * kShortRowValues;  // the longest row of kGroup lanes
   static const std::array<uint8_t, kMaxCols + 1> spacings = [&] {
