@@ -743,8 +743,12 @@ def test_dependent_calls(backend, device, rng, dtype, n):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
-@pytest.mark.parametrize("s", [1, 33, 256, 1000])
+@pytest.mark.parametrize("s", [1, 33, 64, 65, 255, 256, 257, 1000])
 def test_causal_attention_sizes(backend, device, rng, dtype, s):
+    # Causal rows with a (1, H, 1, S) bias and a (B, 1, 1, S) mask, forward and both gradients.
+    # On sm_90+ 16-bit rows of 65-256 keys take two tiles per CTA on the staged 8-lane tiers
+    # since session 74 (LaunchStagedTier), one below (64) and past (257): both sides of each
+    # bound, in 2 S rows (S = 65: 130 rows, five tiles of 32, the last CTA with one tile of 2 rows).
     check_attention(device, rng, dtype, s)
 
 
