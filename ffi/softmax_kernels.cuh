@@ -3053,7 +3053,7 @@ __device__ __forceinline__ void with_short_row_values(int value_chunks, Fn&& fn)
 // With `bulk` and lead 0 the whole vectors go out with one bulk copy from thread 0 instead
 // (every thread's writes of the tile made visible to the copy engine by the caller:
 // fence_proxy_async_shared, then __syncthreads), which waits until the copy has read the tile.
-// LaunchShortRows sizes tiles to whole vectors (forward ones to whole 32-byte sectors), so every
+// PickShortRowsTile sizes tiles to whole vectors (forward ones to whole 32-byte sectors), so every
 // tile has lead 0; under JAX_SOFTMAX_SHORT_ALIGNED_TILES=0 the 32-lane backward tiles of 4-row
 // passes may not (16-bit 193: 7 passes), and those take the threads' stores.
 template <typename T>

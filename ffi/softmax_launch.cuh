@@ -431,8 +431,9 @@ inline int GridUnits(int64_t needed, int64_t resident, int64_t waves, int cluste
 }
 
 // The ring of a staged kernel (softmax_rows_staged_kernel). Row tiers take TilesPerCta() = T tiles
-// per CTA, through a ring of min(T, kMaxStages) stages (16-bit odd rows: OddRowTilesPerCta,
-// below); T = 1 (the default): one tile per CTA and no ring, so the block scheduler balances the
+// per CTA, through a ring of min(T, kMaxStages) stages (16-bit odd rows: OddRowTilesPerCta;
+// short 16-bit rows with a mask, bias or causal limit: GeneralRowTilesPerCta; both below);
+// T = 1 (the default): one tile per CTA and no ring, so the block scheduler balances the
 // CTAs and the SM's other CTAs overlap one's reduction (measured 1.0-1.15x faster than a
 // persistent ring, TUNING.md session 4). T = 0, and the cluster tiers always: one persistent wave
 // with a ring of 1..kMaxStages stages per CTA. As many CTAs per SM as registers allow, then as
@@ -440,8 +441,8 @@ inline int GridUnits(int64_t needed, int64_t resident, int64_t waves, int cluste
 // loads (float32 clusters: two CTAs per SM with one stage each measured 4-8% faster than one CTA
 // with three). stages == 0 where not even one CTA's tile fits (the register kernel runs instead).
 // JAX_SOFTMAX_TILES_PER_CTA sets T (read once), for tuning experiments.
-// `fallback` is a row tier's own T where the knob is unset (OddRowTilesPerCta; 2 for the float32
-// wide blocks, LaunchStagedTier).
+// `fallback` is a row tier's own T where the knob is unset (OddRowTilesPerCta,
+// GeneralRowTilesPerCta; 2 for the float32 wide blocks, LaunchStagedTier).
 inline int TilesPerCta(int fallback = 1) {
   static const int knob = [] {
     const long v = EnvKnob("JAX_SOFTMAX_TILES_PER_CTA", LONG_MIN);  // LONG_MIN: unset
@@ -530,6 +531,23 @@ int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
   const bool two = ring_tiers && (AmpleDramPerSm(dev) || width <= 96 * kE);
   const bool thin_block = ThinOddBlockRow<kE>(width) && AmpleDramRule(OddBlockTiles(), dev);
   return TilesPerCta(two || thin_block ? 2 : 1);
+}
+
+// Tiles per CTA for rows with a mask, bias or causal limit (attention's scores) of `width`
+// columns on the staged row tiers (LaunchStagedTier; kEB values per thread on the tiers past 2
+// vectors a lane): two for 16-bit rows on the 8-lane tiers of 2 kVec and kEB values (bfloat16
+// 65-256 columns) since session 74, the default T (TilesPerCta) elsewhere. There the staged kernel
+// runs near its issue limit (ncu, H200, session 73, S = 128: 9.5 cycles per issued instruction
+// at 8 warps per scheduler, a third of a warp's instructions before the stage's wait: CTA set-up
+// and the fill), and a second tile per CTA overlaps one tile's reduction with the next one's
+// copy. Measured (H200, session 74, attention forward at the benchmark's shapes, us per call, one
+// / two tiles; 125 us moves the bytes at the copy's rate): S = 128 causal 140 / 134, (1, 1, S, S)
+// mask 143 / 139, padding lengths 143 / 139, bias 152 / 149 (three and four tiles: 136-154); S =
+// 256 134 / 134, 137 / 135, 137 / 136, 143 / 138; S = 512 (16 lanes, not taken) 134 / 134, 137 /
+// 135, 137 / 135, 146 / 146; S = 1024 and 2048 the same. Float32 rows were not measured.
+template <typename T, int kVec, int kEB>
+int GeneralRowTilesPerCta(int64_t width) {
+  return TilesPerCta(sizeof(T) == 2 && width > 8 * kVec && width <= 8 * kEB ? 2 : 1);
 }
 
 // Since session 55 the thinly filled 16-bit odd rows of the staged 128- to 512-thread blocks take
@@ -1401,12 +1419,12 @@ using Launched = std::optional<ffi::Error>;
 // KB at 129-131, 19-24.5 KB at 131-133, 8.2-8.4 KB at 138-142 (too few bytes in flight at 8 CTAs
 // an SM). So the forward's 16-bit tiles are the whole-sector pass count nearest 12 KiB among
 // those of at least 9 KiB (kTilesNearest). Predicted: 33, 65, 131, 300, 319, 351 and 383 from
-// 131-133 to 128-130, 257, 449 and 511 unchanged. Measured (session 72, H200, one process each, us per
-// call, session 71's rule / nearest): bfloat16 17 132 / 130, 33 132 / 130, 65 131 / 128, 131 131
-// / 128, 199 130 / 129, 249 131 / 130, 300 133 / 129, 319 132 / 128, 351 132 / 128, 383 133 /
-// 128, 516 131 / 129; float16 383 133 / 128; 257 129, 511 130 and 513 129 under both.
+// 131-133 to 128-130, 257, 449 and 511 unchanged. Measured (session 72, H200, one process each,
+// us per call, session 71's rule / nearest): bfloat16 17 132 / 130, 33 132 / 130, 65 131 / 128,
+// 131 131 / 128, 199 130 / 129, 249 131 / 130, 300 133 / 129, 319 132 / 128, 351 132 / 128, 383
+// 133 / 128, 516 131 / 129; float16 383 133 / 128; 257 129, 511 130 and 513 129 under both.
 // JAX_SOFTMAX_SHORT_TILE_NEAREST=0 (read once; A/B runs) keeps session 71's 24 KiB, rounded down.
-// Tiles are whole units of align_bytes (LaunchShortRows rounds their passes). Backward tiles are
+// Tiles are whole units of align_bytes (PickShortRowsTile rounds their passes). Backward tiles are
 // whole 16-byte vectors, rounded up where they fit (session 68): every CTA's span starts at a
 // 16-byte boundary, which the bulk store takes and ShortRowsSpacing counts banks for; only the
 // 32-lane backward rows (4 rows a pass) of odd length change (step 2): 16-bit 193 took 7 passes,
@@ -1428,10 +1446,10 @@ using Launched = std::optional<ffi::Error>;
 // JAX_SOFTMAX_SHORT_ALIGNED_TILES (read once; A/B runs and tests) sets one rule for both
 // directions: 0 the passes as the tile size gives them (as before session 68), 1 vector tiles
 // rounded up (the forward's before session 71), 2 sector tiles rounded up, 3 sector tiles
-// rounded down; sector tiles that do not fit fall back to vector tiles (LaunchShortRows). The
+// rounded down; sector tiles that do not fit fall back to vector tiles (PickShortRowsTile). The
 // 16-bit forward tiles' nearest count (kTilesNearest) takes only the alignment from it.
 // Which of the pass counts whose tiles are whole units of align_bytes and fit a tile takes
-// (LaunchShortRows), against n, the count that tile_kib gives: kTilesUp the fewest of at least n
+// (PickShortRowsTile), against n, the count that tile_kib gives: kTilesUp the fewest of at least n
 // (else the most below it), kTilesDown the most of at most n (else the fewest above it),
 // kTilesNearest the one whose bytes are nearest tile_kib among those of at least 3/4 of it (else
 // the most).
@@ -1474,7 +1492,7 @@ inline ShortRowsTuning ShortRowsTuningFor(bool bwd, size_t elem_bytes, int64_t p
 // spacing of 1, 2 or 4 rows with the fewest shared-memory bank conflicts, counted for a warp's
 // first access to its rows (the value at column lane) where the warp's first row starts at a
 // 16-byte boundary, plus (16-bit) where it starts one element past one: tiles always start at a
-// boundary (LaunchShortRows rounds their passes to whole vectors), but with spacings 2 and 4 half
+// boundary (PickShortRowsTile rounds their passes to whole vectors), but with spacings 2 and 4 half
 // of the warps' first rows have an odd index (for_short_tile_rows), so for odd cols they start at
 // an odd element (with spacing 1 none does, which the count, as measured, does not tell apart; the
 // backward kernel's later steps move all of a warp's lanes alike, so its first access stands for
@@ -1578,32 +1596,39 @@ inline int ShortValueChunks(int64_t cols, int group) {
   return static_cast<int>(std::min<int64_t>((per_lane + 3) / 4, kAll));
 }
 
-// Launches a short-row kernel (forward, or backward with kBwd: y's and dy's tiles) over tiles
-// of whole passes of kShortRowsBlock / kGroup consecutive rows; nullopt where the grid would
-// pass its limit or the tile the default 48 KiB of shared memory.
+// Shared memory of a short-row kernel's tile of `passes` passes of kShortRowsBlock / kGroup rows
+// of cols columns (backward: y's and dy's), and the most a tile may take: the default 48 KiB
+// less the kernels' static shared memory (copy_bar: 128 bytes by ptxas's report of the build).
 template <typename T, int kGroup, bool kBwd>
-Launched LaunchShortRows(const LaunchCtx& c) {
-  constexpr int64_t kRowsPerPass = kShortRowsBlock / kGroup;
-  constexpr int64_t kOperands = kBwd ? 2 : 1;
-  const int64_t pass_bytes = kOperands * kRowsPerPass * c.p.cols * int64_t(sizeof(T));
+size_t ShortRowsSmem(int64_t cols, int64_t passes) {
   constexpr int64_t kVec = 16 / int64_t(sizeof(T));
+  return size_t(kBwd ? 2 : 1) *
+         size_t(ShortRowsSlots(passes * (kShortRowsBlock / kGroup) * cols, kVec)) * sizeof(T);
+}
+inline constexpr size_t kShortRowsSmemLimit = 48 * 1024 - 128;
+
+// A short-row launch's tile: passes of kShortRowsBlock / kGroup rows per CTA (0 where none fits),
+// the spacing of a warp's rows in it (for_short_tile_rows) and how it is copied (ShortCopy).
+struct ShortRowsTile {
+  int passes;
+  int spacing;
+  int copy;
+};
+// The tile's passes (at most 16): of the counts that make it whole units of `align` bytes
+// (multiples of `step`) and fit, the one `rule` ranks first (ShortRowsTuning's TilePasses);
+// 0 where none fits. Sector tiles that fit nowhere (32-lane backward rows of odd length past
+// 766 columns, whose aligned passes would take 64 x cols bytes; only under
+// JAX_SOFTMAX_SHORT_ALIGNED_TILES=2 or 3) take vector tiles, rounded up, instead.
+// Spacings 8 and 16 (ShortRowsSpacing) take whole windows of spacing / 4 passes
+// (for_short_tile_rows), or spacing 4 where no such tile fits.
+template <typename T, int kGroup, bool kBwd>
+ShortRowsTile PickShortRowsTile(int64_t cols) {
+  constexpr int64_t kOperands = kBwd ? 2 : 1;
+  const int64_t pass_bytes = kOperands * (kShortRowsBlock / kGroup) * cols * int64_t(sizeof(T));
   const ShortRowsTuning tuning = ShortRowsTuningFor(kBwd, sizeof(T), pass_bytes);
   const int64_t target = int64_t(tuning.tile_kib) * 1024;
   const int64_t sized = std::clamp<int64_t>(target / pass_bytes, 1, 16);  // the size's count
-  const auto smem_of = [&](int64_t n) {
-    return size_t(kOperands) *
-           size_t(ShortRowsSlots(n * kRowsPerPass * c.p.cols, kVec)) * sizeof(T);
-  };
-  // The kernels' static shared memory (copy_bar): 128 bytes by ptxas's report of the whole build.
-  constexpr size_t kSmemLimit = 48 * 1024 - 128;
-  // The tile's passes (at most 16): of the counts that make it whole units of `align` bytes
-  // (multiples of `step`) and fit, the one `rule` ranks first (ShortRowsTuning's TilePasses);
-  // 0 where none fits. Sector tiles that fit nowhere (32-lane backward rows of odd length past
-  // 766 columns, whose aligned passes would take 64 x cols bytes; only under
-  // JAX_SOFTMAX_SHORT_ALIGNED_TILES=2 or 3) take vector tiles, rounded up, instead.
-  // Spacings 8 and 16 (ShortRowsSpacing) take whole windows of spacing / 4 passes
-  // (for_short_tile_rows), or spacing 4 where no such tile fits.
-  int spacing = ShortRowsSpacing<int(sizeof(T)), kGroup, kBwd>(c.p.cols);
+  int spacing = ShortRowsSpacing<int(sizeof(T)), kGroup, kBwd>(cols);
   const auto pick_passes = [&](int64_t align, TilePasses rule) -> int64_t {
     int64_t step = spacing > 4 ? spacing / 4 : 1;  // a power of two, as the doublings keep it
     while (step * (pass_bytes / kOperands) % align != 0) step *= 2;
@@ -1614,7 +1639,8 @@ Launched LaunchShortRows(const LaunchCtx& c) {
       return {bytes < target * 3 / 4, bytes > target ? bytes - target : target - bytes};
     };
     int64_t best = 0;
-    for (int64_t n = step; n <= 16 && smem_of(n) <= kSmemLimit; n += step)
+    for (int64_t n = step;
+         n <= 16 && ShortRowsSmem<T, kGroup, kBwd>(cols, n) <= kShortRowsSmemLimit; n += step)
       if (best == 0 || rank(n) < rank(best)) best = n;
     return best;
   };
@@ -1627,19 +1653,42 @@ Launched LaunchShortRows(const LaunchCtx& c) {
     spacing = 4;
     passes = pick_tile();
   }
-  if (passes == 0) return std::nullopt;
-  const int64_t rows_per_cta = passes * kRowsPerPass;
+  return {static_cast<int>(passes), spacing, tuning.copy};
+}
+// The tile of every row length that the kernel of kGroup lanes holds, picked once (a table, as
+// ShortRowsSpacing's; the knobs behind it are read once) rather than on every call.
+template <typename T, int kGroup, bool kBwd>
+ShortRowsTile ShortRowsTileFor(int64_t cols) {
+  constexpr int kMaxCols = kGroup * kShortRowValues;  // the longest row of kGroup lanes
+  static const std::array<ShortRowsTile, kMaxCols + 1> tiles = [] {
+    std::array<ShortRowsTile, kMaxCols + 1> t{};
+    for (int n = 1; n <= kMaxCols; ++n) t[n] = PickShortRowsTile<T, kGroup, kBwd>(n);
+    return t;
+  }();
+  return cols >= 1 && cols <= kMaxCols ? tiles[cols] : PickShortRowsTile<T, kGroup, kBwd>(cols);
+}
+
+// Launches a short-row kernel (forward, or backward with kBwd: y's and dy's tiles) over tiles
+// of whole passes of kShortRowsBlock / kGroup consecutive rows (ShortRowsTileFor); nullopt where
+// the grid would pass its limit or no tile fits the default 48 KiB of shared memory.
+template <typename T, int kGroup, bool kBwd>
+Launched LaunchShortRows(const LaunchCtx& c) {
+  constexpr int64_t kRowsPerPass = kShortRowsBlock / kGroup;
+  const ShortRowsTile tile = ShortRowsTileFor<T, kGroup, kBwd>(c.p.cols);
+  if (tile.passes == 0) return std::nullopt;
+  const int64_t rows_per_cta = tile.passes * kRowsPerPass;
   const int64_t grid = (c.p.rows + rows_per_cta - 1) / rows_per_cta;
   if (grid > INT_MAX) return std::nullopt;
-  const KernelLaunch launch(static_cast<unsigned>(grid), kShortRowsBlock, smem_of(passes), c.stream,
-                            1, c.dependent);
+  const KernelLaunch launch(static_cast<unsigned>(grid), kShortRowsBlock,
+                            ShortRowsSmem<T, kGroup, kBwd>(c.p.cols, tile.passes), c.stream, 1,
+                            c.dependent);
   if constexpr (kBwd)
     return Launch(launch, softmax_short_rows_bwd_kernel<T, kGroup>,
                   "softmax short-row backward kernel", c.p, static_cast<int>(rows_per_cta),
-                  tuning.copy, spacing);
+                  tile.copy, tile.spacing);
   else
     return Launch(launch, softmax_short_rows_kernel<T, kGroup>, "softmax short-row kernel", c.p,
-                  static_cast<int>(rows_per_cta), tuning.copy, spacing,
+                  static_cast<int>(rows_per_cta), tile.copy, tile.spacing,
                   ShortValueChunks(c.p.cols, kGroup));
 }
 
@@ -2085,23 +2134,13 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   }
   // Tiles per CTA of every staged row tier below (the reread blocks above take TilesPerCta()):
   // the odd rows' count (OddRowTilesPerCta) on every tier for them, and for plain rows on the gap
-  // tiers only. On their power-of-two tiers plain rows keep one: two lost there on the H100
+  // tiers only; rows with a mask, bias or causal limit GeneralRowTilesPerCta's. On their power-of-two tiers plain rows keep one: two lost there on the H100
   // (session 40, us per call at 256 MiB, bfloat16 1 / 2 tiles: 768 178 / 181, 1000 181 / 184,
   // 1024 180 / 181, 1400 183 / 184, 2048 180 / 181; 640 185 / 181 was the one gain).
-  // General 16-bit rows (a mask, bias or causal limit: attention's scores) on the 8-lane tiers of
-  // 2 kVec and kEB values (bfloat16 65-256 columns) take two, since session 74: there the staged
-  // kernel runs near its issue limit (ncu, H200, session 73, S = 128: 9.5 cycles per issued
-  // instruction at 8 warps per scheduler, a third of a warp's instructions before the stage's wait:
-  // CTA set-up and the fill), and a second tile per CTA overlaps one tile's reduction with the
-  // next one's copy. Measured (H200, session 74, attention forward at the benchmark's shapes, us
-  // per call, one / two tiles; 125 us moves the bytes at the copy's rate): S = 128 causal 140 /
-  // 134, (1, 1, S, S) mask 143 / 139, padding lengths 143 / 139, bias 152 / 149 (three and four
-  // tiles: 136-154); S = 256 134 / 134, 137 / 135, 137 / 136, 143 / 138; S = 512 (16 lanes, not
-  // taken) 134 / 134, 137 / 135, 137 / 135, 146 / 146; S = 1024 and 2048 the same.
-  const bool short_general16 =
-      kAccess == Access::kGeneral && sizeof(T) == 2 && n > 8 * kVec && n <= 8 * kEB;
   const int gap_tiles = kGap16 ? OddRowTilesPerCta<kE>(c.dev, n) : TilesPerCta();
-  const int tiles = kOdd16 ? gap_tiles : TilesPerCta(short_general16 ? 2 : 1);
+  const int tiles = kOdd16                        ? gap_tiles
+                    : kAccess == Access::kGeneral ? GeneralRowTilesPerCta<T, kVec, kEB>(n)
+                                                  : TilesPerCta();
   // (Where JAX_SOFTMAX_BLOCK_COPY_ALIGN is 2, the one-row tiers' plain 16-bit rows of
   // cols % 16 == 8 take their windowed kernel, inside LaunchStagedRows.)
 #define JS_STAGED(G, E, R) return LaunchStagedRows<T, G, E, kVec, kAccess, R>(c, 1, tiles)

@@ -425,7 +425,7 @@ def test_short_wide_rows(backend, device, rng, dtype):
     # 16-bit rows take the kernel on 16 lanes (to 512 columns, 8 rows a pass) or 32 (to 1023, 4
     # rows a pass), tiles of whole 32-byte sectors (an even count of passes for odd lengths on 16
     # lanes, a multiple of 4 on 32; the count nearest 12 KiB: 257 4, 449 and 511 2, 513 and 577
-    # 4; ShortWideForwardRow, LaunchShortRows), every lane with 16 or more of them; the backward's
+    # 4; ShortWideForwardRow, PickShortRowsTile), every lane with 16 or more of them; the backward's
     # the backward kernel where it won (ShortWideBackwardRows: float32 129-148, the odd ones to
     # 147 with a warp's rows 8 apart over windows of 2 passes since session 74, 16-bit 257-495
     # and 513-959), on the fewest of 8, 16 or 32 lanes or on 32 where the bank count halves
@@ -747,7 +747,7 @@ def test_dependent_calls(backend, device, rng, dtype, n):
 def test_causal_attention_sizes(backend, device, rng, dtype, s):
     # Causal rows with a (1, H, 1, S) bias and a (B, 1, 1, S) mask, forward and both gradients.
     # On sm_90+ 16-bit rows of 65-256 keys take two tiles per CTA on the staged 8-lane tiers
-    # since session 74 (LaunchStagedTier), one below (64) and past (257): both sides of each
+    # since session 74 (GeneralRowTilesPerCta), one below (64) and past (257): both sides of each
     # bound, in 2 S rows (S = 65: 130 rows, five tiles of 32, the last CTA with one tile of 2 rows).
     check_attention(device, rng, dtype, s)
 
