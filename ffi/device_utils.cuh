@@ -248,6 +248,30 @@ __device__ __forceinline__ float2 unpack_pair(PairWord<T> w) {
   }
 }
 
+// N values of T (a vector as loaded) in the accumulation type. bfloat16 pairs take one shift or
+// mask per value from their 32-bit word (unpack_pair); converted one by one, the odd values took
+// two instructions each (a PRMT to move the value down, then the shift). Used by the forward's
+// rows with a mask, bias or causal limit (RowLoader::load_fwd), x and the bias: the staged
+// kernel of 16 lanes of 32 values (attention, S = 512) lost 80 of its 3688 SASS instructions, and
+// the plain rows keep the conversion one by one (here it gave some windowed lane groups of four
+// rows 8-16 bytes of spills, ptxas sm_90a, session 75).
+template <int N, typename T>
+__device__ __forceinline__ void to_acc_vec(const T (&src)[N], acc_t<T> (&dst)[N]) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      uint32_t w;
+      memcpy(&w, &src[2 * i], sizeof(w));
+      const float2 f = unpack_pair<T>(w);
+      dst[2 * i] = f.x;
+      dst[2 * i + 1] = f.y;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) dst[e] = to_acc(src[e]);
+  }
+}
+
 // The larger value of each position of two words of 16-bit type T, as stored (max.f16x2 /
 // max.bf16x2 from sm_80: exact, and where one value is NaN the other, as fmaxf and row_max);
 // float pairs through fmaxf.

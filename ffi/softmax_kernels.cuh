@@ -416,11 +416,16 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
           fetch_bias(w, bs);
         }
         // One FFMA each (contracted, as nvcc does by default: one rounding).
+        A xv[kVec], bv[kVec];
+        to_acc_vec(xs, xv);
+        to_acc_vec(bs, bv);
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) z[e] = scale * to_acc(xs[e]) + to_acc(bs[e]);
+        for (int e = 0; e < kVec; ++e) z[e] = scale * xv[e] + bv[e];
       } else {
+        A xv[kVec];
+        to_acc_vec(xs, xv);
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) z[e] = scale * to_acc(xs[e]);
+        for (int e = 0; e < kVec; ++e) z[e] = scale * xv[e];
       }
 #pragma unroll
       for (int e = 0; e < kVec; ++e) v[e] = takes_part(bytes, e) ? z[e] : neg_inf<A>();
@@ -472,11 +477,14 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
         }
       }
       const Bytes bytes = valid_bytes(w);
+      A xv[kVec], bv[kVec];
+      to_acc_vec(xs, xv);
+      to_acc_vec(bs, bv);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         // One FFMA: scale * x + 0 without a bias. (Contracted, as nvcc does by default: one
         // rounding where the two separate steps before had two.)
-        const A z = scale * to_acc(xs[e]) + to_acc(bs[e]);
+        const A z = scale * xv[e] + bv[e];
         v[e] = takes_part(bytes, e) ? z : neg_inf<A>();
       }
       return any_byte(bytes);

@@ -76,8 +76,9 @@
 // short-row table (LaunchStagedTier): rows of cols <= 8 V on G = 1..8 lanes of one vector (plain
 // rows of up to 32 V: only under JAX_SOFTMAX_SHORT_ROWS=0, ShortRegisterRows), then
 // 8, 16, 32 lanes of up to E values (16-bit rows also on 8-32 lanes of 5/4 E, 3/2 E, 7/4 E or
-// 3/4 E between them, and on 64 threads of 5/4 E past 64 E: GapTierRanges), then blocks and
-// clusters as above, but 16-bit rows of
+// 3/4 E between them, and on 64 threads of 5/4 E past 64 E: GapTierRanges; 16-bit rows with a
+// mask, bias or causal limit of 8 V + 1 to 16 V columns on 4 lanes of 4 V: GeneralFourLanes),
+// then blocks and clusters as above, but 16-bit rows of
 // 8 * 512 * E + 1 to 16 * 512 * E on 8 x 1024 threads, and on GPUs with less DRAM bandwidth per
 // SM cycle than the H200 (the H100) those of 6 * 256 * E + 1 to 7 * 256 * E and 6 * 512 * E + 1
 // to 7 * 512 * E on 2 and 4 x 1024 (WideClusterMode, AmpleDramPerSm), float32 plain and windowed
@@ -544,10 +545,30 @@ int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
 // / two tiles; 125 us moves the bytes at the copy's rate): S = 128 causal 140 / 134, (1, 1, S, S)
 // mask 143 / 139, padding lengths 143 / 139, bias 152 / 149 (three and four tiles: 136-154); S =
 // 256 134 / 134, 137 / 135, 137 / 136, 143 / 138; S = 512 (16 lanes, not taken) 134 / 134, 137 /
-// 135, 137 / 135, 146 / 146; S = 1024 and 2048 the same. Float32 rows were not measured.
+// 135, 137 / 135, 146 / 146; S = 1024 and 2048 the same. Since session 75 the 16-bit rows of 65-128
+// columns take 4 lanes of 4 vectors (GeneralFourLanes), with two tiles too. Float32 rows keep one
+// (H200, session 75, one / two tiles: S = 128 causal, (1, 1, S, S) mask, padding lengths and bias
+// 132-133 / 134; S = 256 132-137 / 133-138).
 template <typename T, int kVec, int kEB>
 int GeneralRowTilesPerCta(int64_t width) {
   return TilesPerCta(sizeof(T) == 2 && width > 8 * kVec && width <= 8 * kEB ? 2 : 1);
+}
+
+// 16-bit rows with a mask, bias or causal limit of 8 kVec + 1 to 16 kVec columns (bfloat16 65-128,
+// attention's S = 72-128) take 4 lanes of 4 vectors, one row per lane group, on the staged tiers
+// (LaunchStagedTier), where 8 lanes of 2 vectors and two rows took them before session 75. The
+// staged kernel runs these rows near its issue limit (ncu, H200, session 73: 9.5 cycles per issued
+// instruction at 8 warps per scheduler), and much of a thread's work is per row, not per value:
+// its loader (the operands' row offsets and the causal limit) and the row's reductions. On 4 lanes
+// a thread builds one loader per tile instead of two, and a row's reduction takes two shuffle
+// steps instead of three, for the same 32 values per thread and the same 32-row tiles. Measured
+// (H200, session 75, attention forward at the benchmark's shapes, us per call at 256 MiB, 8 lanes
+// / 4 lanes / 4 lanes with one tile per CTA; 125 us moves the bytes at the copy's rate): S = 128
+// bias 152 / 136 / 138, (1, 1, S, S) mask 139 / 134 / 134, padding lengths 138 / 134 / 134,
+// causal 133 / 133 / 131. JAX_SOFTMAX_GENERAL_FOUR_LANES=0 (read once) keeps the 8 lanes.
+inline bool GeneralFourLanes() {
+  static const bool on = EnvKnob("JAX_SOFTMAX_GENERAL_FOUR_LANES", 1) != 0;
+  return on;
 }
 
 // Since session 55 the thinly filled 16-bit odd rows of the staged 128- to 512-thread blocks take
@@ -2152,6 +2173,8 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
       if (n <= 4 * kVec) JS_STAGED(4, kVec, kEB / kVec);
       if (n <= 8 * kVec) JS_STAGED(8, kVec, kEB / kVec);
     }
+    if constexpr (kAccess == Access::kGeneral && sizeof(T) == 2)
+      if (n > 8 * kVec && n <= 16 * kVec && GeneralFourLanes()) JS_STAGED(4, 4 * kVec, 1);
     if (n <= 8 * 2 * kVec) JS_STAGED(8, 2 * kVec, kEB / (2 * kVec));
     // 16-bit odd rows (sessions 38-39) and plain ones (session 40) fill their lanes better on
     // tiers of 5/4 E, 3/2 E, 7/4 E or 3/4 E values per thread between the power-of-two ones;

@@ -224,6 +224,10 @@ if want test; then
     # where the bytes between copies exceed a quarter of L2 (OperandReuseOrder), which the tests'
     # shapes do not reach (session 31, H100: 16 passed, 25 s).
     tiers_job broadcast_operand_order reuse_order JAX_SOFTMAX_REUSE_ORDER=2
+    # The 16-bit rows with a mask, bias or causal limit of 65-128 columns on the staged 8 lanes of
+    # two rows, which 4 lanes of one row replaced in session 75 (JAX_SOFTMAX_GENERAL_FOUR_LANES=0).
+    tiers_job "causal_attention_sizes or broadcast_operand_order" general_eight_lanes \
+      JAX_SOFTMAX_GENERAL_FOUR_LANES=0
     # The 16-bit odd rows of 16385-32768 on the staged clusters that one CTA of up to 1024 threads
     # replaced (to 24576 in session 33, beyond in 44; since session 49 the reread blocks take them,
     # JAX_SOFTMAX_REREAD_BLOCKS=2 keeps them off those), and the float32 rows of 16385-32768 on the

@@ -743,12 +743,14 @@ def test_dependent_calls(backend, device, rng, dtype, n):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
-@pytest.mark.parametrize("s", [1, 33, 64, 65, 255, 256, 257, 1000])
+@pytest.mark.parametrize("s", [1, 33, 64, 65, 72, 128, 136, 255, 256, 257, 1000])
 def test_causal_attention_sizes(backend, device, rng, dtype, s):
     # Causal rows with a (1, H, 1, S) bias and a (B, 1, 1, S) mask, forward and both gradients.
     # On sm_90+ 16-bit rows of 65-256 keys take two tiles per CTA on the staged 8-lane tiers
     # since session 74 (GeneralRowTilesPerCta), one below (64) and past (257): both sides of each
     # bound, in 2 S rows (S = 65: 130 rows, five tiles of 32, the last CTA with one tile of 2 rows).
+    # Since session 75 those of 72-128 keys (whole vectors) take 4 lanes of one row
+    # (GeneralFourLanes): its first and last row lengths, and the 8-lane tier's first past it.
     check_attention(device, rng, dtype, s)
 
 
@@ -918,7 +920,8 @@ def test_broadcast_operand_order(backend, device, rng, dtype, operands):
     # 512-row tiles of the shortest rows, 128 or 64 for the others), in memory order otherwise
     # (Sq = 37); by default only where the operand would leave L2 between copies, which shapes
     # this small never do: gpu_check.sh runs this test again with JAX_SOFTMAX_REUSE_ORDER=2. Sk
-    # runs through the tiers: lane groups (8), a warp or 8 staged lanes (128), blocks (1000,
+    # runs through the tiers: lane groups (8), a warp or 4 staged lanes (128; 16-bit, 8 lanes of
+    # two rows under JAX_SOFTMAX_GENERAL_FOUR_LANES=0, gpu_check.sh's job), blocks (1000,
     # 4096), a cluster (20000, float32: 2 x 512 x 32 columns); one jitted call.
     b, h = 3, 2
     cases = []
