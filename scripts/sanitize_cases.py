@@ -89,6 +89,11 @@ CASES = [  # (rows, cols, dtype)
     # The float32 forward short-row kernel on 16 lanes (session 72): one pass of 8 rows of 449
     # columns a CTA (14368 bytes, whole sectors), the last CTA of 7 rows.
     (1031, 449, jnp.float32),
+    # Session 75: 16-bit rows with a mask, bias or causal limit of 72-128 columns on the staged
+    # tiers' 4 lanes of one row (GeneralFourLanes; with SANITIZE_ALL_OPS=1: the `where` rows, and
+    # the attention calls' causal, padding-mask and broadcast bias and mask rows), two tiles per
+    # CTA of 32 rows, the last CTA with one tile of 7 rows.
+    (1031, 128, jnp.bfloat16),
     (2, 16384, jnp.float16),
     (3, 262144, jnp.bfloat16),
     (1, 524288, jnp.bfloat16),
