@@ -248,27 +248,48 @@ __device__ __forceinline__ float2 unpack_pair(PairWord<T> w) {
   }
 }
 
-// N values of T (a vector as loaded) in the accumulation type. bfloat16 pairs take one shift or
-// mask per value from their 32-bit word (unpack_pair); converted one by one, the odd values took
-// two instructions each (a PRMT to move the value down, then the shift). Used by the forward's
-// rows with a mask, bias or causal limit (RowLoader::load_fwd), x and the bias: the staged
-// kernel of 16 lanes of 32 values (attention, S = 512) lost 80 of its 3688 SASS instructions, and
-// the plain rows keep the conversion one by one (here it gave some windowed lane groups of four
-// rows 8-16 bytes of spills, ptxas sm_90a, session 75).
+// scale * x + b for N values of T (a vector as loaded, b the bias's), in the accumulation type:
+// one FFMA each (contracted, as nvcc does by default: one rounding). bfloat16 pairs are converted
+// from their 32-bit words, one shift or mask per value (unpack_pair); converted one by one, the
+// odd values took two instructions each (a PRMT to move the value down, then the shift). The
+// forward's rows with a mask, bias or causal limit (RowLoader::load_fwd): the staged kernel of
+// 16 lanes of 32 values (attention, S = 512) lost 80 of its 3688 SASS instructions. Other types
+// keep the conversion one by one, in the same expression (converted first there too, the
+// float16 register lane groups of four rows spilled 24-96 bytes, ptxas sm_90a, session 75), and
+// so do the plain rows (the same 8-16 bytes in bfloat16's windowed lane groups).
 template <int N, typename T>
-__device__ __forceinline__ void to_acc_vec(const T (&src)[N], acc_t<T> (&dst)[N]) {
+__device__ __forceinline__ void scale_add_vec(acc_t<T> scale, const T (&x)[N], const T (&b)[N],
+                                              acc_t<T> (&z)[N]) {
   if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) {
-      uint32_t w;
-      memcpy(&w, &src[2 * i], sizeof(w));
-      const float2 f = unpack_pair<T>(w);
-      dst[2 * i] = f.x;
-      dst[2 * i + 1] = f.y;
+      uint32_t xw, bw;
+      memcpy(&xw, &x[2 * i], sizeof(xw));
+      memcpy(&bw, &b[2 * i], sizeof(bw));
+      const float2 xf = unpack_pair<T>(xw), bf = unpack_pair<T>(bw);
+      z[2 * i] = scale * xf.x + bf.x;
+      z[2 * i + 1] = scale * xf.y + bf.y;
     }
   } else {
 #pragma unroll
-    for (int e = 0; e < N; ++e) dst[e] = to_acc(src[e]);
+    for (int e = 0; e < N; ++e) z[e] = scale * to_acc(x[e]) + to_acc(b[e]);
+  }
+}
+// scale * x alone, likewise.
+template <int N, typename T>
+__device__ __forceinline__ void scale_vec(acc_t<T> scale, const T (&x)[N], acc_t<T> (&z)[N]) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      uint32_t xw;
+      memcpy(&xw, &x[2 * i], sizeof(xw));
+      const float2 xf = unpack_pair<T>(xw);
+      z[2 * i] = scale * xf.x;
+      z[2 * i + 1] = scale * xf.y;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) z[e] = scale * to_acc(x[e]);
   }
 }
 

@@ -415,17 +415,9 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
         } else {
           fetch_bias(w, bs);
         }
-        // One FFMA each (contracted, as nvcc does by default: one rounding).
-        A xv[kVec], bv[kVec];
-        to_acc_vec(xs, xv);
-        to_acc_vec(bs, bv);
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) z[e] = scale * xv[e] + bv[e];
+        scale_add_vec(scale, xs, bs, z);
       } else {
-        A xv[kVec];
-        to_acc_vec(xs, xv);
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) z[e] = scale * xv[e];
+        scale_vec(scale, xs, z);
       }
 #pragma unroll
       for (int e = 0; e < kVec; ++e) v[e] = takes_part(bytes, e) ? z[e] : neg_inf<A>();
@@ -477,16 +469,12 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
         }
       }
       const Bytes bytes = valid_bytes(w);
-      A xv[kVec], bv[kVec];
-      to_acc_vec(xs, xv);
-      to_acc_vec(bs, bv);
+      // One FFMA each: scale * x + 0 without a bias. (Where the two steps were separate, they
+      // rounded twice.)
+      A z[kVec];
+      scale_add_vec(scale, xs, bs, z);
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        // One FFMA: scale * x + 0 without a bias. (Contracted, as nvcc does by default: one
-        // rounding where the two separate steps before had two.)
-        const A z = scale * xv[e] + bv[e];
-        v[e] = takes_part(bytes, e) ? z : neg_inf<A>();
-      }
+      for (int e = 0; e < kVec; ++e) v[e] = takes_part(bytes, e) ? z[e] : neg_inf<A>();
       return any_byte(bytes);
     } else {
 #pragma unroll
