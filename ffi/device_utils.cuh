@@ -254,9 +254,10 @@ __device__ __forceinline__ float2 unpack_pair(PairWord<T> w) {
 // odd values took two instructions each (a PRMT to move the value down, then the shift). The
 // forward's rows with a mask, bias or causal limit (RowLoader::load_fwd): the staged kernel of
 // 16 lanes of 32 values (attention, S = 512) lost 80 of its 3688 SASS instructions. Other types
-// keep the conversion one by one, in the same expression (converted first there too, the
-// float16 register lane groups of four rows spilled 24-96 bytes, ptxas sm_90a, session 75), and
-// so do the plain rows (the same 8-16 bytes in bfloat16's windowed lane groups).
+// convert each value inside its FFMA's expression, as before: converted into an array first, the
+// float16 register lane groups of four rows spilled 24-96 bytes (ptxas sm_90a, session 75). The
+// plain rows keep converting one value at a time too (RowLoader::plain_values): the pairs gave
+// bfloat16's windowed lane groups of four rows 8-16 bytes of spills.
 template <int N, typename T>
 __device__ __forceinline__ void scale_add_vec(acc_t<T> scale, const T (&x)[N], const T (&b)[N],
                                               acc_t<T> (&z)[N]) {
