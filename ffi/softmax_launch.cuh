@@ -536,8 +536,9 @@ int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
 
 // Tiles per CTA for rows with a mask, bias or causal limit (attention's scores) of `width`
 // columns on the staged row tiers (LaunchStagedTier; kEB values per thread on the tiers past 2
-// vectors a lane): two for 16-bit rows on the 8-lane tiers of 2 kVec and kEB values (bfloat16
-// 65-256 columns) since session 74, the default T (TilesPerCta) elsewhere. There the staged kernel
+// vectors a lane): two for 16-bit rows of 8 kVec + 1 to 8 kEB columns (bfloat16 65-256: the
+// 8-lane tiers of 2 kVec and kEB values in session 74, since session 75 the 4-lane tier of 4 kVec
+// and the 8-lane one of kEB), the default T (TilesPerCta) elsewhere. There the staged kernel
 // runs near its issue limit (ncu, H200, session 73, S = 128: 9.5 cycles per issued instruction
 // at 8 warps per scheduler, a third of a warp's instructions before the stage's wait: CTA set-up
 // and the fill), and a second tile per CTA overlaps one tile's reduction with the next one's
@@ -545,10 +546,10 @@ int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
 // / two tiles; 125 us moves the bytes at the copy's rate): S = 128 causal 140 / 134, (1, 1, S, S)
 // mask 143 / 139, padding lengths 143 / 139, bias 152 / 149 (three and four tiles: 136-154); S =
 // 256 134 / 134, 137 / 135, 137 / 136, 143 / 138; S = 512 (16 lanes, not taken) 134 / 134, 137 /
-// 135, 137 / 135, 146 / 146; S = 1024 and 2048 the same. Since session 75 the 16-bit rows of 65-128
-// columns take 4 lanes of 4 vectors (GeneralFourLanes), with two tiles too. Float32 rows keep one
-// (H200, session 75, one / two tiles: S = 128 causal, (1, 1, S, S) mask, padding lengths and bias
-// 132-133 / 134; S = 256 132-137 / 133-138).
+// 135, 137 / 135, 146 / 146; S = 1024 and 2048 the same. The 4-lane tier (GeneralFourLanes) keeps
+// two: with one, causal ran 2 us faster, bias 2 us slower, the masks the same. Float32 rows keep
+// one (H200, session 75, one / two tiles: S = 128 causal, (1, 1, S, S) mask, padding lengths and
+// bias 132-133 / 134; S = 256 132-137 / 133-138).
 template <typename T, int kVec, int kEB>
 int GeneralRowTilesPerCta(int64_t width) {
   return TilesPerCta(sizeof(T) == 2 && width > 8 * kVec && width <= 8 * kEB ? 2 : 1);
@@ -2155,9 +2156,10 @@ Launched LaunchStagedTier(const LaunchCtx& c) {
   }
   // Tiles per CTA of every staged row tier below (the reread blocks above take TilesPerCta()):
   // the odd rows' count (OddRowTilesPerCta) on every tier for them, and for plain rows on the gap
-  // tiers only; rows with a mask, bias or causal limit GeneralRowTilesPerCta's. On their power-of-two tiers plain rows keep one: two lost there on the H100
-  // (session 40, us per call at 256 MiB, bfloat16 1 / 2 tiles: 768 178 / 181, 1000 181 / 184,
-  // 1024 180 / 181, 1400 183 / 184, 2048 180 / 181; 640 185 / 181 was the one gain).
+  // tiers only; rows with a mask, bias or causal limit GeneralRowTilesPerCta's. On their
+  // power-of-two tiers plain rows keep one: two lost there on the H100 (session 40, us per call at
+  // 256 MiB, bfloat16 1 / 2 tiles: 768 178 / 181, 1000 181 / 184, 1024 180 / 181, 1400 183 / 184,
+  // 2048 180 / 181; 640 185 / 181 was the one gain).
   const int gap_tiles = kGap16 ? OddRowTilesPerCta<kE>(c.dev, n) : TilesPerCta();
   const int tiles = kOdd16                        ? gap_tiles
                     : kAccess == Access::kGeneral ? GeneralRowTilesPerCta<T, kVec, kEB>(n)

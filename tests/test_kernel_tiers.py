@@ -746,11 +746,11 @@ def test_dependent_calls(backend, device, rng, dtype, n):
 @pytest.mark.parametrize("s", [1, 33, 64, 65, 72, 128, 136, 255, 256, 257, 1000])
 def test_causal_attention_sizes(backend, device, rng, dtype, s):
     # Causal rows with a (1, H, 1, S) bias and a (B, 1, 1, S) mask, forward and both gradients.
-    # On sm_90+ 16-bit rows of 65-256 keys take two tiles per CTA on the staged 8-lane tiers
-    # since session 74 (GeneralRowTilesPerCta), one below (64) and past (257): both sides of each
-    # bound, in 2 S rows (S = 65: 130 rows, five tiles of 32, the last CTA with one tile of 2 rows).
-    # Since session 75 those of 72-128 keys (whole vectors) take 4 lanes of one row
-    # (GeneralFourLanes): its first and last row lengths, and the 8-lane tier's first past it.
+    # On sm_90+ 16-bit rows of 65-256 keys take two tiles per CTA on the staged tiers since
+    # session 74 (GeneralRowTilesPerCta), one below (64) and past (257): both sides of each bound,
+    # in 2 S rows (S = 65: 130 rows, five tiles of 32, the last CTA with one tile of 2 rows). Those
+    # of 72-128 keys (whole vectors) take 4 lanes of one row since session 75 (GeneralFourLanes):
+    # the tier's first and last row lengths, and the 8-lane tier's first past it (136).
     check_attention(device, rng, dtype, s)
 
 
