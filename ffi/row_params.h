@@ -149,6 +149,11 @@ struct RowParams {
   // SkipMaskedX), which comes from L1 or L2; a mask row of its own per row would put a DRAM
   // latency before each batch's loads.
   bool skip_masked = false;
+  // CUDA forward rows with a bias or causal limit but no mask: a position is excluded only past
+  // the causal limit or the row's end, so the staged kernels' 16-bit batches (and float32 ones of
+  // up to 16 values; load_batch_fwd) select -inf per position only in the vectors at or past the
+  // limit (RowLoader::load_fwd's kUnmasked).
+  bool unmasked = false;
   // CUDA, 16-bit backward cluster rows held through the reduction (kAsyncNextRow): each CTA copies
   // its next row into shared memory while it reduces this one. The launcher sets it where the
   // row leaves some of the cluster's CTAs short of a whole chunk (LaunchCluster says why).

@@ -397,13 +397,18 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
   // in x or bias at an excluded position, or -inf times a scale <= 0, never reaches the row.
   // fetched_bias: fetch_bias()'s kVec values where kBiasFetched (otherwise unused). kVectorEnds:
   // as fetch_x's.
-  template <bool kBiasFetched, bool kVectorEnds = false>
+  // kUnmasked (rows without a mask, RowParams::unmasked; mask_bytes unused): a position takes part
+  // unless it lies past the limit, so only the vectors at or past it select per position, in a
+  // branch that the vectors inside the limit skip: they leave out the mask bytes' test and select
+  // per position (two instructions per value) and the limit's bytes (about ten per vector).
+  template <bool kBiasFetched, bool kVectorEnds = false, bool kUnmasked = false>
   __device__ __forceinline__ bool load_fwd(int w, const T (&xs)[kVec], Bytes mask_bytes,
                                            const T* fetched_bias, A (&v)[kVec]) const {
     static_assert(!kBwd, "forward rows");
     const int c = w - shift;
     if constexpr (!kPlain) {
-      const Bytes bytes = limit_bytes(w, mask_bytes);
+      Bytes bytes = 0;
+      if constexpr (!kUnmasked) bytes = limit_bytes(w, mask_bytes);
       A z[kVec];
       // The bias branch is uniform over the grid: rows without a bias skip its conversions and
       // adds.
@@ -419,9 +424,21 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
       } else {
         scale_vec(scale, xs, z);
       }
+      if constexpr (kUnmasked) {
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) v[e] = takes_part(bytes, e) ? z[e] : neg_inf<A>();
-      return any_byte(bytes);
+        for (int e = 0; e < kVec; ++e) v[e] = z[e];
+        // Past the limit (limit < c) or cut by it (c <= limit < c + kVec - 1).
+        if (limit - c < kVec - 1) {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e)
+            if (c + e > limit) v[e] = neg_inf<A>();
+        }
+        return c <= limit;
+      } else {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[e] = takes_part(bytes, e) ? z[e] : neg_inf<A>();
+        return any_byte(bytes);
+      }
     } else {
       if (c > limit) {
 #pragma unroll
@@ -939,8 +956,8 @@ __device__ __forceinline__ void load_batch_inside(const Loader (&loaders)[kRows]
 // load_batch_fwd's split loads: x fetched ahead, kAtOnce vectors at a time, then the values.
 // kSkip: a vector whose mask bytes (fetched ahead) are all zero is not read; its x loads then wait
 // for the mask's (RowParams::skip_masked says where that pays). kVectorEnds: see load_batch_fwd.
-template <bool kSkip, bool kVectorEnds, bool kFetchX, typename Loader, int kRows, int kPacks,
-          int kVec, typename A>
+template <bool kSkip, bool kVectorEnds, bool kUnmasked, bool kFetchX, typename Loader, int kRows,
+          int kPacks, int kVec, typename A>
 __device__ __forceinline__ void load_batch_split(const Loader (&loaders)[kRows], int first, int stride,
                                                  const BatchOperands<Loader, kRows, kPacks, kFetchX>& ops,
                                                  A (&v)[kRows][kPacks][kVec], bool (&any)[kRows]) {
@@ -975,8 +992,8 @@ __device__ __forceinline__ void load_batch_split(const Loader (&loaders)[kRows],
       }
       const T* bias = nullptr;
       if constexpr (Ops::kBiasAhead) bias = ops.bias[r][k];
-      any[r] |= loaders[r].template load_fwd<Ops::kBiasAhead, kVectorEnds>(w, xs[j], mask, bias,
-                                                                          v[r][k]);
+      any[r] |= loaders[r].template load_fwd<Ops::kBiasAhead, kVectorEnds, kUnmasked>(
+          w, xs[j], mask, bias, v[r][k]);
     }
   }
 }
@@ -996,7 +1013,8 @@ template <bool kFetchX, bool kVectorEnds = false, typename Loader, int kRows, in
 __device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], int first, int stride,
                                                const BatchOperands<Loader, kRows, kPacks, kFetchX>& ops,
                                                A (&v)[kRows][kPacks][kVec], bool (&any)[kRows],
-                                               bool skip_masked, bool warp_uniform = false) {
+                                               bool skip_masked, bool unmasked,
+                                               bool warp_uniform = false) {
   using Ops = BatchOperands<Loader, kRows, kPacks, kFetchX>;
   if constexpr (Loader::kPlain) {
     if (batch_inside<kPacks>(loaders, first, stride, warp_uniform)) {
@@ -1017,11 +1035,28 @@ __device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], i
   // sm_90a, bfloat16).
   if constexpr (kFetchX && Ops::kAhead && kVec > 1) {
     if (skip_masked) {
-      load_batch_split<true, kVectorEnds>(loaders, first, stride, ops, v, any);
+      load_batch_split<true, kVectorEnds, false>(loaders, first, stride, ops, v, any);
       return;
     }
   }
-  load_batch_split<false, kVectorEnds>(loaders, first, stride, ops, v, any);
+  // Rows without a mask: a copy of the batch's loads without the per-position selects (one
+  // uniform branch per batch, not one per vector; RowParams::unmasked). Only the staged kernels'
+  // batches (x from shared memory: !kFetchX) that fetch their bias ahead (16-bit rows and float32
+  // ones of up to 16 values, one or two rows per thread) of 16-byte vectors. Measured (H200,
+  // session 76, us per call at 256 MiB, bfloat16 attention rows, without / with): bias S = 128
+  // 137 / 136, 256 138 / 137, 512 144 / 142; causal S = 512 133 / 131, 1024 117 / 115; the
+  // register warp of S = 1024 with a bias (x from global memory) lost, 143 / 146. With the copy,
+  // the 16-bit register lane groups of four rows spilled 48-56 bytes more (8 before), the float32
+  // staged clusters of 32 values 156-268 bytes where they had 4-12, and the clusters of rows read
+  // element by element (kVec == 1, one value per vector: a select is all there is to leave out)
+  // 12-16 bytes where they had none (ptxas sm_90a).
+  if constexpr (!kFetchX && Ops::kBiasAhead && kVec > 1) {
+    if (unmasked) {
+      load_batch_split<false, kVectorEnds, true>(loaders, first, stride, ops, v, any);
+      return;
+    }
+  }
+  load_batch_split<false, kVectorEnds, false>(loaders, first, stride, ops, v, any);
 }
 
 // The forward's loads of a batch of 16-bit plain rows kept as loaded (RowLoader::kRawFwd): every
@@ -2127,7 +2162,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
         BatchOperands<Loader, kRows, kPacks, true> ops;
         fetch_batch_operands(loaders, first_col, stride, ops);
         load_batch_fwd<true, kRows == 1>(loaders, first_col, stride, ops, v, any, p.skip_masked,
-                                          p.warp_uniform_ends);
+                                          p.unmasked, p.warp_uniform_ends);
       }
     } else {
       // Backward rows in float values, and the other float32/float64 general forward rows: each
@@ -2530,7 +2565,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
       }
     } else if constexpr (Loader::kPlain || Ops::kSplit) {
       if constexpr (!Ops::kAhead) prepare();
-      load_batch_fwd<false>(loaders, first_col, stride, ops, v, any, false);
+      load_batch_fwd<false>(loaders, first_col, stride, ops, v, any, false, p.unmasked);
     } else {
       // Float32 general rows of more than two per thread, and float64 general rows: each row's
       // loader built just before its loads (as in softmax_rows_kernel), each vector loaded and
@@ -2772,7 +2807,8 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
       } else {
         BatchOperands<Loader, 1, kUnroll, true> ops;
         fetch_batch_operands(loaders, first, kBlock * kVec, ops);
-        load_batch_fwd<true>(loaders, first, kBlock * kVec, ops, vb, any, p.skip_masked);
+        load_batch_fwd<true>(loaders, first, kBlock * kVec, ops, vb, any, p.skip_masked,
+                             p.unmasked);
       }
       if constexpr (!kBwd) {
         // log=true keeps v: the sums are all this pass needs. A tile with nothing taking part
@@ -2812,7 +2848,8 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
           bool any[1];
           const int first = t0 + int(threadIdx.x) * kVec;
           fetch_batch_operands(loaders, first, kBlock * kVec, ops);
-          load_batch_fwd<true>(loaders, first, kBlock * kVec, ops, vb, any, p.skip_masked);
+          load_batch_fwd<true>(loaders, first, kBlock * kVec, ops, vb, any, p.skip_masked,
+                             p.unmasked);
 #pragma unroll
           for (int k = 0; k < kUnroll; ++k) {
             A o[kVec];

@@ -1071,6 +1071,14 @@ inline bool SkipMaskedX(const RowParams& p) {
   return enabled && SharedMaskRow(p);
 }
 
+// Forward rows with a bias or causal limit but no mask (RowParams::unmasked): no per-position
+// selects outside the vector that the causal limit cuts. JAX_SOFTMAX_UNMASKED_ROWS=0 (read once;
+// A/B runs) selects in every vector, as all rows with a mask do.
+inline bool UnmaskedRows() {
+  static const bool enabled = EnvKnob("JAX_SOFTMAX_UNMASKED_ROWS", 1) != 0;
+  return enabled;
+}
+
 // RowOrder for a call: the copies of a bias or mask broadcast over the outermost row axes. Every
 // present operand must be broadcast there (the merged row axes are common to all of them), and
 // some inner axis must not be (else one operand row serves every row). Only where memory order
@@ -2664,6 +2672,7 @@ ffi::Error LaunchSoftmax(const RowParams& p, cudaStream_t stream) {
   params.prefetch = PrefetchEnabled(*dev);
   params.order = OperandReuseOrder(p, kBwd ? 3 : 2, sizeof(T), *dev);
   params.skip_masked = !kBwd && SkipMaskedX(p);
+  params.unmasked = !kBwd && !p.mask.data && UnmaskedRows();
   params.warp_uniform_ends = WarpUniformEnds();
   const LaunchCtx ctx{params, stream, device, *dev, dev->cc_major >= 9 && DependentLaunchEnabled()};
   // XLA aligns buffers; the check costs nothing and depends on addresses, never on data.

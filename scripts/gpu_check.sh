@@ -179,7 +179,7 @@ if want test; then
     "tiers_gaps:odd_row_rings or plain_row_gaps"
     "tiers_past:past_top_rows or wide_block_rows"
     "tiers_blocks:plain_block_rows or reread_block_rows or block_warps or windowed_row_neighbours"
-    "tiers_operands:broadcast_operand_order or padding_mask_skips_masked_vectors or causal_attention_large"
+    "tiers_operands:broadcast_operand_order or padding_mask_skips_masked_vectors or causal_attention_large or attention_beyond_clusters"
   )
   tiers_split=
   shards=()
@@ -228,6 +228,10 @@ if want test; then
     # two rows, which 4 lanes of one row replaced in session 75 (JAX_SOFTMAX_GENERAL_FOUR_LANES=0).
     tiers_job "causal_attention_sizes or broadcast_operand_order" general_eight_lanes \
       JAX_SOFTMAX_GENERAL_FOUR_LANES=0
+    # Forward rows with a bias or causal limit but no mask, selected per position in every vector
+    # of the staged kernels, as before session 76 (JAX_SOFTMAX_UNMASKED_ROWS=0).
+    tiers_job "causal_attention_sizes or broadcast_operand_order" unmasked_rows_off \
+      JAX_SOFTMAX_UNMASKED_ROWS=0
     # The 16-bit odd rows of 16385-32768 on the staged clusters that one CTA of up to 1024 threads
     # replaced (to 24576 in session 33, beyond in 44; since session 49 the reread blocks take them,
     # JAX_SOFTMAX_REREAD_BLOCKS=2 keeps them off those), and the float32 rows of 16385-32768 on the

@@ -745,7 +745,8 @@ def test_dependent_calls(backend, device, rng, dtype, n):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
 @pytest.mark.parametrize("s", [1, 33, 64, 65, 72, 128, 136, 255, 256, 257, 1000])
 def test_causal_attention_sizes(backend, device, rng, dtype, s):
-    # Causal rows with a (1, H, 1, S) bias and a (B, 1, 1, S) mask, forward and both gradients.
+    # Rows with a (1, H, 1, S) bias, causal with a (B, 1, 1, S) mask, causal without it and
+    # neither (ATTENTION_VARIANTS), forward and both gradients.
     # On sm_90+ 16-bit rows of 65-256 keys take two tiles per CTA on the staged tiers since
     # session 74 (GeneralRowTilesPerCta), one below (64) and past (257): both sides of each bound,
     # in 2 S rows (S = 65: 130 rows, five tiles of 32, the last CTA with one tile of 2 rows). Those
@@ -759,6 +760,17 @@ def test_causal_attention_sizes(backend, device, rng, dtype, s):
 @pytest.mark.parametrize("s", [2048, 4097])
 def test_causal_attention_large(backend, device, rng, dtype, s):
     check_attention(device, rng, dtype, s)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("sk", [2**20 + 8, 2**20 + 3], ids=str)
+def test_attention_beyond_clusters(backend, device, rng, dtype, sk):
+    # Keys beyond the largest cluster: the two-pass kernel's rows with a bias, with and without a
+    # mask and causal limit (ATTENTION_VARIANTS), on whole vectors (2^20 + 8) and element by
+    # element (2^20 + 3). Three queries: causal rows end in their first vector, every later vector
+    # lies past the limit. (No other test gave this kernel rows with a bias.)
+    check_attention(device, rng, dtype, sk, sq=3)
 
 
 @pytest.mark.gpu
@@ -867,30 +879,52 @@ def test_causal_backward_limit_in_last_vector(backend, device, rng, dtype):
     check_scores_vjp(y, ds, x.astype(np.float64) * 0.5, gs, valid, 0.5, dtype, what=what)
 
 
-def check_attention(device, rng, dtype, s):
+# (mask, causal) of check_attention's calls: with a mask; and without one, causal or not, where the
+# staged forward kernels select per position only in the vectors at or past a row's causal limit
+# (RowParams::unmasked, since session 76).
+ATTENTION_VARIANTS = [(True, True), (False, True), (False, False)]
+
+
+def check_attention(device, rng, dtype, s, sq=None):
+    """attention_softmax of (1, 2, sq, s) scores (sq = s by default) with a (1, H, 1, s) bias at
+    scale 0.125 under ATTENTION_VARIANTS (the mask (B, 1, 1, s)), in one jitted call: the output
+    and the gradients of scores and bias against float64."""
+    sq = s if sq is None else sq
     b, h = 1, 2
-    scores = rounded(rng.standard_normal((b, h, s, s)) * 2.0, dtype)
+    scores = rounded(rng.standard_normal((b, h, sq, s)) * 2.0, dtype)
     bias = rounded(rng.standard_normal((1, h, 1, s)), dtype)
     mask = rng.random((b, 1, 1, s)) < 0.9
     mask[..., 0] = s == 1 or bool(rng.random() < 0.5)
     g = rounded(rng.standard_normal(scores.shape), dtype)
     sd, bd, md, gd = put(device, scores, bias, mask, g)
-    poison(device, scores.shape, dtype, count=3)
+    poison(device, scores.shape, dtype, count=3 * len(ATTENTION_VARIANTS))
 
     def fn(s_, b_, m_, g_):
-        y, pull = jax.vjp(
-            lambda s_, b_: js.attention_softmax(s_, scale=0.125, bias=b_, mask=m_, is_causal=True),
-            s_,
-            b_,
-        )
-        return (y, *pull(g_))
+        outs = []
+        for masked, causal in ATTENTION_VARIANTS:
+            y, pull = jax.vjp(
+                lambda s_, b_: js.attention_softmax(
+                    s_, scale=0.125, bias=b_, mask=m_ if masked else None, is_causal=causal
+                ),
+                s_,
+                b_,
+            )
+            outs.append((y, *pull(g_)))
+        return outs
 
-    y, ds, db = (np.asarray(o) for o in jax.jit(fn)(sd, bd, md, gd))
-    valid = np.broadcast_to(mask, scores.shape) & (np.arange(s)[None, :] <= np.arange(s)[:, None])
     z = scores.astype(np.float64) * 0.125 + bias.astype(np.float64)
-    dz, mag = check_scores_vjp(y, ds, z, g, valid, 0.125, dtype, what=f"attention S={s}")
-    red = dict(axis=(0, 2), keepdims=True)  # bias (1, H, 1, S): summed over batch and queries
-    assert_close(db, dz.sum(**red), dtype, tol=GRAD_TOL, mag=mag.sum(**red), what=f"d bias S={s}")
+    below_limit = np.arange(s)[None, :] <= np.arange(sq)[:, None]
+    for (masked, causal), outs in zip(ATTENTION_VARIANTS, jax.jit(fn)(sd, bd, md, gd)):
+        y, ds, db = (np.asarray(o) for o in outs)
+        valid = np.ones(scores.shape, bool)
+        if masked:
+            valid &= np.broadcast_to(mask, scores.shape)
+        if causal:
+            valid &= below_limit
+        what = f"attention Sq={sq} Sk={s} mask={masked} causal={causal}"
+        dz, mag = check_scores_vjp(y, ds, z, g, valid, 0.125, dtype, what=what)
+        red = dict(axis=(0, 2), keepdims=True)  # bias (1, H, 1, S): summed over batch and queries
+        assert_close(db, dz.sum(**red), dtype, tol=GRAD_TOL, mag=mag.sum(**red), what="d bias " + what)
 
 
 def run_attention_cases(device, cases, dtype, causal, extra=None):
