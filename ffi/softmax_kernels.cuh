@@ -1044,8 +1044,9 @@ __device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], i
   // batches (x from shared memory: !kFetchX) that fetch their bias ahead (16-bit rows and float32
   // ones of up to 16 values, one or two rows per thread) of 16-byte vectors. Measured (H200,
   // session 76, us per call at 256 MiB, bfloat16 attention rows, without / with): bias S = 128
-  // 137 / 136, 256 138 / 137, 512 144 / 142; causal S = 512 133 / 131, 1024 117 / 115; the
-  // register warp of S = 1024 with a bias (x from global memory) lost, 143 / 146. With the copy,
+  // 137 / 136, 256 138 / 137, 512 144 / 142; causal S = 512 133 / 131. The register warp of
+  // S = 1024 (x from global memory) lost with a bias, 143 / 146, and gained causal, 117 / 115:
+  // left out, as before (its SASS is unchanged). With the copy,
   // the 16-bit register lane groups of four rows spilled 48-56 bytes more (8 before), the float32
   // staged clusters of 32 values 156-268 bytes where they had 4-12, and the clusters of rows read
   // element by element (kVec == 1, one value per vector: a select is all there is to leave out)
