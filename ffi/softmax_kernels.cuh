@@ -1046,8 +1046,8 @@ __device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], i
   // session 76, us per call at 256 MiB, bfloat16 attention rows, without / with): bias S = 128
   // 137 / 136, 256 138 / 137, 512 144 / 142; causal S = 512 133 / 131. The register warp of
   // S = 1024 (x from global memory) lost with a bias, 143 / 146, and gained causal, 117 / 115:
-  // left out, as before (its SASS is unchanged). With the copy,
-  // the 16-bit register lane groups of four rows spilled 48-56 bytes more (8 before), the float32
+  // the register kernels are left out, as before (their SASS is unchanged). With the copy, the
+  // 16-bit register lane groups of four rows spilled 48-56 bytes more (8 before), the float32
   // staged clusters of 32 values 156-268 bytes where they had 4-12, and the clusters of rows read
   // element by element (kVec == 1, one value per vector: a select is all there is to leave out)
   // 12-16 bytes where they had none (ptxas sm_90a).

@@ -1071,9 +1071,10 @@ inline bool SkipMaskedX(const RowParams& p) {
   return enabled && SharedMaskRow(p);
 }
 
-// Forward rows with a bias or causal limit but no mask (RowParams::unmasked): no per-position
-// selects outside the vector that the causal limit cuts. JAX_SOFTMAX_UNMASKED_ROWS=0 (read once;
-// A/B runs) selects in every vector, as all rows with a mask do.
+// Forward rows with a bias or causal limit but no mask (RowParams::unmasked): the staged kernels
+// select per position only in the vectors at or past the causal limit (load_batch_fwd says where
+// and what it measured). JAX_SOFTMAX_UNMASKED_ROWS=0 (read once; A/B runs) selects in every
+// vector, as all rows with a mask do.
 inline bool UnmaskedRows() {
   static const bool enabled = EnvKnob("JAX_SOFTMAX_UNMASKED_ROWS", 1) != 0;
   return enabled;
