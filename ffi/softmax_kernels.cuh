@@ -1003,7 +1003,9 @@ __device__ __forceinline__ void load_batch_split(const Loader (&loaders)[kRows],
 // (x from shared memory, whose latency is short) fetch each vector just before its values. Plain
 // batches whose vectors all lie inside their rows skip all of this (load_batch_inside).
 // skip_masked (RowParams): batches that fetch x and the mask bytes ahead do not read x where a
-// vector's mask bytes are all zero.
+// vector's mask bytes are all zero (the register and two-pass kernels: kFetchX). unmasked
+// (RowParams): the staged kernels' batches select per position only at or past the causal limit
+// (see the branch below; the register kernels leave it at false).
 // kVectorEnds: a windowed row's partial end vectors are read as whole vectors, with the batch's
 // other loads (RowLoader::vector_partial). The register kernel's one-row batches only: in its four-row
 // lane groups it spilled 20-40 bytes, and the two-pass kernel went from 63 to 100 registers
@@ -1013,8 +1015,8 @@ template <bool kFetchX, bool kVectorEnds = false, typename Loader, int kRows, in
 __device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], int first, int stride,
                                                const BatchOperands<Loader, kRows, kPacks, kFetchX>& ops,
                                                A (&v)[kRows][kPacks][kVec], bool (&any)[kRows],
-                                               bool skip_masked, bool unmasked,
-                                               bool warp_uniform = false) {
+                                               bool skip_masked, bool warp_uniform = false,
+                                               bool unmasked = false) {
   using Ops = BatchOperands<Loader, kRows, kPacks, kFetchX>;
   if constexpr (Loader::kPlain) {
     if (batch_inside<kPacks>(loaders, first, stride, warp_uniform)) {
@@ -2163,7 +2165,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
         BatchOperands<Loader, kRows, kPacks, true> ops;
         fetch_batch_operands(loaders, first_col, stride, ops);
         load_batch_fwd<true, kRows == 1>(loaders, first_col, stride, ops, v, any, p.skip_masked,
-                                          p.unmasked, p.warp_uniform_ends);
+                                          p.warp_uniform_ends);
       }
     } else {
       // Backward rows in float values, and the other float32/float64 general forward rows: each
@@ -2566,7 +2568,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
       }
     } else if constexpr (Loader::kPlain || Ops::kSplit) {
       if constexpr (!Ops::kAhead) prepare();
-      load_batch_fwd<false>(loaders, first_col, stride, ops, v, any, false, p.unmasked);
+      load_batch_fwd<false>(loaders, first_col, stride, ops, v, any, false, false, p.unmasked);
     } else {
       // Float32 general rows of more than two per thread, and float64 general rows: each row's
       // loader built just before its loads (as in softmax_rows_kernel), each vector loaded and
@@ -2808,8 +2810,7 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
       } else {
         BatchOperands<Loader, 1, kUnroll, true> ops;
         fetch_batch_operands(loaders, first, kBlock * kVec, ops);
-        load_batch_fwd<true>(loaders, first, kBlock * kVec, ops, vb, any, p.skip_masked,
-                             p.unmasked);
+        load_batch_fwd<true>(loaders, first, kBlock * kVec, ops, vb, any, p.skip_masked);
       }
       if constexpr (!kBwd) {
         // log=true keeps v: the sums are all this pass needs. A tile with nothing taking part
@@ -2849,8 +2850,7 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
           bool any[1];
           const int first = t0 + int(threadIdx.x) * kVec;
           fetch_batch_operands(loaders, first, kBlock * kVec, ops);
-          load_batch_fwd<true>(loaders, first, kBlock * kVec, ops, vb, any, p.skip_masked,
-                             p.unmasked);
+          load_batch_fwd<true>(loaders, first, kBlock * kVec, ops, vb, any, p.skip_masked);
 #pragma unroll
           for (int k = 0; k < kUnroll; ++k) {
             A o[kVec];

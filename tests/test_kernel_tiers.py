@@ -924,7 +924,9 @@ def check_attention(device, rng, dtype, s, sq=None):
         what = f"attention Sq={sq} Sk={s} mask={masked} causal={causal}"
         dz, mag = check_scores_vjp(y, ds, z, g, valid, 0.125, dtype, what=what)
         red = dict(axis=(0, 2), keepdims=True)  # bias (1, H, 1, S): summed over batch and queries
-        assert_close(db, dz.sum(**red), dtype, tol=GRAD_TOL, mag=mag.sum(**red), what="d bias " + what)
+        assert_close(
+            db, dz.sum(**red), dtype, tol=GRAD_TOL, mag=mag.sum(**red), what="d bias " + what
+        )
 
 
 def run_attention_cases(device, cases, dtype, causal, extra=None):
