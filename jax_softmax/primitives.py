@@ -8,6 +8,10 @@ Both always take three operands so that one FFI target serves every variant: abs
 mask operands are tiny dummies of shape (1,)*rank, and ``has_bias``/``has_mask`` say which are
 real. bias and mask have x's rank with size-1 axes where they broadcast; the kernels read those
 axes with stride 0. The static parameters travel to the kernels as FFI attributes.
+
+Each of the two lowers through its partitioning rules (sharding.py) to a kernel primitive
+(``kernel_fwd_p``, ``kernel_bwd_p``) that the partitioner places per shard; only those lower to
+the FFI custom calls.
 """
 
 from __future__ import annotations
@@ -17,13 +21,17 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import dispatch  # prim_requires_devices_during_lowering: no public name
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jax_softmax import _ffi, _reference
+from jax_softmax import _ffi, _reference, sharding
 
 softmax_fwd_p = Primitive("jax_softmax_fwd")
 softmax_bwd_p = Primitive("jax_softmax_bwd")
+# What one shard (or one device) runs: abstract evaluation and lowering only.
+kernel_fwd_p = Primitive("jax_softmax_fwd_kernel")
+kernel_bwd_p = Primitive("jax_softmax_bwd_kernel")
 
 
 # --- evaluation -------------------------------------------------------------------------------
@@ -40,11 +48,13 @@ softmax_bwd_p.def_impl(_bwd_impl)
 
 
 def _abstract(x, *_, **__):
-    return jax.core.ShapedArray(x.shape, x.dtype)
+    # The output is sharded as x (sharding.py's rules): in explicit-sharding mode that is its
+    # type.
+    return jax.core.ShapedArray(x.shape, x.dtype, sharding=x.sharding)
 
 
-softmax_fwd_p.def_abstract_eval(_abstract)
-softmax_bwd_p.def_abstract_eval(_abstract)
+for _p in (softmax_fwd_p, softmax_bwd_p, kernel_fwd_p, kernel_bwd_p):
+    _p.def_abstract_eval(_abstract)
 
 
 # --- lowering ---------------------------------------------------------------------------------
@@ -56,8 +66,14 @@ def _register_lowerings(prim, target, reference):
             mlir.register_lowering(prim, jax.ffi.ffi_lowering(target), platform=platform)
 
 
-_register_lowerings(softmax_fwd_p, _ffi.FWD_TARGET, _reference.forward)
-_register_lowerings(softmax_bwd_p, _ffi.BWD_TARGET, _reference.backward)
+_register_lowerings(kernel_fwd_p, _ffi.FWD_TARGET, _reference.forward)
+_register_lowerings(kernel_bwd_p, _ffi.BWD_TARGET, _reference.backward)
+mlir.register_lowering(softmax_fwd_p, mlir.lower_fun(sharding.partitioned_fwd, multiple_results=False))
+mlir.register_lowering(softmax_bwd_p, mlir.lower_fun(sharding.partitioned_bwd, multiple_results=False))
+# custom_partitioning needs the device assignment while lowering (its rules run in XLA's
+# partitioner against real devices); JAX passes it only for primitives registered here. Without
+# it, lowering a jitted call would fail inside custom_partitioning's rule.
+dispatch.prim_requires_devices_during_lowering.update((softmax_fwd_p, softmax_bwd_p))
 
 
 # --- batching: one launch over all batch elements ------------------------------------------------
