@@ -1,12 +1,14 @@
 // CPU kernels: softmax / log_softmax forward and backward over the rows of a (rows, cols) view,
 // with optional broadcast bias, boolean mask and causal mask (see row_params.h).
 //
-// Per row the forward pass reads the input once to get the max and the sum of exponentials
-// (online: a running max, rescaling the running sum when it grows) and once more to write the
-// output. Both sweeps go through a small L1-resident float/double buffer in chunks of kChunk
-// columns: 16-bit inputs are converted there first, so every inner loop is a plain elementwise
-// loop over Acc that GCC/Clang auto-vectorise. Rows that fit in one chunk keep the buffer from
-// the first sweep, so the input is read from memory once and exp() runs once per element.
+// Per row the forward pass sweeps the row twice in chunks of kChunk columns: once for the max
+// and the sum of exponentials (online: a running max, rescaling the running sum when it grows),
+// once to write the output. Logits go through a small L1-resident float/double buffer (16-bit
+// inputs are converted there, scale, bias and mask applied) unless they are float/double x
+// itself, which is read in place; every inner loop is a plain elementwise loop over Acc that
+// GCC/Clang auto-vectorise. exp() runs once per element: a one-chunk row keeps its exps in the
+// buffer, a longer softmax row keeps them in the output (float/double) or a per-thread float
+// row buffer (16-bit) and sweep 2 rescales them chunk by chunk.
 //
 // Nothing here uses -ffast-math tricks: NaN and inf follow jax.nn.softmax exactly (the exp()
 // below is branch-free but exact on its special values), because the reference semantics for
@@ -42,8 +44,11 @@
 // Everything the row kernels call is force-inlined so that it is compiled with the ISA of the
 // entry point it ends up in (see the AVX2 variants at the bottom).
 #define JS_INLINE inline __attribute__((always_inline))
+// Lambdas too: one left out of line would be compiled for the baseline ISA.
+#define JS_LAMBDA_INLINE __attribute__((always_inline))
 #else
 #define JS_INLINE inline
+#define JS_LAMBDA_INLINE
 #endif
 
 // The wheel is built for baseline x86-64 (SSE2), where the kernels would run at a quarter of the
@@ -276,21 +281,48 @@ JS_INLINE A MaxOf(const A* z, int64_t n) {
   return m;
 }
 
+// The kLanes accumulators added pairwise, halves first. Written out rather than looped: a loop
+// over a run-time width left the accumulators in memory, one store-forwarded add after another
+// (about 75 cycles a row, most of a 32-column row's time).
 template <typename A>
-JS_INLINE A LaneSum(A (&acc)[kLanes]) {
-  for (int w = kLanes / 2; w > 0; w /= 2) {
-    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-  }
-  return acc[0];
+JS_INLINE A LaneSum(const A (&acc)[kLanes]) {
+  static_assert(kLanes == 16, "LaneSum adds 16 accumulators");
+  A h[8], q[4];
+  for (int l = 0; l < 8; ++l) h[l] = acc[l] + acc[l + 8];
+  for (int l = 0; l < 4; ++l) q[l] = h[l] + h[l + 4];
+  return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
 // Sum with kLanes independent accumulators: the order the vectoriser needs, fixed in the source
-// since it may not reassociate float adds itself.
+// since it may not reassociate float adds itself. A tail shorter than kLanes is added as one
+// more block padded with zeros (through a buffer, so that the accumulators stay in registers).
 template <typename A>
 JS_INLINE A Sum(const A* v, int64_t n) {
   A acc[kLanes] = {};
-  for (int64_t i = 0; i < n; i += kLanes) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
     for (int l = 0; l < kLanes; ++l) acc[l] += v[i + l];
+  }
+  if (i < n) {
+    A tail[kLanes] = {};
+    for (int64_t l = 0; i + l < n; ++l) tail[l] = v[i + l];
+    for (int l = 0; l < kLanes; ++l) acc[l] += tail[l];
+  }
+  return LaneSum(acc);
+}
+
+// sum(a * b), accumulated as Sum.
+template <typename A>
+JS_INLINE A Dot(const A* a, const A* b, int64_t n) {
+  A acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
+  }
+  if (i < n) {
+    A tail[kLanes] = {};
+    for (int64_t l = 0; i + l < n; ++l) tail[l] = a[i + l] * b[i + l];
+    for (int l = 0; l < kLanes; ++l) acc[l] += tail[l];
   }
   return LaneSum(acc);
 }
@@ -366,14 +398,37 @@ JS_INLINE bool ResolveRow(const RowParams& p, int64_t row, RowInputs<S>& in) {
 // ------------------------------------------------------------------------------------------
 // Forward
 
+// Softmax rows longer than one chunk keep each chunk's exp(z - running max) between the sweeps,
+// with the running max it was taken against (one per chunk): sweep 2 then rescales them instead
+// of reading x and taking exp() again. float/double rows keep them in the output itself, 16-bit
+// rows in a float buffer of the thread's (rounding them to 16 bits would lose precision). Rows of
+// more chunks than this recompute.
+constexpr int64_t kMaxKeptChunks = 256;
+
+// The calling thread's float buffer of at least n values for a 16-bit row's exps, or nullptr if
+// it cannot be had (then the row recomputes). Grown on demand, kept for the thread's lifetime:
+// at most kMaxKeptChunks * kChunk floats (2 MiB) per thread.
+float* KeptRowBuffer(int64_t n) {
+  thread_local std::unique_ptr<float[]> buffer;
+  thread_local int64_t capacity = 0;
+  if (n > capacity) {
+    buffer.reset(new (std::nothrow) float[n]);
+    capacity = buffer ? n : 0;
+  }
+  return buffer.get();
+}
+
 template <typename Tag>
 JS_INLINE void ForwardRows(const RowParams& p, int64_t r0, int64_t r1) {
   using D = Dtype<Tag>;
   using S = typename D::Storage;
   using A = typename D::Acc;
   constexpr A kInf = std::numeric_limits<A>::infinity();
+  // Float/double storage is its own accumulator type: plain rows are read in place.
+  constexpr bool kWide = std::is_same_v<S, A>;
   alignas(64) A z[kChunk];  // logits of the current chunk
   alignas(64) A e[kChunk];  // exp(z - max) of the current chunk
+  A chunk_max[kMaxKeptChunks];  // the max each kept chunk's exp() was taken against
 
   const A scale = static_cast<A>(p.scale);
   const S fill = D::Store(p.log ? -kInf : A(0));  // value at excluded positions
@@ -392,29 +447,55 @@ JS_INLINE void ForwardRows(const RowParams& p, int64_t r0, int64_t r1) {
     const int64_t n = p.causal_limit(row) + 1;
     for (int64_t j = n; j < cols; ++j) y[j] = fill;
     const bool one_chunk = n <= kChunk;
+    // No bias, mask or scale: the logits are x itself (float/double), not copied into z.
+    const bool in_place = kWide && !in.bias && !in.mask && p.scale == 1.0;
+    // Where this row's exps are kept between the sweeps (nullptr: one chunk, log or too long).
+    A* kept = nullptr;
+    if (!p.log && !one_chunk && (n - 1) / kChunk < kMaxKeptChunks) {
+      if constexpr (kWide) {
+        kept = reinterpret_cast<A*>(y);
+      } else {
+        kept = KeptRowBuffer(n);
+      }
+    }
+    // The logits of [c0, c0 + len): x itself, or z (padded to kLanes with -inf) after LoadLogits.
+    auto logits = [&](int64_t c0, int64_t len) JS_LAMBDA_INLINE -> const A* {
+      if constexpr (kWide) {
+        if (in_place) return reinterpret_cast<const A*>(x) + c0;
+      }
+      LoadLogits<Tag>(x, in, c0, len, scale, z);
+      return z;
+    };
 
     // Sweep 1: online max and sum of exp. A NaN or +inf among the valid logits decides the row
     // at once: jax.nn.softmax gives NaN at every valid position then (NaN max, or inf - inf).
     A m = -kInf;
     A s = 0;
     bool all_nan = false;
-    for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+    for (int64_t c0 = 0, c = 0; c0 < n; c0 += kChunk, ++c) {
       const int64_t len = std::min(kChunk, n - c0);
-      const int64_t padded = RoundUpLanes(len);
-      LoadLogits<Tag>(x, in, c0, len, scale, z);
-      const A cm = MaxOf(z, padded);
+      const A* zc = logits(c0, len);
+      const int64_t width = in_place ? len : RoundUpLanes(len);  // z's -inf padding is neutral
+      const A cm = MaxOf(zc, width);
       if (!(cm < kInf)) {
         all_nan = true;
         break;
       }
-      if (cm == -kInf) continue;  // nothing valid and finite here: exp(-inf - -inf) is NaN
-      if (cm <= m) {
-        s += ExpSum(z, m, padded, e);
-      } else {
-        // New running max: rescale what was summed so far (s = 0 while m is still -inf).
-        s = s * std::exp(m - cm) + ExpSum(z, cm, padded, e);
+      A* ec = kept ? kept + c0 : e;
+      if (cm == -kInf) {  // nothing valid and finite here: exp(-inf - -inf) is NaN
+        if (kept) {
+          for (int64_t i = 0; i < len; ++i) ec[i] = A(0);
+          chunk_max[c] = kInf;  // final already: sweep 2 skips it
+        }
+        continue;
+      }
+      if (cm > m) {
+        // New running max: rescale what was summed so far (nothing while m is still -inf).
+        if (m != -kInf) s = s * std::exp(m - cm);
         m = cm;
       }
+      s += ExpSum(zc, m, kept ? len : width, ec);
+      if (kept) chunk_max[c] = m;
     }
 
     // m = -inf: every valid logit is -inf, or none is valid. jax.nn.softmax gives NaN at valid
@@ -430,17 +511,32 @@ JS_INLINE void ForwardRows(const RowParams& p, int64_t r0, int64_t r1) {
       const A log_s = std::log(s);
       for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
         const int64_t len = std::min(kChunk, n - c0);
-        if (!one_chunk) LoadLogits<Tag>(x, in, c0, len, scale, z);
+        const A* zc = one_chunk && !in_place ? z : logits(c0, len);
         S* out = y + c0;
-        for (int64_t i = 0; i < len; ++i) out[i] = D::Store((z[i] - m) - log_s);
+        for (int64_t i = 0; i < len; ++i) out[i] = D::Store((zc[i] - m) - log_s);
+      }
+    } else if (kept) {
+      const A inv_s = A(1) / s;
+      for (int64_t c0 = 0, c = 0; c0 < n; c0 += kChunk, ++c) {
+        const int64_t len = std::min(kChunk, n - c0);
+        S* out = y + c0;
+        if (chunk_max[c] == kInf) {  // all zeros
+          if constexpr (!kWide) {
+            for (int64_t i = 0; i < len; ++i) out[i] = D::Store(A(0));
+          }
+          continue;
+        }
+        const A factor = std::exp(chunk_max[c] - m) * inv_s;
+        const A* kc = kept + c0;  // y itself for float/double: rescaled in place
+        for (int64_t i = 0; i < len; ++i) out[i] = D::Store(kc[i] * factor);
       }
     } else {
       const A inv_s = A(1) / s;
       for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
         const int64_t len = std::min(kChunk, n - c0);
         if (!one_chunk) {
-          LoadLogits<Tag>(x, in, c0, len, scale, z);
-          for (int64_t i = 0; i < len; ++i) e[i] = Exp(z[i] - m);
+          const A* zc = logits(c0, len);
+          for (int64_t i = 0; i < len; ++i) e[i] = Exp(zc[i] - m);
         }
         S* out = y + c0;
         for (int64_t i = 0; i < len; ++i) out[i] = D::Store(e[i] * inv_s);
@@ -477,6 +573,20 @@ JS_INLINE void BackwardRows(const RowParams& p, int64_t r0, int64_t r1) {
     }
     const int64_t n = p.causal_limit(row) + 1;
     for (int64_t j = n; j < cols; ++j) dx[j] = zero;
+    if constexpr (std::is_same_v<S, A>) {
+      // float/double rows without a mask straight from memory: one pass for the row sum, one
+      // for dx, no copies through the chunk buffers.
+      if (!in.mask) {
+        if (p.log) {
+          const A total = Sum(dy, n);
+          for (int64_t i = 0; i < n; ++i) dx[i] = scale * (dy[i] - Exp(y[i]) * total);
+        } else {
+          const A total = Dot(y, dy, n);
+          for (int64_t i = 0; i < n; ++i) dx[i] = scale * (y[i] * (dy[i] - total));
+        }
+        continue;
+      }
+    }
     const bool one_chunk = n <= kChunk;
     const uint8_t* mask = in.mask;
 
@@ -572,7 +682,9 @@ RowsFn PickBackward() {
 
 // ------------------------------------------------------------------------------------------
 // Threading. Rows are cut into contiguous blocks that the calling thread and up to
-// num_threads() pool tasks claim from a shared counter. The caller works too and then waits
+// num_threads() - 1 pool tasks claim from a shared counter: as many workers as the pool has
+// threads, since the caller occupies a core too (num_threads() tasks besides it measured up to
+// 1.3x slower on 2 cores: 8 MiB rows of 32-1024 columns, float32 backward and 16-bit forward). The caller works too and then waits
 // only for blocks already claimed, so a call made from a pool thread cannot deadlock on tasks
 // stuck behind it in a queue; tasks that start late find no block left and return. The state
 // is shared-owned for exactly that reason: a late task may run after the handler returned.
@@ -606,8 +718,8 @@ void RunRows(ffi::ThreadPool& pool, const RowParams& p, RowsFn fn) {
   const int64_t threads = total > kParallelMinElements ? pool.num_threads() : 0;
   // Several blocks per worker so that uneven rows (causal) still balance.
   const int64_t blocks = std::min({p.rows, 4 * (threads + 1), total / kMinBlockElements});
-  if (threads <= 0 || blocks < 2) {
-    fn(p, 0, p.rows);  // small input, or no usable pool: the calling thread does it all
+  if (threads <= 1 || blocks < 2) {
+    fn(p, 0, p.rows);  // small input, or no pool to share with: the calling thread does it all
     return;
   }
   // Handlers must not throw: if an allocation fails, the rows not handed out yet are simply
@@ -623,7 +735,7 @@ void RunRows(ffi::ThreadPool& pool, const RowParams& p, RowsFn fn) {
   state->fn = fn;
   state->rows_per_block = (p.rows + blocks - 1) / blocks;
   state->num_blocks = (p.rows + state->rows_per_block - 1) / state->rows_per_block;
-  const int64_t tasks = std::min(threads, state->num_blocks - 1);
+  const int64_t tasks = std::min(threads - 1, state->num_blocks - 1);
   for (int64_t t = 0; t < tasks; ++t) {
     try {
       pool.Schedule([state] { state->Work(); });
