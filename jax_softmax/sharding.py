@@ -171,102 +171,90 @@ def _causal_as_mask(mask, has_mask: bool, shape, q_offset):
     return valid.reshape((1,) * (len(shape) - valid.ndim) + valid.shape)
 
 
-# --- forward ----------------------------------------------------------------------------------------
-def _fwd_partition(log, scale, has_bias, has_mask, causal, mesh, arg_shapes, result_shape):
-    from jax_softmax.primitives import kernel_fwd_p
+# --- the partitioned kernel calls ------------------------------------------------------------------
+def _kernel(name: str) -> Primitive:
+    """kernel_fwd_p or kernel_bwd_p, looked up at each bind: primitives.py imports this module."""
+    from jax_softmax import primitives
 
-    params = dict(log=log, scale=scale, has_bias=has_bias, has_mask=has_mask, causal=causal)
-    plan = _plan(mesh, arg_shapes, causal)
-    if plan is None:
-        out, args = _replicated(arg_shapes)
-        return mesh, _per_shard(functools.partial(kernel_fwd_p.bind, **params)), out, args
-    arg_shardings, out_sharding, key_axes, query_axes = plan
-
-    @_per_shard
-    def lower_fn(x, bias, mask):
-        if key_axes:
-            rows, cols = x.shape[-2] if x.ndim >= 2 else 1, x.shape[-1]
-            return _reference.forward(
-                x, bias, mask, **params,
-                q_offset=_shard_offset(query_axes, rows) if causal else 0,
-                k_offset=_shard_offset(key_axes, cols) if causal else 0,
-                row_max=lambda m: jax.lax.pmax(m, key_axes),
-                row_sum=lambda s: jax.lax.psum(s, key_axes),
-            )
-        if causal and query_axes:
-            q_offset = _shard_offset(query_axes, x.shape[-2])
-            mask = _causal_as_mask(mask, has_mask, x.shape, q_offset)
-            return kernel_fwd_p.bind(x, bias, mask, **dict(params, has_mask=True, causal=False))
-        return kernel_fwd_p.bind(x, bias, mask, **params)
-
-    return mesh, lower_fn, out_sharding, arg_shardings
+    return getattr(primitives, name)
 
 
-def _fwd_local(x, bias, mask, log, scale, has_bias, has_mask, causal):
-    from jax_softmax.primitives import kernel_fwd_p
+def _over(collective, axes, statistic):
+    """One row statistic of this shard combined with the other key shards' (pmax or psum)."""
+    return collective(statistic, axes)
 
-    return kernel_fwd_p.bind(
-        x, bias, mask, log=log, scale=scale, has_bias=has_bias, has_mask=has_mask, causal=causal
+
+def _partitioned_call(kernel: str, param_names: tuple[str, ...], reference, statistics):
+    """The custom_partitioning op of one kernel primitive, called as ``op(rows, other, mask,
+    *params)``.
+
+    Both kernels take three operands the same way: the rows (the scores x, or y in the backward),
+    which give the shape, the plan and the result's sharding; a second operand sharded like them
+    where it is full-size (the bias, or dy); the mask. `kernel` names the primitive in
+    primitives.py and `param_names` its static parameters, in the order the op takes them.
+    `reference` is the _reference formula each device runs on its slice when the softmax axis is
+    sharded; `statistics` maps the names of its row-statistics hooks to the collective that
+    combines them over the key shards (``{"row_max": jax.lax.pmax, "row_sum": jax.lax.psum}``).
+    """
+
+    def bind(rows, other, mask, params):
+        return _kernel(kernel).bind(rows, other, mask, **params)
+
+    def local(rows, other, mask, *static):
+        return bind(rows, other, mask, dict(zip(param_names, static)))
+
+    def partition(*args):
+        *static, mesh, arg_shapes, _ = args
+        params = dict(zip(param_names, static))
+        causal, has_mask = params["causal"], params["has_mask"]
+        plan = _plan(mesh, arg_shapes, causal)
+        if plan is None:
+            out, arg_shardings = _replicated(arg_shapes)
+            return mesh, _per_shard(lambda *ops: bind(*ops, params)), out, arg_shardings
+        arg_shardings, out_sharding, key_axes, query_axes = plan
+
+        @_per_shard
+        def lower_fn(rows, other, mask):
+            if key_axes:
+                n_rows, n_cols = rows.shape[-2] if rows.ndim >= 2 else 1, rows.shape[-1]
+                hooks = {name: functools.partial(_over, op, key_axes) for name, op in statistics.items()}
+                return reference(
+                    rows, other, mask, **params,
+                    q_offset=_shard_offset(query_axes, n_rows) if causal else 0,
+                    k_offset=_shard_offset(key_axes, n_cols) if causal else 0,
+                    **hooks,
+                )
+            if causal and query_axes:
+                q_offset = _shard_offset(query_axes, rows.shape[-2])
+                mask = _causal_as_mask(mask, has_mask, rows.shape, q_offset)
+                return bind(rows, other, mask, dict(params, has_mask=True, causal=False))
+            return bind(rows, other, mask, params)
+
+        return mesh, lower_fn, out_sharding, arg_shardings
+
+    op = custom_partitioning(local, static_argnums=tuple(range(3, 3 + len(param_names))))
+    op.def_partition(
+        partition=partition,
+        infer_sharding_from_operands=_infer_from_operands,
+        propagate_user_sharding=_propagate_user_sharding,
+        sharding_rule=_sharding_rule,
     )
+    return op
 
 
-_fwd_cp = custom_partitioning(_fwd_local, static_argnums=(3, 4, 5, 6, 7))
-_fwd_cp.def_partition(
-    partition=_fwd_partition,
-    infer_sharding_from_operands=_infer_from_operands,
-    propagate_user_sharding=_propagate_user_sharding,
-    sharding_rule=_sharding_rule,
+_fwd_cp = _partitioned_call(
+    "kernel_fwd_p", ("log", "scale", "has_bias", "has_mask", "causal"), _reference.forward,
+    {"row_max": jax.lax.pmax, "row_sum": jax.lax.psum},
+)
+_bwd_cp = _partitioned_call(
+    "kernel_bwd_p", ("log", "scale", "has_mask", "causal"), _reference.backward,
+    {"row_sum": jax.lax.psum},
 )
 
 
 def partitioned_fwd(x, bias, mask, *, log, scale, has_bias, has_mask, causal):
     """softmax_fwd_p's lowering: the kernel per shard, under the partitioning rules above."""
     return _fwd_cp(x, bias, mask, log, scale, has_bias, has_mask, causal)
-
-
-# --- backward ---------------------------------------------------------------------------------------
-def _bwd_partition(log, scale, has_mask, causal, mesh, arg_shapes, result_shape):
-    from jax_softmax.primitives import kernel_bwd_p
-
-    params = dict(log=log, scale=scale, has_mask=has_mask, causal=causal)
-    plan = _plan(mesh, arg_shapes, causal)
-    if plan is None:
-        out, args = _replicated(arg_shapes)
-        return mesh, _per_shard(functools.partial(kernel_bwd_p.bind, **params)), out, args
-    arg_shardings, out_sharding, key_axes, query_axes = plan
-
-    @_per_shard
-    def lower_fn(y, dy, mask):
-        if key_axes:
-            rows, cols = y.shape[-2] if y.ndim >= 2 else 1, y.shape[-1]
-            return _reference.backward(
-                y, dy, mask, **params,
-                q_offset=_shard_offset(query_axes, rows) if causal else 0,
-                k_offset=_shard_offset(key_axes, cols) if causal else 0,
-                row_sum=lambda s: jax.lax.psum(s, key_axes),
-            )
-        if causal and query_axes:
-            q_offset = _shard_offset(query_axes, y.shape[-2])
-            mask = _causal_as_mask(mask, has_mask, y.shape, q_offset)
-            return kernel_bwd_p.bind(y, dy, mask, **dict(params, has_mask=True, causal=False))
-        return kernel_bwd_p.bind(y, dy, mask, **params)
-
-    return mesh, lower_fn, out_sharding, arg_shardings
-
-
-def _bwd_local(y, dy, mask, log, scale, has_mask, causal):
-    from jax_softmax.primitives import kernel_bwd_p
-
-    return kernel_bwd_p.bind(y, dy, mask, log=log, scale=scale, has_mask=has_mask, causal=causal)
-
-
-_bwd_cp = custom_partitioning(_bwd_local, static_argnums=(3, 4, 5, 6))
-_bwd_cp.def_partition(
-    partition=_bwd_partition,
-    infer_sharding_from_operands=_infer_from_operands,
-    propagate_user_sharding=_propagate_user_sharding,
-    sharding_rule=_sharding_rule,
-)
 
 
 def partitioned_bwd(y, dy, mask, *, log, scale, has_mask, causal):
