@@ -139,34 +139,30 @@ JS_INLINE uint16_t FloatToBFloat16(float f) {
 // Storage type, accumulator type and conversions of each dtype DispatchFloat can hand us.
 template <typename Tag>
 struct Dtype;
-template <>
-struct Dtype<float> {
-  using Storage = float;
-  using Acc = float;
+// float and double are their own accumulator type.
+template <typename T>
+struct WideDtype {
+  using Storage = T;
+  using Acc = T;
   static JS_INLINE Acc Load(Storage v) { return v; }
   static JS_INLINE Storage Store(Acc v) { return v; }
 };
-template <>
-struct Dtype<double> {
-  using Storage = double;
-  using Acc = double;
-  static JS_INLINE Acc Load(Storage v) { return v; }
-  static JS_INLINE Storage Store(Acc v) { return v; }
-};
-template <>
-struct Dtype<Float16Tag> {
+// The 16-bit types are stored as their bits and accumulated in float.
+template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
+struct Bits16Dtype {
   using Storage = uint16_t;
   using Acc = float;
-  static JS_INLINE Acc Load(Storage v) { return HalfToFloat(v); }
-  static JS_INLINE Storage Store(Acc v) { return FloatToHalf(v); }
+  static JS_INLINE Acc Load(Storage v) { return ToFloat(v); }
+  static JS_INLINE Storage Store(Acc v) { return FromFloat(v); }
 };
 template <>
-struct Dtype<BFloat16Tag> {
-  using Storage = uint16_t;
-  using Acc = float;
-  static JS_INLINE Acc Load(Storage v) { return BFloat16ToFloat(v); }
-  static JS_INLINE Storage Store(Acc v) { return FloatToBFloat16(v); }
-};
+struct Dtype<float> : WideDtype<float> {};
+template <>
+struct Dtype<double> : WideDtype<double> {};
+template <>
+struct Dtype<Float16Tag> : Bits16Dtype<HalfToFloat, FloatToHalf> {};
+template <>
+struct Dtype<BFloat16Tag> : Bits16Dtype<BFloat16ToFloat, FloatToBFloat16> {};
 
 // ------------------------------------------------------------------------------------------
 // exp() that vectorises: std::exp is an opaque libm call without -ffast-math. Cody-Waite range
@@ -293,38 +289,35 @@ JS_INLINE A LaneSum(const A (&acc)[kLanes]) {
   return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-// Sum with kLanes independent accumulators: the order the vectoriser needs, fixed in the source
-// since it may not reassociate float adds itself. A tail shorter than kLanes is added as one
-// more block padded with zeros (through a buffer, so that the accumulators stay in registers).
-template <typename A>
-JS_INLINE A Sum(const A* v, int64_t n) {
+// sum(term(i) for i < n) with kLanes independent accumulators: the order the vectoriser needs,
+// fixed in the source since it may not reassociate float adds itself. A tail shorter than kLanes
+// is added as one more block padded with zeros (through a buffer, so that the accumulators stay
+// in registers). `term` is a JS_LAMBDA_INLINE lambda, inlined and so compiled with the caller's
+// ISA: Dot's a[i] * b[i] still contracts with the accumulating add into one FMA under AVX2.
+template <typename A, typename Term>
+JS_INLINE A LaneAccumulate(int64_t n, Term term) {
   A acc[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) acc[l] += v[i + l];
+    for (int l = 0; l < kLanes; ++l) acc[l] += term(i + l);
   }
   if (i < n) {
     A tail[kLanes] = {};
-    for (int64_t l = 0; i + l < n; ++l) tail[l] = v[i + l];
+    for (int64_t l = 0; i + l < n; ++l) tail[l] = term(i + l);
     for (int l = 0; l < kLanes; ++l) acc[l] += tail[l];
   }
   return LaneSum(acc);
 }
 
+template <typename A>
+JS_INLINE A Sum(const A* v, int64_t n) {
+  return LaneAccumulate<A>(n, [v](int64_t i) JS_LAMBDA_INLINE { return v[i]; });
+}
+
 // sum(a * b), accumulated as Sum.
 template <typename A>
 JS_INLINE A Dot(const A* a, const A* b, int64_t n) {
-  A acc[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
-  }
-  if (i < n) {
-    A tail[kLanes] = {};
-    for (int64_t l = 0; i + l < n; ++l) tail[l] = a[i + l] * b[i + l];
-    for (int l = 0; l < kLanes; ++l) acc[l] += tail[l];
-  }
-  return LaneSum(acc);
+  return LaneAccumulate<A>(n, [a, b](int64_t i) JS_LAMBDA_INLINE { return a[i] * b[i]; });
 }
 
 // e = exp(z - m); returns sum(e). Two loops: the flat exp() loop is the form every vectoriser
@@ -637,23 +630,27 @@ JS_INLINE void BackwardRows(const RowParams& p, int64_t r0, int64_t r1) {
 
 using RowsFn = void (*)(const RowParams&, int64_t, int64_t);
 
-template <typename Tag>
-void ForwardRowsBase(const RowParams& p, int64_t r0, int64_t r1) {
-  ForwardRows<Tag>(p, r0, r1);
-}
-template <typename Tag>
-void BackwardRowsBase(const RowParams& p, int64_t r0, int64_t r1) {
-  BackwardRows<Tag>(p, r0, r1);
+// The row kernels of each direction: Kernel::kRows<Tag> is the one for a dtype.
+struct Forward {
+  template <typename Tag>
+  static constexpr RowsFn kRows = &ForwardRows<Tag>;
+};
+struct Backward {
+  template <typename Tag>
+  static constexpr RowsFn kRows = &BackwardRows<Tag>;
+};
+
+// The ISA variants of a row kernel: called through a template argument, it is inlined and
+// compiled with the variant's ISA.
+template <RowsFn Rows>
+void RowsBase(const RowParams& p, int64_t r0, int64_t r1) {
+  Rows(p, r0, r1);
 }
 
 #ifdef JS_X86_DISPATCH
-template <typename Tag>
-JS_TARGET_AVX2 void ForwardRowsAvx2(const RowParams& p, int64_t r0, int64_t r1) {
-  ForwardRows<Tag>(p, r0, r1);
-}
-template <typename Tag>
-JS_TARGET_AVX2 void BackwardRowsAvx2(const RowParams& p, int64_t r0, int64_t r1) {
-  BackwardRows<Tag>(p, r0, r1);
+template <RowsFn Rows>
+JS_TARGET_AVX2 void RowsAvx2(const RowParams& p, int64_t r0, int64_t r1) {
+  Rows(p, r0, r1);
 }
 
 bool HasAvx2Fma() {
@@ -665,19 +662,13 @@ bool HasAvx2Fma() {
 }
 #endif
 
-template <typename Tag>
-RowsFn PickForward() {
+template <typename Kernel, typename Tag>
+RowsFn PickRows() {
+  constexpr RowsFn rows = Kernel::template kRows<Tag>;
 #ifdef JS_X86_DISPATCH
-  if (HasAvx2Fma()) return &ForwardRowsAvx2<Tag>;
+  if (HasAvx2Fma()) return &RowsAvx2<rows>;
 #endif
-  return &ForwardRowsBase<Tag>;
-}
-template <typename Tag>
-RowsFn PickBackward() {
-#ifdef JS_X86_DISPATCH
-  if (HasAvx2Fma()) return &BackwardRowsAvx2<Tag>;
-#endif
-  return &BackwardRowsBase<Tag>;
+  return &RowsBase<rows>;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -751,6 +742,19 @@ void RunRows(ffi::ThreadPool& pool, const RowParams& p, RowsFn fn) {
 // ------------------------------------------------------------------------------------------
 // Handlers
 
+// The rows of p (filled in by FillRowParams) through Kernel's variant for dtype.
+template <typename Kernel>
+ffi::Error RunKernel(ffi::ThreadPool& pool, RowParams& p, ffi::DataType dtype, double scale,
+                     bool log) {
+  p.scale = scale;
+  p.log = log;
+  return DispatchFloat(dtype, [&](auto tag) -> ffi::Error {
+    using Tag = typename decltype(tag)::type;
+    if (p.rows > 0) RunRows(pool, p, PickRows<Kernel, Tag>());
+    return ffi::Error::Success();
+  });
+}
+
 ffi::Error SoftmaxFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer bias,
                           ffi::AnyBuffer mask, ffi::Result<ffi::AnyBuffer> y, bool log,
                           double scale, bool has_bias, bool has_mask, bool causal) {
@@ -761,13 +765,7 @@ ffi::Error SoftmaxFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
       err.failure()) {
     return err;
   }
-  p.scale = scale;
-  p.log = log;
-  return DispatchFloat(x.element_type(), [&](auto tag) -> ffi::Error {
-    using Tag = typename decltype(tag)::type;
-    if (p.rows > 0) RunRows(pool, p, PickForward<Tag>());
-    return ffi::Error::Success();
-  });
+  return RunKernel<Forward>(pool, p, x.element_type(), scale, log);
 }
 
 ffi::Error SoftmaxBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer dy,
@@ -778,13 +776,7 @@ ffi::Error SoftmaxBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer
       err.failure()) {
     return err;
   }
-  p.scale = scale;
-  p.log = log;
-  return DispatchFloat(y.element_type(), [&](auto tag) -> ffi::Error {
-    using Tag = typename decltype(tag)::type;
-    if (p.rows > 0) RunRows(pool, p, PickBackward<Tag>());
-    return ffi::Error::Success();
-  });
+  return RunKernel<Backward>(pool, p, y.element_type(), scale, log);
 }
 
 }  // namespace
