@@ -146,7 +146,7 @@ struct RowParams {
   // CUDA forward: x is not read where a vector's mask bytes are all zero, in the kernels that
   // fetch the mask bytes ahead of x (load_batch_fwd), whose x loads then wait for them. The
   // launcher sets it where consecutive rows share their mask row (a (B, 1, 1, Sk) padding mask,
-  // SkipMaskedX), which comes from L1 or L2; a mask row of its own per row would put a DRAM
+  // SharedMaskRow), which comes from L1 or L2; a mask row of its own per row would put a DRAM
   // latency before each batch's loads.
   bool skip_masked = false;
   // CUDA forward rows with a bias or causal limit but no mask: a position is excluded only past
@@ -163,14 +163,9 @@ struct RowParams {
   // global memory, and copies its next row there as soon as this one has been read again.
   bool row_in_smem = false;
   // CUDA, float32 backward rows that read y and dy twice (backward_row_reread): the first read
-  // keeps its L2 lines (evict_last) until the second lets them go (evict_first, as the stores).
-  bool l2_hints = false;
-  // CUDA, the same rows: the first read also leaves y (1) or y and dy (2) in shared memory
-  // (dynamic, sized by the launcher), where the second read takes them instead of from L2.
-  uint8_t reread_smem = 0;
-  // CUDA, float32 plain and windowed forward rows: a warp's threads take one path for a batch's
-  // loads and stores (kWarpUniformEnds in softmax_kernels.cuh).
-  bool warp_uniform_ends = false;
+  // also leaves y in shared memory (dynamic, sized by the launcher), where the second read takes
+  // it instead of from L2.
+  bool reread_smem = false;
   RowOrder order;         // CUDA: which rows each CTA takes (the launcher sets it)
   BroadcastView bias;     // forward only; element type = the input's
   BroadcastView mask;     // bool (one byte per element)

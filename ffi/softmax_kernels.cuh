@@ -31,7 +31,7 @@ constexpr int MinBlocksPerSm(int block) { return block >= 1024 ? 1 : 1024 / bloc
 // at once (rows per group x vectors per row, twice for the backward's two operands) take
 // 16 CTAs of 128 threads per SM, i.e. 32 registers. Of the tiers that LaunchTier instantiates,
 // those are the forward lane groups of two rows of one vector each (short plain rows on sm_90+,
-// ShortRegisterRows in softmax_launch.cuh); every other tier holds four vectors or more. ptxas
+// LaunchTier in softmax_launch.cuh); every other tier holds four vectors or more. ptxas
 // (sm_90a, no spill): 16-bit rows 48 -> 32 registers, float32 32-37 -> 29, so that each SM keeps
 // 64 KiB of 16-bit rows in flight instead of 40.
 // Measured (session 46, us per call at 256 MiB, 48 / 32 registers, two rounds each): H200
@@ -891,8 +891,7 @@ __device__ __forceinline__ void fetch_batch_operands(const Loader (&loaders)[kRo
 
 // Float32 plain and windowed forward rows: the threads of a warp take one path for a batch's loads
 // and stores, the whole-vector one only where every thread of the warp can (whole_vector_path,
-// in batch_inside and store_row; RowParams::warp_uniform_ends, JAX_SOFTMAX_WARP_UNIFORM_ENDS=0
-// turns it off). A row's end threads (its first vector partial, its last vector partial or past
+// in batch_inside and store_row). A row's end threads (its first vector partial, its last vector partial or past
 // the row) take the per-vector path; where a warp also held threads whose vectors all lay inside,
 // it ran both paths, one after the other. Rows of a few vectors per lane, several rows per warp,
 // have end threads in every warp: float32 odd rows on 8 lanes of 8 vectors ran at 135-136 us up
@@ -909,7 +908,7 @@ constexpr bool kWarpUniformEnds =
     Loader::kPlain && !Loader::kBackward && std::is_same_v<typename Loader::Elem, float>;
 
 // Whether this thread takes the whole-vector path, given whether its own vectors allow it
-// (`inside`): where kWarpUniformEnds and `on` (RowParams::warp_uniform_ends), only if every active
+// (`inside`): where kWarpUniformEnds and `on`, only if every active
 // thread of the warp may; the per-vector path is right for any vector.
 template <typename Loader>
 __device__ __forceinline__ bool whole_vector_path(bool inside, bool on) {
@@ -924,8 +923,7 @@ __device__ __forceinline__ bool whole_vector_path(bool inside, bool on) {
 // every load issued first, then the values, the scale tested once. The per-vector tests of
 // load_fwd (a -inf fill and two branches per vector) were a tenth of a bfloat16 cluster row's
 // instructions (ncu source counters, session 8). Float32 and float64 load straight into v.
-// warp_uniform: RowParams::warp_uniform_ends, for the float32 rows of kWarpUniformEnds
-// (whole_vector_path).
+// warp_uniform: the warp votes for the float32 rows of kWarpUniformEnds (whole_vector_path).
 template <int kPacks, typename Loader, int kRows>
 __device__ __forceinline__ bool batch_inside(const Loader (&loaders)[kRows], int first, int stride,
                                              bool warp_uniform = false) {
@@ -1302,7 +1300,7 @@ __device__ __forceinline__ void store_row(const RowParams& p, const Loader& load
   // and the extra path cost the 16-bit backward lane groups 3-4 points, bench session 8).
   if constexpr (Loader::kPlain && kPacks > 1) {
     if (whole_vector_path<Loader>(loader.holds(first_col, first_col + (kPacks - 1) * stride),
-                                  p.warp_uniform_ends)) {
+                                  true)) {
 #pragma unroll
       for (int k = 0; k < kPacks; ++k)
         store_vec_acc<kVec, kAsmStore>(dst + first_col + k * stride, out[k]);
@@ -1766,15 +1764,14 @@ __device__ __forceinline__ bool finish_batch_raw(
 // (finish_batch_raw): for the row's partial dot product, kAtOnce vectors of each at a time with
 // all their loads in flight, and again after the row's reduction for the output (from L2: the
 // cluster read them a reduction ago; the first read marks its lines evict_last so that the rows
-// in flight and the output's lines do not push them out first, RowParams::l2_hints). Only the
+// in flight and the output's lines do not push them out first). Only the
 // dot product is live through the reduction. The tier it serves replaced 16 x 1024 threads of 16
 // values, one CTA per SM (TUNING.md, session 14).
 //
-// RowParams::reread_smem (1, or 2 in A/B runs; LaunchCluster): the first read also leaves this
-// thread's vectors of y (and, with 2, of dy) in its RowSlots in shared memory (with 1 a buffer
-// of y alone), where the second read takes them (measured: LaunchCluster). Each thread reads
-// back only what it wrote, so no barrier; the slots of a thread that reads per vector (a row's
-// ends) stay unused, and so do the wrap slots.
+// RowParams::reread_smem (LaunchCluster, where the buffer fits): the first read also leaves this
+// thread's vectors of y in its RowSlots in shared memory, where the second read takes them. Each
+// thread reads back only what it wrote, so no barrier; the slots of a thread that reads per vector
+// (a row's ends) stay unused, and so do the wrap slots.
 template <int kGroup, int kCluster, int kPacks, typename Loader, typename S>
 __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Loader& loader,
                                                     int64_t row, int first_col, S* block_slots,
@@ -1801,16 +1798,15 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
     inside = loader.holds(first_col, last_col);
   else
     inside = last_col + kVec - 1 <= loader.limit;  // the limit is -1 for a row past the end
-  // L2 priorities (RowParams::l2_hints): the first read's lines stay (evict_last) until the second
-  // read lets them go (evict_first), and the output's lines, which this kernel never reads, leave
-  // first. (The per-vector path, a thread or two at the row's ends, reads and stores without.)
-  const bool hints = p.l2_hints;
-  const uint64_t keep_in_l2 =
-      hints ? l2_policy<L2Evict::kLast>() : l2_policy<L2Evict::kNormal>();
-  const uint64_t let_go = hints ? l2_policy<L2Evict::kFirst>() : l2_policy<L2Evict::kNormal>();
-  // Vectors kept in shared memory (the per-vector path keeps none): 0, y, or y and dy. Their
-  // first read lets their L2 lines go as the second read does.
-  const int in_smem = inside ? p.reread_smem : 0;
+  // L2 priorities: the first read's lines stay (evict_last) until the second read lets them go
+  // (evict_first), and the output's lines, which this kernel never reads, leave first (s26: 262144
+  // 277 -> 242 us). (The per-vector path, a thread or two at the row's ends, reads and stores
+  // without.)
+  const uint64_t keep_in_l2 = l2_policy<L2Evict::kLast>();
+  const uint64_t let_go = l2_policy<L2Evict::kFirst>();
+  // Whether y is kept in shared memory (the per-vector path keeps none); its first read then lets
+  // its L2 lines go as the second read does.
+  const bool in_smem = inside && p.reread_smem;
   const RowSlots<BlockThreads(kGroup), kPacks> slots{row_smem};
   // One chunk of the first (second = false) or second read: y into v, dy into g, ok where a
   // position takes part.
@@ -1824,26 +1820,21 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
         if constexpr (!Loader::kPlain)
           keep[j] = loader.template fetch_mask</*kLive=*/true>(first_col + (k0 + j) * stride);
       }
-      const uint64_t y_policy = second || in_smem >= 1 ? let_go : keep_in_l2;
-      const uint64_t g_policy = second || in_smem >= 2 ? let_go : keep_in_l2;
+      const uint64_t y_policy = second || in_smem ? let_go : keep_in_l2;
+      const uint64_t g_policy = second ? let_go : keep_in_l2;
       T ys[kAtOnce][kVec], gs[kAtOnce][kVec];
 #pragma unroll
       for (int j = 0; j < kAtOnce; ++j) {
-        if (second && in_smem >= 1)
+        if (second && in_smem)
           load_vec<kVec>(reinterpret_cast<const T*>(&slots.at(k0 + j, 0)), ys[j]);
         else
           load_vec_l2<kVec>(loader.in + first_col + (k0 + j) * stride, ys[j], y_policy);
-        if (second && in_smem >= 2)
-          load_vec<kVec>(reinterpret_cast<const T*>(&slots.at(k0 + j, 1)), gs[j]);
-        else
-          load_vec_l2<kVec>(loader.grad + first_col + (k0 + j) * stride, gs[j], g_policy);
+        load_vec_l2<kVec>(loader.grad + first_col + (k0 + j) * stride, gs[j], g_policy);
       }
-      if (!second) {
+      if (!second && in_smem) {
 #pragma unroll
-        for (int j = 0; j < kAtOnce; ++j) {
-          if (in_smem >= 1) store_vec<kVec>(reinterpret_cast<T*>(&slots.at(k0 + j, 0)), ys[j]);
-          if (in_smem >= 2) store_vec<kVec>(reinterpret_cast<T*>(&slots.at(k0 + j, 1)), gs[j]);
-        }
+        for (int j = 0; j < kAtOnce; ++j)
+          store_vec<kVec>(reinterpret_cast<T*>(&slots.at(k0 + j, 0)), ys[j]);
       }
 #pragma unroll
       for (int j = 0; j < kAtOnce; ++j)
@@ -1935,7 +1926,7 @@ constexpr bool kRereadRows = Loader::kBackward && !Loader::kRawBwd && kElems > 1
 // reducing in flight, and a row took about 3 us whatever its length (H200: 50257 and 65536
 // columns alike, 30 clusters of 8 x 512 threads at once), so 50257 ran at 70% of the copy, 65536
 // at 91%. (Since session 25 the plain and windowed rows of 32769-131072 columns take the
-// kSmemRowBwd tiers; these serve 16385-32768, and the others under JAX_SOFTMAX_RAW_WIDE=0.)
+// kSmemRowBwd tiers; these serve 16385-32768.)
 template <typename Loader, int kCluster, int kRows, int kElems>
 constexpr bool kAsyncNextRow =
     Loader::kRawBwd && Loader::kPlain && kCluster > 1 && kRows == 1 && kElems <= 16;
@@ -2038,7 +2029,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
     // The 16-bit backward cluster rows ran 1.08-1.27x faster without it (session 13: N = 65536
     // 242 -> 222 us, 262144 281 -> 239, 262144 with a mask 480 -> 379; at 262144, where y and dy
     // are read again after the reduction, ncu read 1.3x the must-move DRAM bytes with it).
-    // Only CTAs with a next batch prefetch: those of the persistent (cluster) grids, see RowWaves;
+    // Only CTAs with a next batch prefetch: those of the persistent (cluster) grids, see kPersistentWaves;
     // and only on GPUs with the H200's DRAM bytes per SM cycle (PrefetchEnabled: on the H100 it
     // slowed bfloat16 32768 and 65536 by 9-11%).
     constexpr bool kPrefetch = kVec > 1 && sizeof(T) == 2 && !kBwd;
@@ -2165,7 +2156,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
         BatchOperands<Loader, kRows, kPacks, true> ops;
         fetch_batch_operands(loaders, first_col, stride, ops);
         load_batch_fwd<true, kRows == 1>(loaders, first_col, stride, ops, v, any, p.skip_masked,
-                                          p.warp_uniform_ends);
+                                          true);
       }
     } else {
       // Backward rows in float values, and the other float32/float64 general forward rows: each
@@ -2239,14 +2230,13 @@ struct StagedTiles {
   uint32_t stage_bytes;  // distance between stages in dynamic shared memory (multiple of 128)
   // The windowed tiles of kCopyAligned kernels: the copy starts at x's element index rounded
   // down to a multiple of this (a power of two, in elements; 0 or kVec: the tile's own 16-byte
-  // start), so that it reads whole sectors from its first (staged_tile; CopyAlignBytes says why).
+  // start), so that it reads whole sectors from its first (staged_tile; kCopyAlignBytes says why).
   int copy_align = 0;
 };
 constexpr int kMaxStages = 4;
 
 // The staged kernels whose windowed tiles start at StagedTiles::copy_align: one row per tile on
-// one CTA (the reread blocks; where BlockCopyAlign is on, by default since session 52 on the H200
-// and session 53 on every GPU, the other staged blocks too: the launch sets copy_align). The lane
+// one CTA (the reread blocks and the other staged blocks: the launch sets copy_align). The lane
 // groups compiled
 // with it took 1-6 more registers (8-32 lanes, ptxas sm_90a), and a cluster CTA's chunk starts
 // where the chunk before it ends.
@@ -2255,7 +2245,7 @@ constexpr bool kCopyAligned = kAccess == Access::kWindowed && kCluster == 1 && k
 
 // Bytes of a staged tile of `elems` elements: a windowed tile also holds the few elements before
 // its first row and after its last that share their vectors (staged_tile), and up to
-// align_bytes - 16 bytes before that (CopyAlignBytes).
+// align_bytes - 16 bytes before that (kCopyAlignBytes).
 template <typename T, int kVec, Access kAccess>
 __host__ __device__ constexpr uint64_t StagedTileBytes(uint64_t elems, int align_bytes) {
   return (elems + (kAccess == Access::kWindowed ? 2 * kVec : 0)) * sizeof(T) + (align_bytes - 16);
@@ -2371,10 +2361,10 @@ __device__ __forceinline__ void whole_window(typename Loader::Elem* window, cons
 // stage is made whole vectors first, so that its passes read as a plain row's do (see the code
 // after the wait). 16-bit ones of up to 80 values per thread are held to 40 registers (as
 // kRawRows; 80 values spill 8 bytes there, ptxas sm_90a, but two CTAs of 23 warps fit an SM only
-// at 40: RereadLongRows); float32 ones, whose 64 values per thread take twice the registers, to
+// at 40: LaunchStagedTier); float32 ones, whose 64 values per thread take twice the registers, to
 // 64 (two CTAs of 512 threads per SM), and so would be 16-bit ones of 128 values (session 52's
 // experiment, 1024 threads, one CTA per SM, windowed: at 40 they spilled 36-52 bytes, at 64 none,
-// ptxas sm_90a; not instantiated since session 53, where they lost, see RereadLongRows).
+// ptxas sm_90a; not instantiated since session 53, where they lost, see LaunchStagedTier).
 template <typename T, int kGroup, int kElems, int kVec, int kCluster, Access kAccess, int kRows = 1,
           bool kReread = false>
 __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGroup, kElems))
@@ -2622,7 +2612,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
 #endif
 }
 
-// --- staged backward rows (sm_90+; sessions 51-52, BwdStagedRows) -------------------------------
+// --- staged backward rows (sm_90+; sessions 51-52, LaunchTier) -------------------------------
 // 16-bit plain and windowed backward rows of up to kGroup x kElems columns, one per CTA of as many
 // warps as the row needs: thread 0 copies the row's y and dy into one stage (cp.async.bulk; y's
 // copy, then dy's at half the stage), and both passes read them from there, the dot product and,
@@ -2895,7 +2885,7 @@ __global__ void __launch_bounds__(kBlock) softmax_rows_twopass_kernel(const RowP
 
 // --- short windowed rows through shared memory -------------------------------------------------
 // Rows of few columns whose length is not a multiple of the vector width (windowed rows: no
-// mask, bias or causal limit; ShortOddRowsMode and ShortOddBwdMode in softmax_launch.cuh say
+// mask, bias or causal limit; ShortWideForwardRow and ShortOddBackwardRow in softmax_launch.cuh say
 // which, and why). A CTA's rows are consecutive, so its tile is one contiguous span of each
 // operand whatever the rows' alignment: the CTA copies it into shared memory with 16-byte loads
 // (the span's start aligned down to 16 bytes: that first vector's leading elements belong to the
@@ -2940,36 +2930,20 @@ __device__ __forceinline__ ShortRowsSpan short_rows_span(const RowParams& p, int
   return s;
 }
 
-// How the short-row kernels copy their spans into shared memory (load_short_spans; the launcher's
-// ShortRowsTuningFor picks).
-// kShortCopyBulkStore: bulk copies in and out (store_short_span).
-enum ShortCopy : int {
-  kShortCopyPlain = 0,
-  kShortCopyBatched = 1,
-  kShortCopyBulk = 2,
-  kShortCopyBulkStore = 3,
-};
-
-// Copies kSpans operands' spans into their tiles: the whole vectors with 16-byte loads, the last
-// partial vector element by element (nothing past the operand's end is read). Batched, eight
-// vectors per thread (over the spans) are loaded before any is stored, so that they are in flight
-// together; the plain loop compiles to a remainder loop of up to three iterations, each store
-// waiting for its own load, then a body unrolled by four (PTX, session 63), which suits tiles of
-// many vectors per thread. Bulk (sm_90): one thread hands each span's whole vectors to the copy
-// engine (cp.async.bulk, completion counted on `bar`, a barrier in shared memory), so that the
-// whole tile is in flight at once without a register or an instruction per vector; the threads
-// copy the last partial vector meanwhile. Every mode ends with the tile complete and visible to
-// all threads (its own __syncthreads).
+// Copies kSpans operands' spans into their tiles: one thread hands each span's whole vectors to
+// the copy engine (cp.async.bulk, completion counted on `bar`, a barrier in shared memory), so that
+// the whole tile is in flight at once without a register or an instruction per vector (s68: 1.0-1.2x
+// faster than the threads' own 16-byte copies); the threads copy the last partial vector element by
+// element meanwhile (nothing past the operand's end is read). Ends with the tile complete and
+// visible to all threads.
 template <typename T, int kSpans>
 __device__ __forceinline__ void load_short_spans(T* const (&tiles)[kSpans],
                                                  const T* const (&srcs)[kSpans],
-                                                 const ShortRowsSpan& s, int mode, uint64_t* bar) {
+                                                 const ShortRowsSpan& s, uint64_t* bar) {
   constexpr int kVec = 16 / int(sizeof(T));
-  const auto dst = [&](int k) { return reinterpret_cast<uint4*>(tiles[k]); };
-  const auto src = [&](int k) { return reinterpret_cast<const uint4*>(srcs[k]); };
-  // The bulk copy's barrier: initialised by one thread and made visible to the copy engine; the
-  // other threads wait on it only after a __syncthreads.
-  const bool bulk = mode >= kShortCopyBulk && s.whole > 0;
+  // The barrier: initialised by one thread and made visible to the copy engine; the other threads
+  // wait on it only after a __syncthreads.
+  const bool bulk = s.whole > 0;
   if (bulk && threadIdx.x == 0) {
     mbarrier_init(bar, 1);
     fence_mbarrier_init();
@@ -2978,36 +2952,10 @@ __device__ __forceinline__ void load_short_spans(T* const (&tiles)[kSpans],
 #pragma unroll
     for (int k = 0; k < kSpans; ++k) bulk_load_shared(tiles[k], srcs[k], bytes, bar);
   }
-  if (bulk) {
-    // Whole vectors on their way; the partial one below.
-  } else if (mode != kShortCopyBatched) {
-    for (int i = threadIdx.x; i < s.whole; i += kShortRowsBlock)
-#pragma unroll
-      for (int k = 0; k < kSpans; ++k) dst(k)[i] = __ldg(src(k) + i);
-  } else {
-    constexpr int kPerSpan = 8 / kSpans;
-    for (int base = 0; base < s.whole; base += kShortRowsBlock * kPerSpan) {
-      uint4 buf[kSpans][kPerSpan];
-#pragma unroll
-      for (int j = 0; j < kPerSpan; ++j) {
-        const int i = base + j * kShortRowsBlock + int(threadIdx.x);
-#pragma unroll
-        for (int k = 0; k < kSpans; ++k)
-          if (i < s.whole) buf[k][j] = __ldg(src(k) + i);
-      }
-#pragma unroll
-      for (int j = 0; j < kPerSpan; ++j) {
-        const int i = base + j * kShortRowsBlock + int(threadIdx.x);
-#pragma unroll
-        for (int k = 0; k < kSpans; ++k)
-          if (i < s.whole) dst(k)[i] = buf[k][j];
-      }
-    }
-  }
   for (int i = s.whole * kVec + threadIdx.x; i < s.span; i += kShortRowsBlock)
 #pragma unroll
     for (int k = 0; k < kSpans; ++k) tiles[k][i] = srcs[k][i];
-  __syncthreads();  // the partial vector's stores (and, in bulk, the barrier's initialisation)
+  __syncthreads();  // the partial vector's stores and the barrier's initialisation
   if (bulk) mbarrier_wait(bar, 0);
 }
 
@@ -3084,19 +3032,17 @@ __device__ __forceinline__ void with_short_row_values(int value_chunks, Fn&& fn)
 // Stores a tile's span over dst (both from the aligned start) with 16-byte stores, its first
 // partial vector and last one element by element, so that no element of another CTA's rows is
 // written.
-// With `bulk` and lead 0 the whole vectors go out with one bulk copy from thread 0 instead
-// (every thread's writes of the tile made visible to the copy engine by the caller:
-// fence_proxy_async_shared, then __syncthreads), which waits until the copy has read the tile.
-// PickShortRowsTile sizes tiles to whole vectors (forward ones to whole 32-byte sectors), so every
-// tile has lead 0; under JAX_SOFTMAX_SHORT_ALIGNED_TILES=0 the 32-lane backward tiles of 4-row
-// passes may not (16-bit 193: 7 passes), and those take the threads' stores.
+// With lead 0 the whole vectors go out with one bulk copy from thread 0 instead (every thread's
+// writes of the tile made visible to the copy engine by the caller: fence_proxy_async_shared, then
+// __syncthreads), which waits until the copy has read the tile. PickShortRowsTile sizes tiles to
+// whole vectors (forward ones to whole 32-byte sectors), so every tile has lead 0; the threads'
+// stores are there for any other.
 template <typename T>
-__device__ __forceinline__ void store_short_span(T* dst, const T* tile, const ShortRowsSpan& s,
-                                                 bool bulk = false) {
+__device__ __forceinline__ void store_short_span(T* dst, const T* tile, const ShortRowsSpan& s) {
   constexpr int kVec = 16 / int(sizeof(T));
   const int head_end = s.lead == 0 ? 0 : min(s.span, kVec);
   for (int i = s.lead + threadIdx.x; i < head_end; i += kShortRowsBlock) dst[i] = tile[i];
-  if (bulk && s.lead == 0) {
+  if (s.lead == 0) {
     if (threadIdx.x == 0 && s.whole > 0) {
       bulk_store_global(dst, tile, static_cast<uint32_t>(s.whole) * 16u);
       bulk_store_wait_read();
@@ -3114,7 +3060,7 @@ __device__ __forceinline__ void store_short_span(T* dst, const T* tile, const Sh
 // cols, kVec) elements.
 template <typename T, int kGroup>
 __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBlock))
-    softmax_short_rows_kernel(const RowParams p, int rows_per_cta, int copy_mode, int row_spacing,
+    softmax_short_rows_kernel(const RowParams p, int rows_per_cta, int row_spacing,
                               int value_chunks) {
   using A = acc_t<T>;
   constexpr int kVec = 16 / int(sizeof(T));
@@ -3129,7 +3075,7 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
   {
     T* const tiles[1] = {tile};
     const T* const srcs[1] = {src};
-    load_short_spans<T, 1>(tiles, srcs, sp, copy_mode, &copy_bar);
+    load_short_spans<T, 1>(tiles, srcs, sp, &copy_bar);
   }
   const int lane = threadIdx.x % kGroup;
   const A scale = static_cast<A>(p.scale);
@@ -3167,10 +3113,9 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
       });
     });
   });
-  const bool bulk_store = copy_mode == kShortCopyBulkStore;
-  if (bulk_store) fence_proxy_async_shared();  // this thread's outputs, before the bulk store
+  fence_proxy_async_shared();  // this thread's outputs, before the bulk store
   __syncthreads();
-  store_short_span(dst, tile, sp, bulk_store);
+  store_short_span(dst, tile, sp);
 }
 
 // Backward: y's and dy's spans in shared memory (ShortRowsSlots(rows_per_cta * cols, kVec)
@@ -3180,8 +3125,7 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
 // so a row's length is bounded only by the tile.
 template <typename T, int kGroup>
 __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBlock))
-    softmax_short_rows_bwd_kernel(const RowParams p, int rows_per_cta, int copy_mode,
-                                  int row_spacing) {
+    softmax_short_rows_bwd_kernel(const RowParams p, int rows_per_cta, int row_spacing) {
   using A = acc_t<T>;
   constexpr int kVec = 16 / int(sizeof(T));
   extern __shared__ __align__(16) unsigned char short_rows_bwd_smem[];
@@ -3195,7 +3139,7 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
     T* const tiles[2] = {ys, gs};
     const T* const srcs[2] = {static_cast<const T*>(p.in) + sp.start,
                               static_cast<const T*>(p.grad_in) + sp.start};
-    load_short_spans<T, 2>(tiles, srcs, sp, copy_mode, &copy_bar);
+    load_short_spans<T, 2>(tiles, srcs, sp, &copy_bar);
   }
   const int lane = threadIdx.x % kGroup;
   const A scale = static_cast<A>(p.scale);
@@ -3242,10 +3186,9 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
         });
     });
   });
-  const bool bulk_store = copy_mode == kShortCopyBulkStore;
-  if (bulk_store) fence_proxy_async_shared();  // this thread's outputs, before the bulk store
+  fence_proxy_async_shared();  // this thread's outputs, before the bulk store
   __syncthreads();
-  store_short_span(static_cast<T*>(p.out) + sp.start, ys, sp, bulk_store);
+  store_short_span(static_cast<T*>(p.out) + sp.start, ys, sp);
 }
 
 }  // namespace jax_softmax
