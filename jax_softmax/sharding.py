@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -159,8 +161,8 @@ def _plan(mesh, arg_shapes, causal: bool):
 def _replicated(arg_shapes):
     """Fallback for shardings without a mesh: every operand whole on every device (correct, but
     gathered; jit with NamedSharding inputs never comes here)."""
-    devices = arg_shapes[0].sharding._device_assignment
-    rep = jax.sharding.GSPMDSharding.get_replicated(devices)
+    devices = np.asarray(arg_shapes[0].sharding._device_assignment)
+    rep = NamedSharding(jax.sharding.Mesh(devices, ("devices",)), PartitionSpec())
     return rep, (rep,) * len(arg_shapes)
 
 
