@@ -25,7 +25,7 @@ see where a step's time goes when the steps/s move but the softmax benchmarks do
 `jax_softmax_env` records the JAX_SOFTMAX_* knobs of the run (e.g. JAX_SOFTMAX_PDL=0).
 
 A/B between builds: the benchmark's helpers (meta, timeline) come from this source tree's
-jax_softmax/_bench.py, not from the package on the path, and the package needs nothing but
+benchmarks/jax_softmax_bench/, not from the package on the path, and the package needs nothing but
 `jax_softmax.flax.dot_product_attention`; so any build, an old revision's too, can be timed:
 `PYTHONPATH=<its site> JAX_SOFTMAX_GIT_REV=<its revision> python benchmarks/bench_train_step.py
 --repeats 1 --tag NAME`, alternating builds one process each (session 48 timed session 9's build
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import importlib.util
 import json
 import os
 import shutil
@@ -49,15 +48,11 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+# common.py: sys.path[0] already when run as a script, not when a test loads this file.
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
 
-
-def _source_bench():
-    """This source tree's jax_softmax/_bench.py as a module of its own (see the docstring: A/B)."""
-    spec = importlib.util.spec_from_file_location(
-        "_source_tree_bench", os.path.join(HERE, "..", "jax_softmax", "_bench.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from common import import_source_bench  # noqa: E402
 
 
 def _take_hlo(raw: str, dest: str | None) -> None:
@@ -104,9 +99,13 @@ def main(argv=None):
 
     from train_lm import train  # examples/train_lm.py
 
-    bench = _source_bench()
-    device = bench.device_kind()
-    stem = args.tag or f"train_step_{bench.slug(device)}"
+    import_source_bench()  # the helpers below: this checkout's (see the docstring: A/B)
+    from jax_softmax_bench.environment import collect_meta, device_kind
+    from jax_softmax_bench.report import slug
+    from jax_softmax_bench.timeline import gpu_timeline, timeline_summary
+
+    device = device_kind()
+    stem = args.tag or f"train_step_{slug(device)}"
     rows = []
     for s in args.seq_lens:
         batch = max(1, args.tokens // s)
@@ -125,8 +124,8 @@ def main(argv=None):
                 point.setdefault(key + "_runs", []).append(r["steps_per_sec"])
                 point[key + "_final_loss"] = r["losses"][-1]
                 if trace_dir is not None:
-                    point[key + "_timeline"] = bench.timeline_summary(bench.gpu_timeline(trace_dir),
-                                                                      args.trace_steps)
+                    point[key + "_timeline"] = timeline_summary(gpu_timeline(trace_dir),
+                                                                args.trace_steps)
                     shutil.rmtree(trace_dir, ignore_errors=True)
                 if raw_hlo is not None:  # every repeat compiles the same program: keep the first
                     _take_hlo(raw_hlo, os.path.join(args.dump_hlo, f"{stem}_S{s}_{key}") if repeat == 0 else None)
@@ -145,7 +144,7 @@ def main(argv=None):
     # The softmax benches' record of the machine: device, driver, versions, git revision.
     if raw_hlo is not None:
         shutil.rmtree(raw_hlo)
-    meta = bench.collect_meta("jax_softmax", standin=False)
+    meta = collect_meta("jax_softmax", standin=False)
     meta["settings"] = vars(args)
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump({"meta": meta, "points": rows}, f, indent=1)

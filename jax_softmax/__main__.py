@@ -1,11 +1,35 @@
 """``python -m jax_softmax``: self-check and a quick timing table on JAX's default backend.
 
 ``python -m jax_softmax bench [...]`` runs the benchmark suite instead (see benchmarks/).
+
+The benchmark suite is a package of its own, jax_softmax_bench (benchmarks/jax_softmax_bench/ of
+the source tree; the wheel installs it beside jax_softmax), imported here only when a command
+needs it, so that ``import jax_softmax`` never loads benchmark code. The self-check is the
+library's; the timing table borrows the suite's chain timing (jax_softmax_bench.timing), so that
+its figures are the benchmark's, and is left out with a note where the suite is not installed.
 """
 
 from __future__ import annotations
 
 import sys
+
+BENCH_PACKAGE = "jax_softmax_bench"
+BENCH_MISSING = (f"the benchmark package {BENCH_PACKAGE} is not installed: the jax-softmax wheel "
+                 "carries it (pip install .); in a source checkout it is "
+                 f"benchmarks/{BENCH_PACKAGE}/ (python benchmarks/bench_softmax.py runs it)")
+
+
+def _import_bench(module: str):
+    """jax_softmax_bench.<module>, or None where the package is not installed (an error inside
+    it is raised as it is)."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"{BENCH_PACKAGE}.{module}")
+    except ModuleNotFoundError as e:
+        if e.name != BENCH_PACKAGE:
+            raise
+        return None
 
 
 def _progress(iterable, total, desc):
@@ -23,13 +47,11 @@ def _progress(iterable, total, desc):
         return gen()
 
 
-def _time_per_call(fn, xs):
-    """Median microseconds per call of fn, the benchmark's way (jax_softmax._bench.time_jax): the
-    calls chained in one jit on the distinct inputs xs, timed on the GPU's clock where there is
-    one (from the host otherwise), so dispatch stays out of the figure."""
-    from jax_softmax import _bench
-
-    t = _bench.time_jax(fn, tuple((x,) for x in xs), len(xs), reps=5, warmup=1, pipeline=5)
+def _time_per_call(timing, fn, xs):
+    """Median microseconds per call of fn, the benchmark's way (jax_softmax_bench.timing, passed
+    as `timing`): the calls chained in one jit on the distinct inputs xs, timed on the GPU's
+    clock where there is one (from the host otherwise), so dispatch stays out of the figure."""
+    t = timing.time_jax(fn, tuple((x,) for x in xs), len(xs), reps=5, warmup=1, pipeline=5)
     return t.median, t.method
 
 
@@ -78,6 +100,10 @@ def timing_table() -> None:
 
     import jax_softmax
 
+    timing = _import_bench("timing")
+    if timing is None:
+        print(f"\nno timing table: {BENCH_MISSING}")
+        return
     gpu = jax.default_backend() == "gpu"
     mib = 256 if gpu else 8
     rows = []
@@ -88,8 +114,8 @@ def timing_table() -> None:
         n = mib * 2**20 // 4
         rng = np.random.default_rng(1)
         xs = [jnp.asarray(rng.standard_normal((n // cols, cols)), jnp.float32) for _ in range(chain)]
-        t_ours, method = _time_per_call(jax_softmax.softmax, xs)
-        t_xla, _ = _time_per_call(jax.nn.softmax, xs)
+        t_ours, method = _time_per_call(timing, jax_softmax.softmax, xs)
+        t_xla, _ = _time_per_call(timing, jax.nn.softmax, xs)
         gbs = 2 * xs[0].nbytes / (t_ours * 1e-6) / 1e9
         rows.append((cols, xs[0].shape[0], t_ours, t_xla, t_xla / t_ours, gbs))
         del xs
@@ -103,9 +129,11 @@ def timing_table() -> None:
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "bench":
-        from jax_softmax._bench_cli import main as bench_main
-
-        return bench_main(argv[1:])
+        cli = _import_bench("cli")
+        if cli is None:
+            print(f"python -m jax_softmax bench: {BENCH_MISSING}", file=sys.stderr)
+            return 1
+        return cli.main(argv[1:])
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0

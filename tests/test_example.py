@@ -62,15 +62,15 @@ def test_traced_steps(train_lm, tmp_path):
     holds jax_softmax's kernels, elsewhere it has no GPU events."""
     from conftest import gpu_available
 
-    from jax_softmax import _bench
+    from jax_softmax_bench.timeline import gpu_timeline, timeline_summary
 
     run = train_lm.train(**{**TINY, "steps": 3}, use_plugin=True, verbose=False,
                          trace_dir=str(tmp_path), trace_steps=2)
     assert len(run["losses"]) == 3
     assert list(tmp_path.glob("**/*.xplane.pb"))
-    events = _bench.gpu_timeline(str(tmp_path))
+    events = gpu_timeline(str(tmp_path))
     if gpu_available():
-        assert _bench.timeline_summary(events, 2)["jax_softmax_us"] > 0
+        assert timeline_summary(events, 2)["jax_softmax_us"] > 0
     else:
         assert events == []
 

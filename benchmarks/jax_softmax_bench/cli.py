@@ -1,4 +1,4 @@
-"""``python -m jax_softmax bench ...``: forwards to the benchmark core in :mod:`jax_softmax._bench`.
+"""``python -m jax_softmax bench ...``: the benchmark suite's commands.
 
 Usage::
 
@@ -6,9 +6,9 @@ Usage::
     python -m jax_softmax bench attention [options]   # (B,H,S,S) attention_softmax vs XLA
     python -m jax_softmax bench plot FILE.json [...]  # re-plot / merge saved results
 
-``python -m jax_softmax bench softmax --help`` lists the options. The core lives in the package
-(not in ``benchmarks/``) so that this works from an installed wheel; ``benchmarks/*.py`` in the
-source tree are thin scripts calling :func:`main`.
+``python -m jax_softmax bench softmax --help`` lists the options. The suite is the package
+jax_softmax_bench (benchmarks/jax_softmax_bench/ of the source tree, a top-level package of the
+wheel); ``benchmarks/*.py`` in the source tree are thin scripts calling :func:`main`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-_COMMANDS = ("softmax", "attention", "plot")
+COMMANDS = ("softmax", "attention", "plot")
 
 
 def main(argv=None) -> int:
@@ -28,19 +28,23 @@ def main(argv=None) -> int:
     cmd = "softmax"
     if argv and not argv[0].startswith("-"):
         cmd = argv.pop(0)
-    if cmd not in _COMMANDS:
-        print(f"unknown bench command {cmd!r}; choose from {_COMMANDS}\n\n{__doc__}",
+    if cmd not in COMMANDS:
+        print(f"unknown bench command {cmd!r}; choose from {COMMANDS}\n\n{__doc__}",
               file=sys.stderr)
         return 2
     # Must happen before anything creates JAX's GPU client (torch/triton share the GPU).
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    from . import _bench
-
     if cmd == "softmax":
-        return _bench.run_softmax(argv)
+        from .softmax_sweep import run_softmax
+
+        return run_softmax(argv)
     if cmd == "attention":
-        return _bench.run_attention(argv)
-    return _bench.run_plot(argv)
+        from .attention_sweep import run_attention
+
+        return run_attention(argv)
+    from .report import run_plot
+
+    return run_plot(argv)
 
 
 if __name__ == "__main__":
