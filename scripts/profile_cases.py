@@ -8,9 +8,10 @@ any length named {f32,bf16,f16}_{fwd,bwd,bwdmask}_N (e.g. bf16_fwd_53001).
 `time` times 256 MiB tensors the benchmark's way (K = 4 calls chained in one jit, executions
 pipelined, the chain's span read from the GPU's clock; Triton's K launches between CUDA events),
 so per-call dispatch stays out of the figure; it is a quick
-probe for comparing kernel variants in one session (tier knobs such as JAX_SOFTMAX_STAGED are read
-once per process, so run one process per variant). The committed figures come from
-`python -m jax_softmax bench`, which also checks the dispatch residual.
+probe for comparing kernel variants in one session (the run-time settings JAX_SOFTMAX_STAGED and
+JAX_SOFTMAX_PDL are read once per process, so run one process per variant; scripts/gpu_check.sh's
+ab step does). The committed figures come from `python -m jax_softmax bench`, which also checks
+the dispatch residual.
 
 `trace` runs each case's chain as `time` does while jax.profiler records the GPU timeline (CUPTI),
 and prints, for ours and XLA, each kernel's median duration, the median idle gap between
@@ -35,9 +36,14 @@ import jax
 import jax.numpy as jnp
 
 import jax_softmax
-from jax_softmax import _bench
-from jax_softmax._bench import xla_attention_softmax
 from jax_softmax.primitives import softmax_bwd_p
+
+# The benchmark suite's timing, providers and timelines: this checkout's jax_softmax_bench
+# (benchmarks/jax_softmax_bench/, which the wheel also installs), ahead of any installed copy, as
+# benchmarks/common.py does; the kernels are whatever `import jax_softmax` found.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
+                                "benchmarks"))
+from jax_softmax_bench import attention_sweep, environment, providers, timeline, timing  # noqa
 
 MIB = 2**20
 TENSOR_BYTES = int(os.environ.get("PROFILE_MIB", "256")) * MIB
@@ -61,14 +67,14 @@ def _xla_bwd(y, g, mask=None):
 
 
 def _attention_case(kind, s, dtype=jnp.bfloat16):
-    """(B, H, s, s) scores of the benchmark's shape (jax_softmax._bench.attention_shape: 16
+    """(B, H, s, s) scores of the benchmark's shape (jax_softmax_bench's attention_shape: 16
     heads, fewer where one head's scores pass the tensor size) in bfloat16 (float32 for the
     attn32_ and attnbwd32_ cases) with a padding mask (B, 1, 1, s) that drops a random 10% of the
     keys ("pad") or, as the benchmark's, all keys past a length drawn per batch element from
     [s/2, s] ("padlen"), a full mask (1, 1, s, s), a per-head bias, the causal rule or none of
     them (scale only); the XLA side is the benchmark's own expression
-    (jax_softmax._bench.xla_attention_softmax)."""
-    b, h = _bench.attention_shape(s, TENSOR_BYTES // MIB, jnp.dtype(dtype).name, 16)
+    (jax_softmax_bench.providers.xla_attention_softmax)."""
+    b, h = attention_sweep.attention_shape(s, TENSOR_BYTES // MIB, jnp.dtype(dtype).name, 16)
     rng = np.random.default_rng(1)
     scores = jnp.asarray(rng.standard_normal((b, h, s, s)).astype(np.float32), dtype)
     lens = rng.integers(s // 2, s + 1, size=(b, 1, 1, 1))
@@ -86,7 +92,7 @@ def _attention_case(kind, s, dtype=jnp.bfloat16):
             return fn(x, scale=0.125, **kw)
         return call
 
-    return (bind(jax_softmax.attention_softmax), bind(xla_attention_softmax), args,
+    return (bind(jax_softmax.attention_softmax), bind(providers.xla_attention_softmax), args,
             2 * scores.nbytes)
 
 
@@ -125,16 +131,17 @@ def _row_case(dtype, n, bwd=False, masked=False):
 
 
 def _triton_case(dtype, n, bwd=False):
-    """The benchmark's Triton tutorial-style kernels (jax_softmax._bench) on torch tensors, for
-    comparing their counters and timing with ours in one process: the forward, or the backward
-    from y and dy. Its case has no XLA function (None): main() times it as launched from Python."""
-    torch = _bench.torch_cuda()
+    """The benchmark's Triton tutorial-style kernels (jax_softmax_bench.providers) on torch
+    tensors, for comparing their counters and timing with ours in one process: the forward, or the
+    backward from y and dy. Its case has no XLA function (None): main() times it as launched from
+    Python."""
+    torch = environment.torch_cuda()
     x = torch.randn(_rows(n, jnp.dtype(dtype)), n, device="cuda").to(getattr(torch, dtype))
     nbytes = x.numel() * x.element_size()
     if not bwd:
-        return _bench.triton_softmax_fwd, None, [x], 2 * nbytes
+        return providers.triton_softmax_fwd, None, [x], 2 * nbytes
     y = torch.softmax(x.float(), -1).to(x.dtype)
-    return _bench.triton_softmax_bwd, None, [y, torch.randn_like(x)], 3 * nbytes
+    return providers.triton_softmax_bwd, None, [y, torch.randn_like(x)], 3 * nbytes
 
 
 # Row cases' dtypes by name: the fixed set below and the rows of any length (_ROW_CASE).
@@ -160,8 +167,8 @@ for _name in ("f32", "bf16"):
     # (FitCluster in ffi/softmax_launch.cuh), and a vocabulary's length (151936).
     for _n in (16385, 65537, 151936):
         CASES[f"{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n))
-    # Rows of 9-16 chunks of a 512-thread CTA (16-bit forward: 16 x 512 or 8 x 1024 threads,
-    # LaunchWideClusterRows).
+    # Rows of 9-16 chunks of a 512-thread CTA (forward: staged clusters of 16 x 512 threads, or
+    # for 16-bit rows up to 8 x 1024, LaunchStagedTier).
     for _n in (140000, 170000, 200000, 230000):
         CASES[f"{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n))
     for _n in (32769, 65537, 81920, 100003, 114688, 151936):
@@ -206,12 +213,12 @@ def _arg_sets(args, k):
 
 def timeit(fn, args, k=4, reps=5, jit=True):
     """Seconds per call, the benchmark's way: K calls on the GPU clock. JAX: chained in one jit
-    on K distinct input copies, executions pipelined (jax_softmax._bench.time_jax; the GPU span
-    where the clock is built). Not jitted (Triton, launched from Python): K launches back to back
-    between CUDA events (_bench.time_cuda)."""
+    on K distinct input copies, executions pipelined (jax_softmax_bench.timing.time_jax; the GPU
+    span where the clock is built). Not jitted (Triton, launched from Python): K launches back to
+    back between CUDA events (timing.time_cuda)."""
     if jit:
-        return _bench.time_jax(fn, _arg_sets(args, k), k, reps, warmup=2, pipeline=10).median * 1e-6
-    times, _ = _bench.time_cuda(lambda: [fn(*args) for _ in range(k)], max(reps, 20), 2, k)
+        return timing.time_jax(fn, _arg_sets(args, k), k, reps, warmup=2, pipeline=10).median * 1e-6
+    times, _ = timing.time_cuda(lambda: [fn(*args) for _ in range(k)], max(reps, 20), 2, k)
     return sorted(times)[len(times) // 2] * 1e-6
 
 
@@ -224,7 +231,7 @@ def trace_case(fn, args, k=4, pipeline=10):
     import tempfile
 
     sets = _arg_sets(args, k)
-    lowered, outs = _bench.lower_chain(fn, sets, k)
+    lowered, outs = timing.lower_chain(fn, sets, k)
     run = lowered.compile()
     for _ in range(3):
         outs, _ = run(sets, outs)
@@ -235,13 +242,13 @@ def trace_case(fn, args, k=4, pipeline=10):
         outs, _ = run(sets, outs)
     jax.block_until_ready(outs)
     jax.profiler.stop_trace()
-    events = _bench.gpu_timeline(d)
+    events = timeline.gpu_timeline(d)
     names = {}
     for _, dur, name in events:
         names.setdefault(name, []).append(dur / 1e3)
     kernels = {n: (len(v), sorted(v)[len(v) // 2]) for n, v in names.items()}
     gaps = sorted(b[0] - (a[0] + a[1]) for a, b in zip(events, events[1:]))
-    per_call = _bench.timeline_summary(events, pipeline * k).get("span_us", float("nan"))
+    per_call = timeline.timeline_summary(events, pipeline * k).get("span_us", float("nan"))
     return kernels, (gaps[len(gaps) // 2] / 1e3 if gaps else float("nan")), per_call
 
 
@@ -296,8 +303,10 @@ def main(argv):
             del args, xla_args
         return
     bw = copy_bandwidth()
-    knobs = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("JAX_SOFTMAX_"))
-    print(f"copy {bw / 1e9:.0f} GB/s  ({knobs or 'default knobs'})", flush=True)
+    # The JAX_SOFTMAX_* settings of the environment (JAX_SOFTMAX_STAGED, JAX_SOFTMAX_PDL).
+    settings = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                        if k.startswith("JAX_SOFTMAX_"))
+    print(f"copy {bw / 1e9:.0f} GB/s  ({settings or 'default settings'})", flush=True)
     for name in names:
         ours, xla, args, nbytes, xla_args = _case(name)
         if xla is None:  # Triton: launched from Python, timed with CUDA events

@@ -27,8 +27,10 @@ CASES = [  # (rows, cols, dtype)
     (4, 1000, jnp.float32),  # warp per row
     (3, 1001, jnp.bfloat16),  # warp per row, scalar
     (2, 8192, jnp.float32),  # block per row
-    # forward: staged reread blocks of 10 and 11 warps; backward: one 512-thread block of 40 and
-    # of 48 values (plain rows of 16385-24576 since session 45, y and dy read again)
+    # forward: staged reread blocks of 10 and 11 warps; backward: on sm_90 the staged backward
+    # block (y and dy in one stage, sessions 51-52), before sm_90 one 512-thread block of 40 and of
+    # 48 values (plain rows of 16385-24576 since session 45, y and dy read again), which sm_90
+    # GPUs run only where the staged block's stage would not fit (none of the H100 and H200's rows)
     (2, 20000, jnp.bfloat16),
     (5, 22000, jnp.bfloat16),
     (3, 16384, jnp.float32),  # backward: one 1024-thread block
@@ -59,26 +61,26 @@ CASES = [  # (rows, cols, dtype)
     (2100, 5, jnp.float32),
     (1500, 33, jnp.bfloat16),
     # Session 65: a warp's rows 4 apart and 20 values per lane (bfloat16 rows of 65 columns on 4
-    # lanes, 5 passes of 32 rows per CTA, the last CTA's last pass with 12 live rows spread over
-    # the warps).
+    # lanes, 3 passes of 32 rows per CTA, the whole-sector count nearest 12 KiB since session 72:
+    # the last CTA's second pass with 12 live rows spread over the warps, its third with none).
     (1100, 65, jnp.bfloat16),
     # Session 66: the backward short-row kernel on 8 lanes (bfloat16 rows of 199 columns, one pass
-    # of 16 rows per CTA, batched copies; the last CTA with 1 live row).
+    # of 16 rows per CTA; the last CTA with 1 live row).
     (1041, 199, jnp.bfloat16),
     # Session 68: the backward short-row kernel on 16 lanes (bfloat16 rows of 223 columns, 2 rows
-    # per warp), on 8 (129 columns; on 32 under JAX_SOFTMAX_SHORT_WIDER_LANES=3, 11 passes of 4
-    # rows) and on 32 (193 columns, one row per warp, tiles rounded to 8 passes of 4 rows; under
-    # JAX_SOFTMAX_SHORT_ALIGNED_TILES=0 7, half the CTAs' tiles starting mid-vector and taking the
-    # threads' stores), each with a last CTA of few live rows.
+    # per warp), on 8 (129 columns: 4 passes of 16 rows, a warp's rows 16 apart over windows of 4
+    # passes since session 74) and on 32 (193 columns, one row per warp, tiles rounded to 8 passes
+    # of 4 rows, so that every CTA's tile starts at a 16-byte boundary and leaves by a bulk copy),
+    # each with a last CTA of few live rows.
     (1037, 223, jnp.bfloat16),
     (1029, 129, jnp.bfloat16),
     (1031, 193, jnp.bfloat16),
     # Session 69: rows past 32 vectors on the short-row kernels, on 16 lanes (bfloat16 301
     # columns: forward 2 passes of 8 rows, the whole-sector count nearest 12 KiB since session
-    # 72, 4 under JAX_SOFTMAX_SHORT_TILE_NEAREST=0; backward 2) and 32 (1001: forward 4 passes of
-    # 4, 3 rounded to a multiple of 4 for whole sectors; its backward takes the warp tier, and
-    # the kernel's 2 passes, 1 rounded up, under JAX_SOFTMAX_SHORT_WIDE_BWD=2), float32 backward
-    # on 8 (131: 1 pass of 16 rows; its forward too since session 72); a last CTA of few rows.
+    # 72; backward 2) and 32 (1001: forward 4 passes of 4, 3 rounded to a multiple of 4 for whole
+    # sectors; its backward takes the warp tier), float32 backward on 8 (131: 2 passes of 16 rows,
+    # a warp's rows 8 apart over windows of 2 passes since session 74; its forward on 8 lanes too
+    # since session 72, one pass); a last CTA of few rows.
     (1031, 301, jnp.bfloat16),
     # The backward of 257 columns on 32 lanes (the bank count halves from 16, session 70): 6
     # passes of 4 rows (5 rounded up to an even count, whole vectors); the forward on 16 lanes,
@@ -90,7 +92,7 @@ CASES = [  # (rows, cols, dtype)
     # columns a CTA (14368 bytes, whole sectors), the last CTA of 7 rows.
     (1031, 449, jnp.float32),
     # Session 75: 16-bit rows with a mask, bias or causal limit of 72-128 columns on the staged
-    # tiers' 4 lanes of one row (GeneralFourLanes; with SANITIZE_ALL_OPS=1: the `where` rows, and
+    # tiers' 4 lanes of one row (LaunchStagedTier; with SANITIZE_ALL_OPS=1: the `where` rows, and
     # the attention calls' causal, padding-mask and broadcast bias and mask rows), two tiles per
     # CTA of 32 rows, the last CTA with one tile of 7 rows.
     (1031, 128, jnp.bfloat16),
@@ -98,22 +100,23 @@ CASES = [  # (rows, cols, dtype)
     (3, 262144, jnp.bfloat16),
     (1, 524288, jnp.bfloat16),
     # Staged tiers (sm_90, forward rows; the `where` rows too, and the causal rows of up to 512
-    # columns) with more tiles than the CTAs' rings hold, so that stages are refilled while
-    # neighbours are read: 16 lanes per row (a ring only under JAX_SOFTMAX_TILES_PER_CTA >= 2; by
-    # default one tile per CTA), and a reread block of 16 warps (plain 16-bit rows of 16385-32768,
-    # the row read from the stage in each pass; also one tile per CTA by default).
+    # columns) with many tiles: 16 lanes per row and a reread block of 16 warps (plain 16-bit rows
+    # of 16385-32768, the row read from the stage in each pass), one tile per CTA each. (Stages
+    # refilled while a CTA reduces another: the gap tiers' two tiles per CTA, 1025 below, the
+    # 16-bit rows of 65-256 columns with a mask, bias or causal limit, 128 above, and the staged
+    # clusters' rings, 65536 above and 262143 below.)
     (49999, 512, jnp.bfloat16),
     (1001, 32768, jnp.bfloat16),
     # Odd rows read through 16-byte windows, staged (forward): tiles that start before their
     # first row and end past their last; the last tile ends inside x's last vector, whose
     # elements the kernel must not read past (the platform allocator puts nothing after x).
-    # 50257: since session 53 a reread block of 20 warps of 80 values, two CTAs per SM (before,
-    # and under JAX_SOFTMAX_REREAD_LONG=0, a staged cluster of 8 x 256 threads, ring refilled);
-    # its backward on the staged backward block of 1024 threads (JAX_SOFTMAX_BWD_STAGED_LONG).
+    # 50257: since session 53 a reread block of 20 warps of 80 values, two CTAs per SM (before, a
+    # staged cluster of 8 x 256 threads, ring refilled); its backward on the staged backward block
+    # of 1024 threads (session 53).
     (37, 50257, jnp.bfloat16),
     # a reread block of 13 warps (since session 49; before, one staged CTA of 800 threads per SM
     # with a ring of three tiles), whose stage's window is made whole vectors before its passes
-    # (and backward: two CTAs of a 4 x 512 x 32 cluster, the row in shared memory); and rows of
+    # (and backward: the staged backward block, y and dy in one stage); and rows of
     # cols % 8 == 7, which wrap where their window starts 2-7 elements before them: the reread
     # block moves their last columns into the window's first vector
     (7, 24577, jnp.bfloat16),
@@ -127,18 +130,14 @@ CASES = [  # (rows, cols, dtype)
     (7, 20003, jnp.float32),
     (5, 24576, jnp.float32),
     (301, 1001, jnp.float32),  # register warp tier (windowed float32 rows stage beyond 2^16)
-    # float32 odd rows of W = 257-452 on half-warp rows of 8 vectors (the H200's rule since
-    # session 59, FloatHalfWarpRows; every GPU under JAX_SOFTMAX_FLOAT_HALF_WARPS=2): 13 rows, so
-    # that the last CTA's eight rows (two per warp) are partial. Since session 72 the forward
-    # short-row kernel takes these rows on sm_90+ (16 lanes, one pass of 8 rows a CTA, the
-    # second CTA's partial), and the next two (8 lanes, one pass of 16 rows, one partial CTA);
-    # the register rows where JAX_SOFTMAX_SHORT_WIDE_FWD=1.
+    # float32 odd rows on the forward short-row kernel (sm_90+, since session 72): 319 on 16
+    # lanes, one pass of 8 rows a CTA, 13 rows so that the second CTA's are partial, and 227 and
+    # 157 on 8 lanes, one pass of 16 rows, one partial CTA (sessions 59-61 ran them on the
+    # register tiers' half-warp rows and 8-lane rows, FloatHalfWarpRows and FloatShortRowShape,
+    # removed in issue 87; before sm_90 the register warps take them); and of W = 2049-2560 on
+    # three warps of the 128-thread block (FloatThreeWarpRows, on GPUs with the H200's DRAM
+    # bandwidth per SM cycle), rows that wrap
     (13, 319, jnp.float32),
-    # float32 odd rows of W = 161-228 on 8 lanes of 8 vectors and of W = 129-160 on 8 lanes of 5
-    # (the H200's rules since sessions 60 and 61, FloatShortRowShape; every GPU under
-    # JAX_SOFTMAX_FLOAT_SHORT_WARPS=2, 8 vectors): 13 rows, so that the last CTA's sixteen rows
-    # (four per warp) are partial; and of W = 2049-2560 on three warps of the 128-thread block
-    # (FloatThreeWarpRows; JAX_SOFTMAX_FLOAT_THREE_WARPS=2), rows that wrap
     (13, 227, jnp.float32),
     (13, 157, jnp.float32),
     (7, 2051, jnp.float32),
@@ -149,7 +148,7 @@ CASES = [  # (rows, cols, dtype)
     # Block tiers of a run-time number of warps (ffi/softmax_kernels.cuh, kRuntimeWarps): 6 of a
     # 256-thread tier's 8 (forward; backward 9 of 16), and 9 of 16 (forward; backward 17 of 32,
     # float32's 1024-thread block), each row's last columns alone in the last warp; 4097 forward
-    # on the staged 256-thread block with 5 warps (an odd count: OddRowTiers, RowThreads), on the
+    # on the staged 256-thread block with 5 warps (an odd count: TierThreads, RowThreads), on the
     # H200 in session 54 with two tiles per CTA (OddRowTilesPerCta: the row fills 4104 of the
     # warps' 5120 values) and since session 56 on the reread block of 3 warps of 48 values
     # (ThinRereadElems); 12289, 13 warps of the 512-thread block until session 55, takes the
@@ -202,37 +201,38 @@ CASES = [  # (rows, cols, dtype)
     (3, 32768, jnp.float32),
     # Cluster tiers launched with the CTAs a row needs (FitCluster in ffi/softmax_launch.cuh):
     # 7 of a staged 8 x 256 tier (forward 57273, the first odd row past the 1024-thread reread
-    # blocks, session 53; the H100 runs 2 x 1024 there, WideClusterMode), more rows than
+    # blocks, session 53; the H100 runs 2 x 1024 there, LaunchStagedTier), more rows than
     # clusters; and float32 forward 5 of a staged 8 x 512 tier (backward 9 of 16 x 512),
     # windowed. 32769 took 5 of 8 x 256 (forward; backward 5 of 8 x 512) before session 53, and
-    # does under JAX_SOFTMAX_REREAD_LONG=0 and JAX_SOFTMAX_BWD_STAGED_LONG=0; by default the
-    # 1024-thread reread block (17 warps) and staged backward block.
+    # since then the 1024-thread reread block (17 warps) and staged backward block.
     (101, 32769, jnp.bfloat16),
     (101, 57273, jnp.bfloat16),
     (3, 65537, jnp.float32),
     # Odd 16-bit rows whose partial end vectors, and the vector after the window that holds the
     # wrapped columns, are read whole where they lie inside x (RowLoader::vecs_inside; the last
-    # rows element by element): backward lane groups of two rows (255) and a cluster whose rows
-    # wrap (65535).
+    # rows element by element): backward lane groups of two rows (255; on sm_90 the backward
+    # short-row kernel takes it, on 32 lanes) and a cluster whose rows wrap (65535).
     (11, 255, jnp.bfloat16),
     (5, 65535, jnp.bfloat16),
-    # 16-bit backward cluster rows, more rows than clusters: since session 44 two CTAs of a
+    # 16-bit backward rows of 16385-32768 columns, more rows than CTAs: since sessions 51-52 on
+    # the staged backward block (y and dy in one stage); from session 44 two CTAs of a
     # 4 x 512 x 32 cluster, the row through shared memory and the next row's copies issued after
-    # its second read (RowParams::row_in_smem). (The 8 x 256 clusters that copy their next row
-    # while they reduce this one, RowParams::copy_next_row, run only under
-    # JAX_SOFTMAX_RAW_WIDE=0 since then.)
+    # its second read (RowParams::row_in_smem), which LaunchTier keeps for GPUs whose shared memory
+    # would not hold that stage (no sm_90 GPU). (Nor do the 8 x 256 clusters that copy their next
+    # row while they reduce this one, RowParams::copy_next_row, take any row on the H100 or H200.)
+    # The `where` rows, element by element: 7 CTAs of the 8 x 512 x 8 clusters.
     (101, 24577, jnp.bfloat16),
     # 16-bit backward cluster rows of 32 values per thread read through shared memory
     # (RowParams::row_in_smem): 8 x 512 (7 of 8 CTAs) and 16 x 512 threads, windowed rows that
     # wrap (262143), more rows than clusters (the next row's copies), the last rows read from
     # global memory; 262144 and 524288 above (4 x 512 took 32769 and 50257 above before session
-    # 53's staged backward block of 1024 threads, and does under JAX_SOFTMAX_BWD_STAGED_LONG=0).
+    # 53's staged backward block of 1024 threads).
     (20, 100003, jnp.bfloat16),
     (37, 262143, jnp.bfloat16),
-    # Float32 backward rows read twice with L2 hints (RowParams::l2_hints), y kept in shared
-    # memory between the reads (RowParams::reread_smem; 262143, 262144 and 524288 above too), on
-    # a fitted cluster (10 of 16 x 512 x 32: FitCluster fits these rows since the hints), more
-    # rows than clusters.
+    # Float32 backward rows read twice with L2 eviction hints (backward_row_reread), y kept in
+    # shared memory between the reads (RowParams::reread_smem; 262143, 262144 and 524288 above
+    # too), on a fitted cluster (10 of 16 x 512 x 32: FitCluster fits these rows since the
+    # hints), more rows than clusters.
     (31, 151936, jnp.float32),
     # One CTA of up to 1024 threads per 16-bit row (session 53), whose stage holds the whole row
     # (forward) or y and dy (backward): an odd bfloat16 row at the forward 2E block's last width

@@ -9,21 +9,24 @@ float64):
   threads; N <= 16 * 1024 E: a cluster of 2..16 blocks (sm_90+); beyond: the two-pass kernel.
 16-bit backward rows on the vector path (V = 8, masked or not) also take 2E per thread (one
 512-thread block to 512 * 2E, 16-CTA clusters from 16 * 512 E to 16 * 1024 * 2E = 2^19, the
-two-pass kernel only beyond; unmasked rows of 512 * 2E + 1 to 2 * 512 * 2E on two CTAs of a
-4 x 512 x 2E cluster, test_mid_backward_rows). Float32 backward rows on the vector path take one
-1024-thread block to 1024 E = 2^14 instead of a cluster.
+two-pass kernel only beyond; on sm_90+ unmasked rows of 512 * 2E + 1 to 1024 * 4E on the staged
+backward block where its stage fits, test_mid_backward_rows and test_long_staged_rows). Float32
+backward rows on the vector path take one 1024-thread block to 1024 E = 2^14 instead of a cluster.
 On sm_90+ plain forward rows of whole vectors take the staged tiers (the same shapes fed through
 shared memory), except 16-bit rows of 2049-65536 columns, which take the register tiers: 2^11,
 2^11 + V, 2^16 and 2^16 + V below hit both sides of that switch; and rows of up to 32 V, which
 take the register lane groups with two rows per group (session 43): 32 V and 32 V + V hit both
-sides (scripts/gpu_check.sh's knobs step runs them staged, JAX_SOFTMAX_SHORT_ROWS=0). Plain rows (no mask) with
-N % V != 0 are read through aligned 16-byte windows, masked ones with V = 1. A windowed row
-takes the tier of N rounded up to V (its last columns wrap into its first vector's free slots),
-so 2^k - 1 tests the wrap at the top of a tier. On sm_90+ windowed forward rows take the staged
-tiers too: float32 of 2^14 + 1 to 2^15 and beyond 2^16 (2^k + 1 and 2^k - 1 hit both sides of
-each), 16-bit rows except those
-of up to 8 vectors and of 4097-5120 columns (2^12 +- 1 hit both sides; test_block_warps has
-5119 and 5121).
+sides. Plain rows (no mask) with N % V != 0 are read through aligned 16-byte windows, masked ones
+with V = 1. A windowed row takes the tier of N rounded up to V (its last columns wrap into its
+first vector's free slots), so 2^k - 1 tests the wrap at the top of a tier. On sm_90+ windowed
+forward rows take the short-row kernel up to 608 columns (float32) or 1023 (16-bit;
+test_short_windowed_rows, test_short_wide_rows), and past it the staged tiers: float32 of
+2^14 + 1 to 2^15 and beyond 2^16 (2^k + 1 and 2^k - 1 hit both sides of each), 16-bit rows up
+to the largest cluster.
+scripts/gpu_check.sh's register_tiers job runs these boundaries (and this module's odd, gap,
+short, long and causal row tests) again under JAX_SOFTMAX_STAGED=0: the forward rows on the
+register kernels alone, as GPUs before sm_90 run them (rows of up to 32 V then on lane groups of
+four rows, as every register-tier short row).
 Every boundary is a power of two between 1 and 2^19, so N = 2^k - 1, 2^k, 2^k + 1 for
 k = 0..19 hits each tier's last and first sizes on the vector path (2^k) and the windowed or
 scalar path (2^k +- 1, odd); 3 * 2^k and 2^k +- V fill a tier only partly. Several rows per test,
@@ -186,8 +189,9 @@ def test_block_warps(backend, device, rng, dtype):
     # (forward) and 16 (backward), w warps of E values per lane: the widest plain row of w warps
     # (32 E w - V) and the narrowest odd one (32 E (w - 1) + 1, windowed, or read element by
     # element with the mask). w = 3 .. 31: blocks of 96 .. 992 threads (float32 backward rows
-    # take a 1024-thread block to 2^14 columns). And 5119 / 5121: 16-bit odd forward rows switch
-    # from the register tiers to the staged ones there (LaunchStagedTier).
+    # take a 1024-thread block to 2^14 columns). And 5119 / 5121: 16-bit odd forward rows on the
+    # staged 256-thread block of 5 and 6 warps (5121 on the H200 on the thin rows' reread block of
+    # 3 warps, ThinRereadElems); until session 38 the register tiers took the rows up to 5120.
     v = VEC[dtype]
     sizes = {5119, 5121}
     for e in (32, 16):
@@ -200,9 +204,9 @@ def test_block_warps(backend, device, rng, dtype):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
 def test_cluster_ctas(backend, device, rng, dtype):
     # Cluster tiers launch the ceil(W / chunk) CTAs a row needs, not their power-of-two size,
-    # where the GPU holds enough more such clusters (ffi/softmax_launch.cuh, FitCluster;
-    # gpu_check.sh runs this test again with JAX_SOFTMAX_CLUSTER_FIT=2, every tier fitted), so
-    # every cluster size 2..16 must reduce and store right, including a last CTA of one vector.
+    # where the GPU holds at least 10% more such clusters (ffi/softmax_launch.cuh, FitCluster),
+    # and the tier's whole cluster otherwise, its last CTAs then with nothing of the row; so every
+    # cluster size 2..16 must reduce and store right, including a last CTA of one vector.
     # A CTA's chunk is 2^11 .. 2^15 columns over the dtypes, directions, tiers and paths; for
     # chunk 2^j and c CTAs: the widest plain row of c CTAs (c 2^j - V) and the narrowest odd one,
     # (c - 1) 2^j + 1 (windowed, or read element by element with the mask).
@@ -227,8 +231,8 @@ def test_seven_chunk_rows(backend, device, rng, dtype):
     # of these lengths run the tiers that test_cluster_ctas covers.) Sizes: 49151 .. 57345 and
     # 98303 .. 114689, with 50257, 106496 and 114688 plain. Since session 53 the rows of up to
     # 57272 take the 1024-thread reread blocks instead (test_long_staged_rows), so that of the
-    # 256-thread range only 57343 and 57345 reach these clusters by default (all of it under
-    # JAX_SOFTMAX_REREAD_LONG=0: scripts/gpu_check.sh's replaced step).
+    # 256-thread range only 57343 and 57345 reach these clusters; its other sizes test those
+    # reread blocks.
     sizes = {50257, 106496, 7 * 512 * 32}
     for chunk in (256 * 32, 512 * 32):
         sizes |= {6 * chunk - 1, 6 * chunk + 1, 7 * chunk - 1, 7 * chunk + 1}
@@ -237,27 +241,27 @@ def test_seven_chunk_rows(backend, device, rng, dtype):
 
 # Row lengths of the wide blocks (ffi/softmax_launch.cuh, LaunchStagedTier: rows of 512 * 32 + 1 ..
 # 1024 * 32 columns on one staged CTA of as many warps as the row needs, up to 1024 threads of 32
-# values; clusters under JAX_SOFTMAX_WIDE_BLOCKS=0, which scripts/gpu_check.sh also runs).
-# 16-bit: odd rows, since session 49 on the reread blocks (up to 512 threads of 64 values, the row
-# read from the stage in each pass, the stage's window made whole vectors first: -inf around the
-# row, a wrapping row's last columns moved into its first vector); the wide blocks under
-# JAX_SOFTMAX_REREAD_BLOCKS=2: two such CTAs per SM up to 24 warps (W = 24576), beyond one per SM
-# with three tiles per CTA up to 28 warps (W = 28672) and two past it (staged clusters of 256
-# threads under JAX_SOFTMAX_WIDE_BLOCKS=2 and on the H200). Both ends of the range and one past
-# each, warp counts between, both sides of 24 and of 28 warps, and the last widths of the reread
-# blocks, 32759 (W = 32760), 32761 and 32767 (W = 32768, 16 warps). Rows of cols % 8 == 7 (16391,
-# 24575, 28671, 32759, 32767) wrap wherever their window starts 2-7 elements before them; rows of
-# cols % 8 == 1 never do.
+# values), where the reread blocks (up to 512 threads of 64 values, the row read from the stage in
+# each pass) do not take the row.
+# 16-bit: odd rows, since session 49 on the reread blocks (the stage's window made whole vectors
+# first: -inf around the row, a wrapping row's last columns moved into its first vector), whose
+# one 512-thread CTA and its stage fit every sm_90 GPU: the wide blocks (two CTAs per SM up to
+# 24 warps; on GPUs without the H200's DRAM bandwidth per SM cycle one with three tiles to 28
+# warps and two past it) and the staged clusters behind them are left only for rows that no
+# reread block fits, which these sizes do not reach on the H100 or H200. Both ends of the range
+# and one past each, warp counts between, both sides of 24 and of 28 warps (the wide blocks'
+# bounds until session 49), and the last widths of the reread blocks, 32759 (W = 32760), 32761
+# and 32767 (W = 32768, 16 warps). Rows of cols % 8 == 7 (16391, 24575, 28671, 32759, 32767) wrap
+# wherever their window starts 2-7 elements before them; rows of cols % 8 == 1 never do.
 # (Plain 16-bit rows of these lengths: test_reread_block_rows.)
 # Float32: plain and odd rows, since session 50 on the reread blocks (512 threads of 64 values,
 # the windowed kernel for both, its copy from 128-byte boundaries) where two such CTAs fit an SM
-# (W to 28636 on 228 KiB of shared memory per SM), on the wide blocks beyond (and under
-# JAX_SOFTMAX_REREAD_FLOAT=0, which scripts/gpu_check.sh also runs), two tiles per CTA (one
-# under JAX_SOFTMAX_TILES_PER_CTA=1); before them clusters of 2 x 512 threads, staged (plain) or
-# on the register tiers (odd): the 512-thread block below (16384, 16383) and the clusters above
-# (32769, 32772), the first widths (16385 with W = 16388, 16388: 9 warps of 64 values or 17 of
-# 32, the last one's packs mostly past the row's end), warp counts between, both sides of the
-# reread blocks' last width (28635 and 28636, W = 28636; 28637, W = 28640), rows past it
+# (W to 28636 on 228 KiB of shared memory per SM), on the wide blocks beyond, two tiles per CTA
+# (session 42; before it clusters of 2 x 512 threads, staged (plain) or on the register tiers
+# (odd)): the 512-thread block below (16384, 16383) and the clusters above (32769, 32772), the
+# first widths (16385 with W = 16388, 16388: 9 warps of 64 values or 17 of 32, the last one's
+# packs mostly past the row's end), warp counts between, both sides of the reread blocks' last
+# width (28635 and 28636, W = 28636; 28637, W = 28640), rows past it on the wide blocks
 # (28671-28673), and the last width (32767 wraps into the row's first vector; 32768).
 WIDE_BLOCK_SIZES_16 = [16383, 16385, 16391, 20001, 24575, 24577, 28671, 28673, 32759, 32761, 32767,
                        32769]
@@ -278,19 +282,21 @@ def test_wide_block_rows(backend, device, rng, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_odd_row_rings(backend, device, rng, dtype):
-    # 16-bit odd rows on the staged tiers that take OddRowTilesPerCta tiles per CTA (two on the
-    # H200, and on the H100 up to W = 3072; ffi/softmax_launch.cuh, LaunchStagedTier): 16-32 lanes
-    # (W = 520-1536; GapTierRanges, the H100's to 1280), blocks of 64 and 128 threads (to 4096) and
-    # the reread blocks (16392-24576; the wide blocks under JAX_SOFTMAX_REREAD_BLOCKS=2); since
-    # session 54 also the staged blocks of 256 and 512 threads where a row fills at most 15/16 of
-    # its warps (on the H200; on every GPU under JAX_SOFTMAX_ODD_BLOCK_TILES=2): 4097, 5121, 8193
-    # and 12289 on 5, 6, 9 and 13 warps, and 16383, which fills its 16 and keeps one tile (since
-    # sessions 55-56 the H200 runs 2049, 4097, 5121, 8193 and 12289 on the reread blocks,
-    # ThinRereadElems; the `replaced` step of gpu_check.sh runs these widths on the staged tiers
-    # through test_thin_reread_rows under JAX_SOFTMAX_REREAD_THIN=0).
+    # 16-bit odd rows on the staged tiers that take OddRowTilesPerCta tiles per CTA (two on GPUs
+    # with the H200's DRAM bandwidth per SM cycle, else up to W = 3072; ffi/softmax_launch.cuh,
+    # LaunchStagedTier): 32 lanes (W = 1032-1536; GapTierRanges, the H100's to 1280; the 16-32
+    # lanes of shorter rows since session 69 see only plain rows, the odd ones, 513 and 1023 here,
+    # taking the forward short-row kernel) and blocks of 64 and 128 threads (to 4096; on the H200
+    # W = 2049-2304 take the one-warp reread rows, ThinRereadElems, test_thin_reread_rows). The
+    # staged blocks of 256 and 512 threads take two
+    # tiles on the H200 where a row fills at most 15/16 of its warps (session 54), but since
+    # sessions 55-56 the H200 runs this test's such rows, 4097, 5121, 8193 and 12289, on the
+    # reread blocks (ThinRereadElems; test_thin_reread_rows's 4609 keeps the two-tile staged
+    # block), and the H100 on the staged blocks of 5, 6, 9 and 13 warps with one tile; 16383
+    # fills its 16 warps and keeps one tile, and the rows past 512 E (16385-24575) take the
+    # reread blocks, one tile per CTA.
     # Both ends of each tier, both sides of the H100's 3072, in an odd number of rows
-    # (rows_past_one_wave), so that a CTA's second tile is the partial last one or missing;
-    # gpu_check.sh runs it again under JAX_SOFTMAX_TILES_PER_CTA=1 and =3 (rings of three stages).
+    # (rows_past_one_wave), so that a CTA's second tile is the partial last one or missing.
     sizes = [513, 1023, 1025, 1031, 2047, 2049, 3001, 3071, 3073, 4089, 4095, 4097, 5121, 8193,
              12289, 16383, 16385, 20001, 24575]
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
@@ -302,11 +308,16 @@ def test_odd_row_tiers(backend, device, rng, dtype):
     # 16-bit odd rows on the staged tiers of 5/4 E, 3/2 E and 3/4 E values per thread
     # (GapTierRanges in ffi/softmax_launch.cuh; E = 32): W = 257-320 on 8 lanes of 40, 321-384
     # on 8 lanes of 48, 513-640 on 16 lanes of 40, 641-768 on 32 lanes of 24, 1025-1280 on 32
-    # lanes of 40, 1281-1536 on 32 lanes of 48, and 4097-5120 on the staged block of 5 warps; on
-    # the H100 only the tiers of 40 values, 513-576 on 16 lanes. Both ends of each range (W is
-    # cols rounded up to 8) and one past each, in an odd number of rows (rows_past_one_wave), so
-    # that the last CTA's tile is partial; gpu_check.sh runs it again under
-    # JAX_SOFTMAX_ODD_TIERS=0 (session 37's tiers) and =2 (the H200's ranges).
+    # lanes of 40, 1281-1536 on 32 lanes of 48; on the H100 only the tiers of 40 values, 513-576
+    # on 16 lanes. Since session 69 the forward short-row kernel takes the odd rows of up to 1023
+    # columns on sm_90+ (ShortWideForwardRow), so that of these tiers only those past 1024 columns
+    # see odd rows by default (the narrower ones serve plain rows: test_plain_row_gaps), and the
+    # sizes below 1024 test the kernel's rows of 8, 16 and 32 lanes. W = 4097-5120: the staged
+    # block of 5 warps (on the H200 W = 4097-4608 and 5121 on the reread blocks of 3 warps,
+    # ThinRereadElems). Both ends of each range (W is cols rounded up to 8) and one past each, in
+    # an odd number of rows (rows_past_one_wave), so that the last CTA's tile is partial;
+    # gpu_check.sh's register_tiers job runs it again under JAX_SOFTMAX_STAGED=0, every size on
+    # the register tiers (the forward's; the backward's are the same in both runs).
     sizes = [255, 257, 263, 319, 321, 383, 385, 511, 513, 575, 577, 633, 639, 641, 647, 767, 769,
              1023, 1025, 1031, 1215, 1217, 1279, 1281, 1535, 1537, 4095, 4097, 4603, 5119, 5121]
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
@@ -314,35 +325,37 @@ def test_odd_row_tiers(backend, device, rng, dtype):
 
 @pytest.mark.gpu
 def test_float_half_warp_rows(backend, device, rng):
-    # Float32 odd rows of W = 257-452 window columns on half-warp rows of 8 vectors per lane
-    # (FloatHalfWarpRows in ffi/softmax_launch.cuh: the H200's rule since session 59; on every GPU
-    # for all of W = 257-512 under JAX_SOFTMAX_FLOAT_HALF_WARPS=2, which gpu_check.sh runs too):
-    # the tier below (W = 256: a warp of two rows) and the first row past it (257), the middle
-    # (319, 321, 383), the rule's last width (449-451, W = 452), the first rows past it (453,
-    # W = 456; 461, W = 464), the tier's top (511, W = 512) and the next tier (513), in an odd
-    # number of rows (rows_past_one_wave), so that the last CTA's rows are partial and the row
-    # starts take every alignment. Since session 72 the forward short-row kernel takes these rows
-    # on sm_90+ (ShortWideForwardRow: 8 lanes to 256 columns, 16 to 512, 513 on 32);
-    # gpu_check.sh's float jobs run this test with JAX_SOFTMAX_SHORT_WIDE_FWD=1 for the rows above.
+    # Float32 odd rows of W = 257-512 window columns. From session 59 the H200 ran those of up to
+    # W = 452 on half-warp rows of 8 vectors per lane (FloatHalfWarpRows, removed with issue 87's
+    # knobs: since session 72 it served only rows that the short-row kernel leaves). Now the
+    # forward short-row kernel takes them on sm_90+ (ShortWideForwardRow in
+    # ffi/softmax_launch.cuh: 8 lanes to 256 columns, 16 to 512, 32 from 513), and before sm_90
+    # (and under JAX_SOFTMAX_STAGED=0) the register tiers' warp per row (two rows a warp to
+    # W = 256); the backward takes the register warps, masked rows the scalar path. Sizes: the
+    # 8 lanes' top (255, W = 256) and the first rows past it (257, 259), the middle (319, 321,
+    # 383), the old rule's last width (449-451, W = 452) and the first rows past it (453, W = 456;
+    # 461, W = 464), the 16 lanes' top (511, W = 512) and 32 lanes past it (513), in an odd number
+    # of rows (rows_past_one_wave), so that the last CTA's rows are partial and the row starts
+    # take every alignment.
     sizes = [255, 257, 259, 319, 321, 383, 449, 450, 451, 453, 455, 461, 511, 513]
     check_sizes(device, rng, jnp.float32, sizes, rows_past_one_wave)
 
 
 @pytest.mark.gpu
 def test_float_short_row_lanes(backend, device, rng):
-    # Float32 odd rows of W = 129-256 window columns on 8 lanes of 5 vectors (to W = 160), 8 lanes
-    # of 8 vectors (to W = 228) and 16 lanes of 4 vectors (from W = 232) per row
-    # (FloatShortRowShape in ffi/softmax_launch.cuh: the H200's rule since sessions 60 and 61;
-    # gpu_check.sh runs it again under JAX_SOFTMAX_FLOAT_SHORT_WARPS=1 and =2, 16 lanes of 4 and 8
-    # lanes of 8 for all of W = 129-256 on every GPU, and with JAX_SOFTMAX_WARP_UNIFORM_ENDS=0):
-    # the lane groups below (127, W = 128) and the first row past them (129, W = 132), the middle
-    # (131, 137, 149), the last rows of 5 vectors (157, 159, W = 160), the first of 8 (161, 163,
-    # W = 164), the middle (193), the last rows of 8 vectors (225, 227, W = 228), the first of 16
-    # lanes (229, 231, W = 232), the top (253, 255, W = 256) and the half warps past it (257), in
-    # an odd number of rows (rows_past_one_wave), so that the last CTA's rows are partial and the
-    # row starts take every alignment. As for test_float_half_warp_rows, the short-row kernel
-    # takes them by default on sm_90+ since session 72 (8 lanes, 16 from 257), the lanes above under
-    # gpu_check.sh's JAX_SOFTMAX_SHORT_WIDE_FWD=1.
+    # Float32 odd rows of W = 129-256 window columns. Sessions 60-61 ran them on the H200 on
+    # 8 lanes of 5 vectors (to W = 160), 8 lanes of 8 vectors (to W = 228) and 16 lanes of 4
+    # vectors (from W = 232) per row (FloatShortRowShape, removed with issue 87's knobs: since
+    # session 72 it served only rows that the short-row kernel leaves). Now the forward short-row
+    # kernel takes them on sm_90+ (4 lanes to 128 columns, 8 to 256, 16 from 257), and before
+    # sm_90 (and under JAX_SOFTMAX_STAGED=0) the register tiers' warp of two rows; the backward
+    # the short-row backward kernel for 129-148 (ShortOddBackwardRow), the register lane groups
+    # and warps for the others, masked rows the scalar path. Sizes: the lane groups below (127,
+    # W = 128) and the first row past them (129, W = 132), the middle (131, 137, 149), the old
+    # rule's bounds (157, 159, W = 160; 161, 163, W = 164; 193; 225, 227, W = 228; 229, 231,
+    # W = 232), the top (253, 255, W = 256) and the 16 lanes past it (257), in an odd number of
+    # rows (rows_past_one_wave), so that the last CTA's rows are partial and the row starts take
+    # every alignment.
     sizes = [127, 129, 131, 137, 149, 157, 159, 161, 163, 193, 225, 227, 229, 231, 253, 255, 257]
     check_sizes(device, rng, jnp.float32, sizes, rows_past_one_wave)
 
@@ -366,28 +379,21 @@ def test_short_windowed_rows(backend, device, rng, dtype):
     # Forward rows of up to 32 vectors whose length is not a multiple of the vector width (N % V !=
     # 0: float32 to 127 columns, 16-bit to 255): on sm_90+ the short-row kernel's rows
     # (softmax_short_rows_kernel: 1, 2, 4 or 8 lanes per row to 32, 64, 128, 256 columns, each lane
-    # with the fewest chunks of 4 values that hold its columns, a warp's rows 1, 2 or 4 apart by row
-    # length; ShortOddRowsMode in ffi/softmax_launch.cuh; gpu_check.sh runs it again under all 32
-    # values and consecutive rows, under each fixed spacing, under JAX_SOFTMAX_SHORT_ODD_ROWS=2,
-    # 16-bit rows past 128 columns on the staged tiers, and =0, the tiers before): the first sizes,
-    # each lane count's top and the next size, odd and even lengths, in 2053 rows (a partial last
-    # CTA, and a last pass of rows with few or none live in tiles of several passes; a tile starts
-    # 16-byte aligned (a forward one 32-byte aligned since session 71, under two gpu_check.sh jobs
-    # 16-byte aligned or rounded up instead), its rows at every alignment, except under the job
-    # below that keeps the passes as the tile's size gives them: the 32-lane backward tiles of
-    # 4-row passes that do not fill whole vectors, 16-bit 193), with softmax and log_softmax, a
-    # `where` mask (other kernels) and the backward (its short-row kernel for 16-bit rows to 255
-    # columns, on 8 lanes past 128 (129 with a warp's rows 16 apart over windows of 4 passes since
-    # session 74, PassWindowSpacing), and float32 to 96 with 95 and 97 either side, ShortOddBwdMode;
-    # on more than the fewest lanes where the bank count halves, ShortRowsBwdGroup: 16-bit 20 on 2,
-    # 149 and 223 on 16, 191, 193 (tiles of an even count of 4-row passes, so that each starts at a
-    # 16-byte boundary; under a gpu_check.sh job an odd one, half the tiles starting mid-vector) and
-    # 255 on 32, float32 22 on 2; 79 and 101 on 8, 95 on 16, 65, 127 and 129 on 32 under the
-    # gpu_check.sh job that widens wherever the count falls; every row it holds, float32 to 127 too,
-    # under the gpu_check.sh jobs that set JAX_SOFTMAX_SHORT_ODD_BWD=2, with one pass of rows and
-    # batched copies, the largest tiles and plain copies, the tiles copied by bulk copies in only or
-    # by the threads, or a warp's rows 2 or 4 apart), and attention_softmax's scale (taken into the
-    # kernel's rows).
+    # with the fewest chunks of 4 values that hold its columns, ShortValueChunks, a warp's rows 1,
+    # 2 or 4 apart by row length, ShortRowsSpacing; LaunchTier in ffi/softmax_launch.cuh): the
+    # first sizes, each lane count's top and the next size, odd and even lengths, in 2053 rows (a
+    # partial last CTA, and a last pass of rows with few or none live in tiles of several passes;
+    # a tile, copied in and out by bulk copies, is whole 32-byte sectors forward and whole 16-byte
+    # vectors backward, PickShortRowsTile, its rows at every alignment), with softmax and
+    # log_softmax, a `where` mask (other kernels) and the backward (its short-row kernel for 16-bit
+    # rows to 255 columns, on 8 lanes past 128 (129 with a warp's rows 16 apart over windows of 4
+    # passes since session 74, PassWindowSpacing), and float32 to 96 with 95 and 97 either side,
+    # ShortOddBackwardRow; on more than the fewest lanes where the bank count halves,
+    # ShortRowsBwdGroup: 16-bit 20 on 2, 149 and 223 on 16, 191, 193 (tiles of an even count of
+    # 4-row passes, so that each starts at a 16-byte boundary) and 255 on 32, float32 22 on 2),
+    # and attention_softmax's scale (taken into the kernel's rows). gpu_check.sh's register_tiers
+    # job runs it again under JAX_SOFTMAX_STAGED=0: the forward rows on the register lane groups
+    # (four rows per group), the backward's kernels as here.
     v = VEC[dtype]
     top = 32 * v - 1
     sizes = [1, 2, 3, 5, 7, 9, 15, 17, 18, 20, 22, 31, 33, 34, 47, 63, 65, 66, 79, 95, 97, 101, 127,
@@ -421,19 +427,17 @@ def test_short_wide_rows(backend, device, rng, dtype):
     # Rows past 32 vectors of up to 1023 columns whose length is not a multiple of the vector
     # width (float32 129-1023, 16-bit 257-1023). The forward's float32 rows of up to 608
     # columns take the short-row kernel on 8, 16 or 32 lanes (session 72; past 608 the warp
-    # tiers, the kernel under gpu_check.sh's JAX_SOFTMAX_SHORT_WIDE_FWD=3). The forward's
-    # 16-bit rows take the kernel on 16 lanes (to 512 columns, 8 rows a pass) or 32 (to 1023, 4
-    # rows a pass), tiles of whole 32-byte sectors (an even count of passes for odd lengths on 16
-    # lanes, a multiple of 4 on 32; the count nearest 12 KiB: 257 4, 449 and 511 2, 513 and 577
-    # 4; ShortWideForwardRow, PickShortRowsTile), every lane with 16 or more of them; the backward's
-    # the backward kernel where it won (ShortWideBackwardRows: float32 129-148, the odd ones to
-    # 147 with a warp's rows 8 apart over windows of 2 passes since session 74, 16-bit 257-495
-    # and 513-959), on the fewest of 8, 16 or 32 lanes or on 32 where the bank count halves
-    # (16-bit 257, 319, 383, 447, 449, 511; ShortRowsBwdGroup through LaunchShortRowsFewestLanes),
-    # the warp and block tiers elsewhere. gpu_check.sh runs it again with the backward kernel for
-    # every row (JAX_SOFTMAX_SHORT_WIDE_BWD=2), then also on the fewest lanes
-    # (JAX_SOFTMAX_SHORT_WIDER_LANES=0), with neither kernel (both wide knobs 0: the tiers before
-    # session 69), and under the other tile rules (JAX_SOFTMAX_SHORT_ALIGNED_TILES=1 and 2).
+    # tiers). The forward's 16-bit rows take the kernel on 16 lanes (to 512 columns, 8 rows a
+    # pass) or 32 (to 1023, 4 rows a pass), tiles of whole 32-byte sectors (an even count of
+    # passes for odd lengths on 16 lanes, a multiple of 4 on 32; the count nearest 12 KiB: 257 4,
+    # 449 and 511 2, 513 and 577 4; ShortWideForwardRow, PickShortRowsTile), every lane with 16 or
+    # more of them; the backward's the backward kernel where it won (ShortOddBackwardRow: float32
+    # 129-148, the odd ones to 147 with a warp's rows 8 apart over windows of 2 passes since
+    # session 74, 16-bit 257-495 and 513-959), on the fewest of 8, 16 or 32 lanes or on 32 where
+    # the bank count halves (16-bit 257, 319, 383, 447, 449, 511; ShortRowsBwdGroup through
+    # LaunchShortRowsFewestLanes), the warp and block tiers elsewhere (float32 149-1023, 16-bit
+    # 497-511 and 961-1023). gpu_check.sh's register_tiers job runs it again under
+    # JAX_SOFTMAX_STAGED=0: the forward rows on the register warps, the backward as here.
     # Each lane count's first sizes, its top and the next size, each range's ends and the sizes
     # past them (float32's forward kernel to 608: 607, 609, 610), odd and even lengths, in 1031
     # rows (a partial last CTA); `where` rows take other kernels.
@@ -447,12 +451,13 @@ def test_short_wide_rows(backend, device, rng, dtype):
 @pytest.mark.gpu
 def test_float_three_warp_rows(backend, device, rng):
     # Float32 odd rows of W = 2049-2560 on three warps of the 128-thread register block instead of
-    # four (FloatThreeWarpRows in ffi/softmax_launch.cuh: the H200's rule since session 60;
-    # gpu_check.sh runs it again under JAX_SOFTMAX_FLOAT_THREE_WARPS=2, three warps for all of
-    # W = 2049-3072 on every GPU): two warps below (2047, W = 2048), the first rows past them
-    # (2049, 2051), the middle (2113, 2305), the rule's last rows (2557, 2559, W = 2560), the
-    # first past it (2561, W = 2564), the top of three warps (3071) and four past it (3073), in
-    # an odd number of rows (rows_past_one_wave).
+    # four (FloatThreeWarpRows in ffi/softmax_launch.cuh: the rule of GPUs with the H200's DRAM
+    # bandwidth per SM cycle since session 60; the H100 takes four): two warps below (2047,
+    # W = 2048), the first rows past them (2049, 2051), the middle (2113, 2305), the rule's last
+    # rows (2557, 2559, W = 2560), the first past it on four warps (2561, W = 2564), the last
+    # width that three warps would hold (3071, W = 3072) and the one past it (3073), in an odd
+    # number of rows (rows_past_one_wave). (Forward rows on sm_90+: these lengths are past the
+    # short-row kernel's and below the staged tiers' float32 windowed rows.)
     sizes = [2047, 2049, 2051, 2113, 2305, 2557, 2559, 2561, 3071, 3073]
     check_sizes(device, rng, jnp.float32, sizes, rows_past_one_wave)
 
@@ -460,17 +465,18 @@ def test_float_three_warp_rows(backend, device, rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_thin_reread_rows(backend, device, rng, dtype):
-    # 16-bit odd rows that the reread blocks take from the staged row tiers on the H200
-    # (ThinRereadElems in ffi/softmax_launch.cuh; on the H100 under JAX_SOFTMAX_REREAD_THIN=2):
+    # 16-bit odd rows that the reread blocks take from the staged row tiers on GPUs with the
+    # H200's DRAM bandwidth per SM cycle (ThinRereadElems in ffi/softmax_launch.cuh; on the H100
+    # these rows keep the staged row tiers):
     # W = 2049-2304 on one warp of 72 values, four rows per CTA since session 58 (2049, 2113, and
     # 2297 at its end; 2305 past it; their 2047, 1985 and 1827 rows end on tiles of 3, 1 and 3
     # rows), W = 4097-4608 on three warps of 48 (4097, 4353, and 4607 at its end; 4609 past it,
     # session 56), W = 6145-7040 on four warps of 56 (6145, 6655, and 7039 at its end; 6143
     # before it and 7041 past it, session 57), and the thinly filled rows of 4609-16384 on up to
     # 8 warps of 64: 5121 (3 warps), 5633, 7169, 8193 (5), 9729, 10753 (6), 12289 (7), 15361 (8),
-    # between rows that keep the staged blocks (4609, 5889, 6143, 7041, 7681, 11777, 16383). Both
-    # sides of each bound, in an odd number of rows (rows_past_one_wave), so that the last CTA's
-    # row is partial.
+    # between rows that keep the staged blocks (4609, with two tiles per CTA, OddRowTilesPerCta;
+    # 5889, 6143, 7041, 7681, 11777, 16383). Both sides of each bound, in an odd number of rows
+    # (rows_past_one_wave), so that the last CTA's row is partial.
     sizes = [2049, 2113, 2297, 2305, 4097, 4353, 4607, 4609, 5121, 5633, 5889, 6143, 6145, 6655,
              7039, 7041, 7169, 7681, 8193, 9729, 10753, 11777, 12289, 15361, 16383]
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
@@ -483,8 +489,10 @@ def test_plain_row_gaps(backend, device, rng, dtype):
     # take the odd rows' tiers since session 40 (GapTierRanges), on the odd rows' tiles per CTA
     # there and one tile on the power-of-two tiers. The top of each power-of-two tier and of each
     # gap range on both GPUs (the H100's: 320, 576, 1280), and one vector past each, in an odd
-    # number of rows (rows_past_one_wave); gpu_check.sh runs it again under
-    # JAX_SOFTMAX_ODD_TIERS=0 (the power-of-two tiers only) and =2 (the H200's ranges).
+    # number of rows (rows_past_one_wave); 256 takes the register lane groups of two rows. The
+    # odd rows of these lengths take the forward short-row kernel since session 69, so that on the
+    # gap tiers of up to 1023 columns these plain rows are the only ones. gpu_check.sh's
+    # register_tiers job runs it again under JAX_SOFTMAX_STAGED=0: the register tiers' forward rows.
     sizes = [256, 264, 320, 328, 384, 392, 512, 520, 576, 584, 640, 648, 768, 776, 1024, 1032,
              1280, 1288, 1536, 1544]
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
@@ -496,9 +504,12 @@ def test_past_top_rows(backend, device, rng, dtype):
     # 16-bit rows just past the 3/2 E tiers' and the 64-thread tier's tops (session 41,
     # GapTierRanges): on the H200 W = 385-448 on 8 lanes of 7/4 E, 1537-1792 on 32 lanes of 7/4 E;
     # plain rows of 2056-2560 (H100: to 2304) and odd ones of W = 2312-2560 (H200 only) on 64
-    # threads of 5/4 E. Both ends of each range, odd and plain (W is cols rounded up to 8), and
-    # one past each, in an odd number of rows (rows_past_one_wave); gpu_check.sh runs it again
-    # under JAX_SOFTMAX_ODD_TIERS=0 (none of these tiers) and =2 (the H200's ranges).
+    # threads of 5/4 E. Since session 69 the odd rows of up to 1023 columns (385, 447, 449) take
+    # the forward short-row kernel instead, and since session 58 the H200's odd rows of
+    # W = 2049-2304 (2049, 2303) its one-warp reread rows (ThinRereadElems). Both ends of each
+    # range, odd and plain (W is cols rounded up to 8), and one past each, in an odd number of
+    # rows (rows_past_one_wave); gpu_check.sh's register_tiers job runs it again under
+    # JAX_SOFTMAX_STAGED=0 (none of these tiers: the register tiers' forward rows).
     sizes = [385, 392, 447, 448, 449, 456, 1537, 1544, 1791, 1792, 1793, 1800, 2049, 2056, 2303,
              2304, 2305, 2312, 2559, 2560, 2561, 2568]
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
@@ -509,13 +520,13 @@ def test_past_top_rows(backend, device, rng, dtype):
 def test_reread_block_rows(backend, device, rng, dtype):
     # 16-bit plain rows of N = 512 * 32 + 8 .. 1024 * 32 columns: one staged CTA of as many warps
     # as the row needs (up to 512 threads of 64 values) that reads the row from shared memory in
-    # each pass (ffi/softmax_launch.cuh, LaunchStagedTier; the register tiers under
-    # JAX_SOFTMAX_REREAD_BLOCKS=0, which scripts/gpu_check.sh also runs). The register tiers on
-    # either side (16384, 32776), the first and last widths, and warp counts between: 9 warps
+    # each pass (ffi/softmax_launch.cuh, LaunchStagedTier; session 34). The register tiers below
+    # (16384) and the 1024-thread reread block above (32776, since session 53:
+    # test_long_staged_rows), the first and last widths, and warp counts between: 9 warps
     # with most of the last one's packs past the row's end (16392) and with all packs inside
     # (18432), 10, 12, 15 (28680) and 16. The rows of cols % 16 == 8 (16392, 28680, 32760) take
-    # the windowed kernel since session 51, its copies from 128-byte boundaries (the plain one
-    # under JAX_SOFTMAX_COPY_ALIGN=16, which scripts/gpu_check.sh also runs).
+    # the windowed kernel since session 51, its copies from 128-byte boundaries (kCopyAlignBytes,
+    # SectorSplitRows).
     sizes = [16384, 16392, 18432, 20480, 24576, 28680, 32760, 32768, 32776]
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
 
@@ -526,9 +537,9 @@ def test_plain_block_rows(backend, device, rng, dtype):
     # 16-bit plain rows of N = 256 * 32 + 8 .. 512 * 32 - 8 columns, past the 256 x 32 register
     # block: the staged 512 x 32 block with as many warps as the row needs (9 at 8200 and 8448,
     # with most of the ninth warp's values past the row's end; 10, 12, 13, 16), since session 51
-    # (ffi/softmax_launch.cuh, PlainStagedBlocks; the register tier's block under
-    # JAX_SOFTMAX_PLAIN16_STAGED_BLOCKS=0, which scripts/gpu_check.sh also runs); the register
-    # tiers on either side (8192, 16384) and the reread block past it (16392).
+    # (ffi/softmax_launch.cuh, LaunchStagedTier: plain 16-bit rows of 256 E + 1 to 512 E - 1 stay
+    # staged); the register tiers on either side (8192, 16384) and the reread block past it
+    # (16392).
     sizes = [8184, 8192, 8200, 8256, 8448, 9216, 10240, 12288, 12296, 16376, 16384, 16392]
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
 
@@ -536,19 +547,25 @@ def test_plain_block_rows(backend, device, rng, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_mid_backward_rows(backend, device, rng, dtype):
-    # 16-bit backward rows of W = 512 * 32 + 8 .. 2 * 512 * 32 columns take two CTAs of the
-    # 4 x 512 x 32 clusters, the row through shared memory, unless W is a multiple of 256 * 16,
-    # which keeps the 8 x 256 x 16 clusters (ffi/softmax_launch.cuh, LaunchTier; all of them under
-    # JAX_SOFTMAX_RAW_WIDE=0, which scripts/gpu_check.sh's cluster_fit_all job runs with
-    # test_cluster_ctas; on the H200 only rows past W = 5 * 256 * 16 = 20480 take the two CTAs). Odd
-    # rows (windowed) at the first width, W = 16392, whose second CTA holds one vector (16385; 16391
-    # wraps into its first vector), the last width of the H200's 8 x 256 x 16 (20471: W = 20472),
-    # one column short of and past a full W (20479 and 20481, W = 20480 and 20488; 20481 the H200's
-    # first of two CTAs), past 6 and 7 chunks (24577, 28673), and the last widths (32759: W = 32760;
-    # 32767 wraps and keeps 8 x 256); plain rows that leave the last 8 x 256 chunk partly filled
-    # past 512 * 48 (24584, 30000). Plain rows of up to 512 * 48 that are not a multiple of 256 * 16
-    # take one 512-thread block of 40 values (16392, 16400, 20472) or 48 (20488, 24568) instead
-    # (BackwardWideBlocks); 20480 and 24576 keep 8 x 256. More rows than the clusters hold at once.
+    # 16-bit backward rows of W = 512 * 32 + 8 .. 2 * 512 * 32 columns. On sm_90+ the plain and
+    # windowed ones take the staged backward block (ffi/softmax_launch.cuh, LaunchTier and
+    # LaunchBwdStagedRows: up to 512 threads of 64 values, the row's y and dy copied into one
+    # stage; sessions 51-52), whose stage fits the H100's and H200's shared memory at every one of
+    # these widths; rows with a `where` mask take the fitted 4 x 512 x 16 clusters (3 or 4 CTAs;
+    # element by element where cols % 8 != 0, 8 x 512 x 8). Behind the staged block, for a GPU
+    # whose shared memory would not hold its stage, LaunchTier keeps sessions 44-45's rules: two
+    # CTAs of the 4 x 512 x 32 clusters, the row through shared memory, unless W is a multiple of
+    # 256 * 16, which keeps the 8 x 256 x 16 clusters (with the H200's DRAM bandwidth per SM cycle
+    # only rows past W = 5 * 256 * 16 = 20480 take the two CTAs), and plain rows of up to 512 * 48
+    # that are not a multiple of 256 * 16 on one 512-thread block of 40 values (to 20480) or 48
+    # (to 24576), which GPUs before sm_90 run too (the two-pass kernel past them); on the H100 and
+    # H200 no row reaches those. The sizes, chosen for those rules: odd rows (windowed) at the
+    # first width, W = 16392 (16385; 16391 wraps into its first vector), the last width of the
+    # H200's 8 x 256 x 16 (20471: W = 20472), one column short of and past a full W (20479 and
+    # 20481, W = 20480 and 20488), past 6 and 7 chunks (24577, 28673) and the last widths (32759:
+    # W = 32760; 32767 wraps); plain rows at the blocks' ends (16392, 16400, 20472; 20488, 24568),
+    # of a full W (20480, 24576) and past 512 * 48 (24584, 30000). More rows than the clusters hold
+    # at once.
     sizes = [16385, 16391, 16392, 16400, 20471, 20472, 20479, 20480, 20481, 20488, 24568, 24576,
              24577, 24584, 28673, 30000, 32759, 32767]
     check_sizes(device, rng, dtype, sizes, rows_past_one_wave)
@@ -556,18 +573,17 @@ def test_mid_backward_rows(backend, device, rng, dtype):
 
 # 16-bit rows past the reread blocks and the staged backward block (ffi/softmax_launch.cuh,
 # session 53): forward rows of 32769 to W = 57272 on one reread CTA of up to 1024 threads where
-# two fit an SM (RereadLongRows: 2E values to 24 warps, W = 49152, as 40 registers allow; then
+# two fit an SM (LaunchStagedTier: 2E values to 24 warps, W = 49152, as 40 registers allow; then
 # 5/2 E values where the two stages fit, 114688 bytes each on the H100 and H200, PlanStages),
 # backward ones of 32769-57856 on the staged backward block of up to 1024 threads where y's and
-# dy's stage fits (231424 bytes: BwdStagedLongRows); the clusters take the others (and all of
-# them under the knobs at 0, scripts/gpu_check.sh's replaced step). The reread blocks' last
-# width (32768); the first widths past it, odd (32769, W = 32776), of cols % 16 == 8 (32776: the
-# windowed kernel) and plain (32784); 40960 (20 warps); the 2E block's last widths, odd (49151:
-# W = 49152, wraps) and plain (49152), and the 5/2 E block's first ones, odd (49153: W = 49160),
-# of cols % 16 == 8 (49160) and plain (49168); 50257 (never wraps); 53248; the 5/2 E block's last
-# fits, odd (57271) and of cols % 16 == 8 (57272), and first miss (57273); the backward stage's
-# last fits (57344; 57856, y and dy 115712 bytes each) and first miss (57864, windowed); the last
-# widths of 2E values (65535 wraps, 65536).
+# dy's stage fits (231424 bytes: LaunchTier, LaunchBwdStagedRows); the clusters take the others.
+# The reread blocks' last width (32768); the first widths past it, odd (32769, W = 32776), of
+# cols % 16 == 8 (32776: the windowed kernel) and plain (32784); 40960 (20 warps); the 2E
+# block's last widths, odd (49151: W = 49152, wraps) and plain (49152), and the 5/2 E block's
+# first ones, odd (49153: W = 49160), of cols % 16 == 8 (49160) and plain (49168); 50257 (never
+# wraps); 53248; the 5/2 E block's last fits, odd (57271) and of cols % 16 == 8 (57272), and
+# first miss (57273); the backward stage's last fits (57344; 57856, y and dy 115712 bytes each)
+# and first miss (57864, windowed); the last widths of 2E values (65535 wraps, 65536).
 LONG_STAGED_SIZES = [32768, 32769, 32776, 32784, 40960, 49151, 49152, 49153, 49160, 49168, 50257,
                      53248, 57271, 57272, 57273, 57344, 57856, 57864, 65535, 65536]
 
@@ -599,20 +615,21 @@ def test_many_long_rows(backend, device, rng, dtype, n):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
 def test_windowed_row_neighbours(backend, device, rng, dtype):
     # Odd rows (read through 16-byte windows) share their first and last vectors with the rows
-    # beside them, and the 16-bit backward tiers and the forward register tiers of one row per
-    # lane group read those vectors whole, with the vector after the window for the wrapped
-    # columns, where they lie inside x (RowLoader::vecs_inside: all rows but the last one or
-    # two), dropping the other rows' positions after the load. Every other row here is NaN, so a
-    # value of a neighbour that leaked into a row would turn it NaN. 11 rows: every shift of a
-    # 16-bit row in its window, and the last rows, read element by element. Tiers: lane groups
-    # (255: two rows per group backward), blocks (4097; 8193, whose 512-thread block of 32 values
-    # reads element by element), clusters (32767 and 65535 wrap, 50257 never does; 262143, whose
-    # 16-bit backward rows go through shared memory, kSmemRowBwd) and the staged forward tiers'
-    # windows in shared memory: 16-bit 24577 and 32767 on the reread blocks (since session 49;
-    # float32 24577 since session 50), whose stage's end vectors hold -inf in place of the
-    # neighbours' columns (16-bit 24577 never wraps, 32767 does where its window starts 2-7
-    # elements before it). Since session 53 16-bit 50257 takes the 1024-thread reread block
-    # (forward) and staged backward block (the clusters under the knobs at 0).
+    # beside them, and the 16-bit backward tiers and the forward register tiers of one row per lane
+    # group read those vectors whole, with the vector after the window for the wrapped columns,
+    # where they lie inside x (RowLoader::vecs_inside: all rows but the last one or two), dropping
+    # the other rows' positions after the load. Every other row here is NaN, so a value of a
+    # neighbour that leaked into a row would turn it NaN. 11 rows: every shift of a 16-bit row in
+    # its window, and the last rows, read element by element. Tiers: lane groups (255: two rows per
+    # group backward; on sm_90+ the short-row kernels take float32 and 16-bit 255 forward, 16-bit
+    # 255 backward and 16-bit 1001 forward, their tiles spanning the neighbours' columns too), warps
+    # (1001), blocks (4097; 8193, whose 512-thread block of 32 values reads element by element),
+    # clusters (32767 and 65535 wrap, 50257 never does; 262143, whose 16-bit backward rows go
+    # through shared memory, kSmemRowBwd) and the staged forward tiers' windows in shared memory:
+    # 16-bit 24577 and 32767 on the reread blocks (since session 49; float32 24577 since session
+    # 50), whose stage's end vectors hold -inf in place of the neighbours' columns (16-bit 24577
+    # never wraps, 32767 does where its window starts 2-7 elements before it). Since session 53
+    # 16-bit 50257 takes the 1024-thread reread block (forward) and staged backward block.
     cases = []
     for n in (255, 1001, 4097, 8193, 24577, 32767, 50257, 65535, 262143):
         x = rng.standard_normal((11, n)) * 3.0
@@ -642,22 +659,21 @@ def test_windowed_row_neighbours(backend, device, rng, dtype):
 )
 def test_staged_ring_wraps(backend, device, rng, dtype, tier):
     # The staged tiers (sm_90+, forward rows: ffi/softmax_launch.cuh, LaunchStagedTier) feed each
-    # CTA through shared memory: one tile per CTA for the row tiers by default, and a persistent
-    # ring of 1-4 stages per CTA, refilled as soon as a stage is read, for the clusters (and for
-    # the row tiers under JAX_SOFTMAX_TILES_PER_CTA >= 2, which scripts/gpu_check.sh also runs;
-    # by default two tiles for the masked bfloat16 rows of 16V and 32V since session 74).
-    # 64 MiB is several times what all CTAs' rings hold at once (at most 132 SMs x 8 CTAs x 3
-    # stages x 8 KiB = 25 MiB, the 128-thread tiers in bfloat16), so each CTA's barrier phases
-    # wrap; an odd row count leaves the last tile partial. Sizes: lane groups of one vector (4V),
-    # 8 lanes of two vectors or 32 values (16V, 32V), 16 lanes (64V), a warp (1024 bfloat16,
-    # 32 lanes float32), a block (4096), bfloat16's reread blocks of 10 and 16 warps (20480,
-    # 32768; float32: clusters of 2), and clusters of 8 (float32) or 4 (bfloat16) CTAs (131072);
-    # odd rows, read through 16-byte windows, staged in bfloat16 on 32 lanes (1001) and clusters
-    # of 8 x 256 threads (65535, wraps), whose tiles start before their row and end in the next
-    # (the last one at x's end); 40961 and 50257 took clusters too (6 of 8 x 256; 2 x 1024)
-    # before session 53's 1024-thread reread blocks, one tile per CTA, and do under
-    # JAX_SOFTMAX_REREAD_LONG=0; float32 odd rows of up to 2^16 columns take the register tiers
-    # (LaunchStagedTier).
+    # CTA through shared memory: one tile per CTA for the row tiers (two for the masked bfloat16
+    # rows of 16V and 32V since session 74, GeneralRowTilesPerCta), and a persistent ring of 1-4
+    # stages per CTA, refilled as soon as a stage is read, for the clusters. 64 MiB is several times
+    # what all CTAs' rings hold at once (at most 132 SMs x 8 CTAs x 3 stages x 8 KiB = 25 MiB, the
+    # 128-thread tiers in bfloat16), so each CTA's barrier phases wrap; an odd row count leaves the
+    # last tile partial. Sizes: lane groups of one vector (4V), 8 lanes of two vectors or 32 values
+    # (16V, 32V; plain rows of up to 32V take the register lane groups of two rows, so these three
+    # are staged with the mask only), 16 lanes of 32 values (64V; float32 8), 32 lanes (1024), a
+    # block (4096), the reread blocks of 10 and 16 warps (20480, 32768; float32's 32768 the wide
+    # block of two tiles), and clusters of 8 x 512 threads (131072); odd rows, read through 16-byte
+    # windows, staged in bfloat16 on clusters of 8 x 256 threads (65535, wraps), whose tiles start
+    # before their row and end in the next (the last one at x's end); 40961 and 50257 took clusters
+    # too (6 of 8 x 256; 2 x 1024) before session 53's 1024-thread reread blocks, one tile per CTA;
+    # 1001 took 32 lanes until the short-row kernel took it (session 69); float32 odd rows of up to
+    # 2^16 columns take the register tiers (LaunchStagedTier).
     # Softmax and log_softmax, with their backward (register tiers), without and with a `where`
     # mask of shape (1, N): a mask that consecutive rows share, which the staged tiers take up to
     # N = 16 E, and for float32 beyond 4096 columns (x in the stages, the mask read from global
@@ -750,8 +766,10 @@ def test_causal_attention_sizes(backend, device, rng, dtype, s):
     # On sm_90+ 16-bit rows of 65-256 keys take two tiles per CTA on the staged tiers since
     # session 74 (GeneralRowTilesPerCta), one below (64) and past (257): both sides of each bound,
     # in 2 S rows (S = 65: 130 rows, five tiles of 32, the last CTA with one tile of 2 rows). Those
-    # of 72-128 keys (whole vectors) take 4 lanes of one row since session 75 (GeneralFourLanes):
+    # of 72-128 keys (whole vectors) take 4 lanes of one row since session 75 (LaunchStagedTier):
     # the tier's first and last row lengths, and the 8-lane tier's first past it (136).
+    # gpu_check.sh's register_tiers job runs it again under JAX_SOFTMAX_STAGED=0: every forward
+    # row on the register tiers.
     check_attention(device, rng, dtype, s)
 
 
@@ -776,13 +794,14 @@ def test_attention_beyond_clusters(backend, device, rng, dtype, sk):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_causal_long_keys(backend, device, rng, dtype):
-    # Causal rows of cluster length (Sk = 2^15 + 2^14: a cluster of 4 CTAs of 512 x 32 columns).
-    # By default they run the register cluster kernel; under JAX_SOFTMAX_STAGED_GENERAL=2
-    # (scripts/gpu_check.sh runs this file so) the staged one, whose copies stop at each row's
-    # causal limit. Sq = 16384 + 37 queries, so the limits of rows 16380-16390 cross the first
-    # CTA's chunk (16384 columns), and every limit lies inside the row (Sq < Sk): the later CTAs
-    # of a cluster get nothing to copy. Only sampled rows are compared (the whole output is
-    # 1-2 GiB); the sampled rows run in the same grid as all the others.
+    # Causal rows of cluster length (Sk = 2^15 + 2^14: a cluster of 4 CTAs of 512 x 32 columns)
+    # on the register cluster kernel: rows with a bias or causal limit past 16 E columns never take
+    # the staged tiers (StageGeneralRows in ffi/softmax_launch.cuh). (Until issue 87 this test ran
+    # again with the staged cluster kernel forced, whose copies stop at each row's causal limit; no
+    # setting reaches that path now.) Sq = 16384 + 37 queries, so the limits of rows 16380-16390
+    # cross the first CTA's chunk (16384 columns), and every limit lies inside the row (Sq < Sk):
+    # the later CTAs of a cluster hold no position at or before it. Only sampled rows are compared
+    # (the whole output is 1-2 GiB); the sampled rows run in the same grid as all the others.
     sq, sk = 2**14 + 37, 2**15 + 2**14
     key = jax.random.key(int(rng.integers(2**31)))
     with jax.default_device(device):
@@ -950,15 +969,19 @@ def run_attention_cases(device, cases, dtype, causal, extra=None):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
 @pytest.mark.parametrize("operands", ["bias", "mask", "both", "bias_causal"])
 def test_broadcast_operand_order(backend, device, rng, dtype, operands):
-    # A (1, H, Sq, Sk) bias and a (1, 1, Sq, Sk) mask are broadcast over the outer row axes: the
-    # launcher then hands batches of rows to CTAs copy by copy (RowOrder), where the batches of a
-    # tier tile each copy exactly (H * Sq or Sq rows per copy: 1024 or 512 for the 256- and
-    # 512-row tiles of the shortest rows, 128 or 64 for the others), in memory order otherwise
-    # (Sq = 37); by default only where the operand would leave L2 between copies, which shapes
-    # this small never do: gpu_check.sh runs this test again with JAX_SOFTMAX_REUSE_ORDER=2. Sk
-    # runs through the tiers: lane groups (8), a warp or 4 staged lanes (128; 16-bit, 8 lanes of
-    # two rows under JAX_SOFTMAX_GENERAL_FOUR_LANES=0, gpu_check.sh's job), blocks (1000,
-    # 4096), a cluster (20000, float32: 2 x 512 x 32 columns); one jitted call.
+    # A (1, H, Sq, Sk) bias and a (1, 1, Sq, Sk) mask are broadcast over the outer row axes. Where
+    # the bytes that pass through L2 between one copy's read of an operand row and the next exceed
+    # a quarter of L2 (OperandReuseOrder in ffi/softmax_launch.cuh), the launcher hands batches of
+    # rows to CTAs copy by copy (RowOrder), in the kernels whose batches are of fewer than 32 rows
+    # (kFollowsOrder in ffi/softmax_kernels.cuh) where they tile each copy exactly (H * Sq or Sq
+    # rows per copy; Sq = 37 only one-row batches), and in memory order otherwise. These shapes
+    # are small: of them only float64 "both" at Sk = 20000 passes the bound on the H200 (16.0 MB
+    # between copies against a quarter of its 60 MiB, 15.7 MB), and it would not with 64 MiB of
+    # L2, so they test the operands' broadcast indexing in memory order through the tiers (the
+    # reordered calls: test_broadcast_operand_order_past_l2). Sk runs through the tiers: lane
+    # groups (8; tiles of 256 or 512 rows, which never reorder), a warp or 4 staged lanes (128;
+    # 16-bit), blocks (1000, 4096), a cluster (20000, float32: 2 x 512 x 32 columns); one jitted
+    # call.
     b, h = 3, 2
     cases = []
     for sq, sk in [(512, 8), (64, 128), (37, 128), (64, 1000), (37, 4096), (64, 4096), (16, 20000)]:
@@ -977,6 +1000,60 @@ def test_broadcast_operand_order(backend, device, rng, dtype, operands):
         z = s.astype(np.float64) * 0.5 + (0.0 if bias is None else bias.astype(np.float64))
         valid = attention_valid(s.shape, mask, causal)
         check_scores_vjp(y, ds, z, g, valid, 0.5, dtype, what=f"{operands} shape={s.shape}")
+
+
+# Calls whose broadcast operand rows pass more than a quarter of L2 between copies on every GPU
+# of up to 64 MiB of L2 (the H200 reports 60 MiB, the H100 50), so that OperandReuseOrder orders
+# their rows copy by copy: {name: (scores shape, bias shape, mask shape, causal)}. The bytes
+# between copies are rows per copy x Sk x bytes per element (forward: x and y in x's type, the
+# bias in x's type, the mask one byte; backward: y, dy and dx, the mask; the backward takes no
+# bias), against 16 MiB:
+#   bias: the (1, 4, 1024, 1024) bias over B = 2 copies of 4096 rows, 4 Mi elements a copy:
+#     forward 6 bytes an element in bfloat16 (24 MiB), 12 in float32 (48 MiB); the backward, with
+#     no operand, in memory order.
+#   mask: the (1, 1, 2048, 2048) mask over B = 2 copies of 2048 rows, 4 Mi elements: forward 5 /
+#     9 bytes (bfloat16 / float32: 20 / 36 MiB), backward 7 / 13 (28 / 52 MiB).
+#   both_causal: bias (1, 2, 1024, 2048) and mask (1, 1, 1024, 2048), causal, over (2, 2, 1024,
+#     2048) scores: copies over the axis both broadcast over, B = 2 copies of 2048 rows, 4 Mi
+#     elements, forward 7 / 13 bytes (28 / 52 MiB); the backward's mask alone over B x H = 4
+#     copies of 1024 rows, 2 Mi elements, 7 / 13 bytes (14 / 26 MiB: bfloat16 in memory order,
+#     float32 reordered on the H200).
+# The tiers that take them follow the order and their batches tile every copy: rows with a bias or
+# causal limit past 512 keys, and these mask rows, take the register tiers on every GPU (and under
+# JAX_SOFTMAX_STAGED=0): Sk = 1024 a warp per row, 4 rows a CTA (bfloat16), or a 64-thread block
+# (float32), Sk = 2048 one row per CTA of 64 or 128 threads; the backward one row per 128-thread
+# CTA. 8 Mi elements per tensor (16 or 32 MiB on the device).
+REUSE_ORDER_CALLS = {
+    "bias": ((2, 4, 1024, 1024), (1, 4, 1024, 1024), None, False),
+    "mask": ((2, 1, 2048, 2048), None, (1, 1, 2048, 2048), False),
+    "both_causal": ((2, 2, 1024, 2048), (1, 2, 1024, 2048), (1, 1, 1024, 2048), True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("operands", list(REUSE_ORDER_CALLS))
+def test_broadcast_operand_order_past_l2(backend, device, rng, dtype, operands):
+    # The copies of a broadcast bias or mask taken copy by copy by default (RowOrder; when:
+    # test_broadcast_operand_order): REUSE_ORDER_CALLS's shapes, whose reordered rows must read
+    # their own bias and mask rows and causal limits. Forward and backward against float64,
+    # outputs poisoned first; a mask row fully excluded in every copy.
+    shape, bias_shape, mask_shape, causal = REUSE_ORDER_CALLS[operands]
+    s = rounded(rng.standard_normal(shape) * 2.0, dtype)
+    bias = None if bias_shape is None else rounded(rng.standard_normal(bias_shape), dtype)
+    mask = None
+    if mask_shape is not None:
+        mask = rng.random(mask_shape) < 0.8
+        mask[0, 0, 1] = False
+    g = rounded(rng.standard_normal(shape), dtype)
+    ((y, ds),) = run_attention_cases(device, [(s, bias, mask, g)], dtype, causal)
+    y, ds = np.asarray(y), np.asarray(ds)
+    valid = attention_valid(shape, mask, causal)
+    for i in range(shape[0]):  # one batch element at a time: the float64 references' memory
+        z = s[i].astype(np.float64) * 0.5 + (0.0 if bias is None else bias[0].astype(np.float64))
+        v = None if valid is None else valid[i]
+        what = f"{operands} shape={shape} batch element {i}"
+        check_scores_vjp(y[i], ds[i], z, g[i], v, 0.5, dtype, what=what)
 
 
 def padding_mask(rng, b, sk, vec):
