@@ -52,16 +52,21 @@
 #endif
 
 // The wheel is built for baseline x86-64 (SSE2), where the kernels would run at a quarter of the
-// vector width XLA's JIT uses on the same machine. An AVX2+FMA copy is selected at run time.
+// vector width XLA's JIT uses on the same machine. AVX-512 (F, VL, BW, DQ; 512-bit vectors) and
+// AVX2+FMA copies are selected at run time. On a Zen 4 VM the AVX-512 copy measured 1.2-1.45x
+// the AVX2 one single-threaded (forward, all N; backward 1.0-1.9x): kLanes = 16 floats is one
+// register, exp() gets masked selects and twice the lanes per instruction.
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define JS_X86_DISPATCH 1
 #define JS_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define JS_TARGET_AVX512 \
+  __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,prefer-vector-width=512")))
 #endif
 
 namespace jax_softmax {
 namespace {
 
-// Independent accumulators of a float sum: two AVX2 registers of floats. Fixing the summation
+// Independent accumulators of a float sum: two AVX2 registers of floats, one AVX-512 register. Fixing the summation
 // order in the source is what lets the compiler vectorise it without reassociating adds.
 constexpr int kLanes = 16;
 // Columns per sweep of the row buffer (a multiple of kLanes). 2048 floats/doubles keep the two
@@ -653,6 +658,21 @@ JS_TARGET_AVX2 void RowsAvx2(const RowParams& p, int64_t r0, int64_t r1) {
   Rows(p, r0, r1);
 }
 
+template <RowsFn Rows>
+JS_TARGET_AVX512 void RowsAvx512(const RowParams& p, int64_t r0, int64_t r1) {
+  Rows(p, r0, r1);
+}
+
+bool HasAvx512() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("fma");
+  }();
+  return has;
+}
+
 bool HasAvx2Fma() {
   static const bool has = [] {
     __builtin_cpu_init();
@@ -666,6 +686,7 @@ template <typename Kernel, typename Tag>
 RowsFn PickRows() {
   constexpr RowsFn rows = Kernel::template kRows<Tag>;
 #ifdef JS_X86_DISPATCH
+  if (HasAvx512()) return &RowsAvx512<rows>;
   if (HasAvx2Fma()) return &RowsAvx2<rows>;
 #endif
   return &RowsBase<rows>;
