@@ -282,16 +282,30 @@ JS_INLINE A MaxOf(const A* z, int64_t n) {
   return m;
 }
 
-// The kLanes accumulators added pairwise, halves first. Written out rather than looped: a loop
-// over a run-time width left the accumulators in memory, one store-forwarded add after another
-// (about 75 cycles a row, most of a 32-column row's time).
+// The kLanes accumulators added pairwise, halves first. In GCC vector types (lowered to the
+// variant's registers, SSE halves in the baseline): a loop over a run-time width left the
+// accumulators in memory, one store-forwarded add after another (about 75 cycles a row), and
+// the same adds on scalars still went through 15 vaddss and stack spills (N = 32 forward 4-6%
+// slower than this, AVX-512 variant). Same order, so the same sums bit for bit.
 template <typename A>
 JS_INLINE A LaneSum(const A (&acc)[kLanes]) {
   static_assert(kLanes == 16, "LaneSum adds 16 accumulators");
-  A h[8], q[4];
-  for (int l = 0; l < 8; ++l) h[l] = acc[l] + acc[l + 8];
-  for (int l = 0; l < 4; ++l) q[l] = h[l] + h[l + 4];
-  return (q[0] + q[2]) + (q[1] + q[3]);
+  typedef A V8 __attribute__((vector_size(8 * sizeof(A))));
+  typedef A V4 __attribute__((vector_size(4 * sizeof(A))));
+  typedef A V2 __attribute__((vector_size(2 * sizeof(A))));
+  V8 lo, hi;
+  std::memcpy(&lo, &acc[0], sizeof lo);
+  std::memcpy(&hi, &acc[8], sizeof hi);
+  const V8 h = lo + hi;  // h[l] = acc[l] + acc[l + 8]
+  V4 h0, h1;
+  std::memcpy(&h0, &h, sizeof h0);
+  std::memcpy(&h1, reinterpret_cast<const char*>(&h) + sizeof h0, sizeof h1);
+  const V4 q = h0 + h1;  // q[l] = h[l] + h[l + 4]
+  V2 q0, q1;
+  std::memcpy(&q0, &q, sizeof q0);
+  std::memcpy(&q1, reinterpret_cast<const char*>(&q) + sizeof q0, sizeof q1);
+  const V2 r = q0 + q1;  // (q[0] + q[2], q[1] + q[3])
+  return r[0] + r[1];
 }
 
 // sum(term(i) for i < n) with kLanes independent accumulators: the order the vectoriser needs,
