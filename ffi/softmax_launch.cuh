@@ -150,6 +150,8 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   constexpr bool kRereadWide = kBwd && sizeof(T) == 4 && kVec > 1;
   const int64_t n = WindowWidth<kVec, kAccess>(c.p.cols);
   const bool hopper = c.dev.cc_major >= 9;
+  // The staged, short-row and staged backward kernels (sm_90+; JAX_SOFTMAX_STAGED=0 turns them off).
+  const bool staged = hopper && StagedEnabled();
   // Lane groups: one vector per lane, kRows rows per group and iteration (rows of up to 32 vectors).
   const auto lane_groups = [&](auto rows) -> ffi::Error {
     constexpr int kRows = decltype(rows)::value;
@@ -165,7 +167,7 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // the rest on the staged tiers where they take the row. Backward rows are never staged: the
   // register kernels already keep two operands' loads in flight (staged measured 0-20% slower).
   if constexpr (!kBwd && kStageable<T, kVec>) {
-    if (hopper && StagedEnabled()) {
+    if (staged) {
       if constexpr (kAccess == Access::kPlain)
         if (n <= 32 * kVec) return lane_groups(std::integral_constant<int, 2>{});
       if constexpr (kAccess == Access::kWindowed)
@@ -176,7 +178,7 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   }
 #define JS_ROWS(G, E, R) return LaunchRows<T, G, E, kVec, kBwd, kAccess, R>(c)
   if constexpr (kBwd && kAccess == Access::kWindowed && sizeof(T) <= 4) {
-    if (hopper && ShortOddBackwardRow<T, kVec>(c.p.cols))
+    if (staged && ShortOddBackwardRow<T, kVec>(c.p.cols))
       if (Launched launched = LaunchShortRowsFewestLanes<T, true>(c)) return *launched;
   }
   constexpr int kRowsShort = kBwd ? 2 : 4;  // backward: two values per element, 90 registers at 4
@@ -201,7 +203,7 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
   // dy copied into shared memory once; s52: bfloat16 16385 231 -> 190 us), and to 1024 x 4E on
   // up to 1024 threads where the stage fits (s53: 32769 232 -> 210 us).
   if constexpr (kRawWide && kAccess != Access::kGeneral) {
-    if (hopper) {
+    if (staged) {
       if (n > 512 * 2 * kE && n <= 512 * 4 * kE)
         if (Launched launched = LaunchBwdStagedRows<T, kVec, kAccess>(c)) return *launched;
       if (n > 512 * 4 * kE && n <= 1024 * 4 * kE)

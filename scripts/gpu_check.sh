@@ -204,7 +204,7 @@ if want test; then
     # The register kernels alone, as GPUs before sm_90 run them (JAX_SOFTMAX_STAGED=0: no staged,
     # short-row or staged backward kernels): every tier's boundaries and the odd, gap and long rows.
     test_job register_tiers JAX_SOFTMAX_STAGED=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.25 -- \
-      -k "$(with_test_k "gpu and test_kernel_tiers and (tier_boundaries or many_long_rows or odd_row_tiers or plain_row_gaps or past_top_rows or causal_attention_sizes or short_windowed_rows or short_wide_rows) and not ($big)")"
+      -k "$(with_test_k "gpu and test_kernel_tiers and (tier_boundaries or many_long_rows or odd_row_tiers or plain_row_gaps or past_top_rows or causal_attention_sizes or short_windowed_rows or short_wide_rows or float_half_warp_rows or float_short_row_lanes or mid_backward_rows or wide_block_rows) and not ($big)")"
   fi
   wait_tests
   if test_part suite; then
@@ -326,7 +326,7 @@ fi
 
 if want ncu; then
   # No preallocation and 128 MiB tensors: ncu saves and restores device memory on every replay.
-  # Our kernels (every __global__ of ffi/softmax_kernels.cuh: the short-row and staged backward
+  # Our kernels (every __global__ of the kernel files that ffi/softmax_kernels.cuh includes: the short-row and staged backward
   # ones were missing until session 71, whose first profile caught nothing) and the benchmark's
   # Triton ones (fwd_tile, bwd_tile, ...).
   ncu_kernels=${NCU_REGEX:-softmax_rows|softmax_short_rows|softmax_bwd_staged|fwd_tile|fwd_loop|bwd_tile|bwd_loop}
