@@ -164,7 +164,7 @@ for _name in ("f32", "bf16"):
     for _n in (6000, 12000):  # rows that fill three quarters of a block tier or less
         CASES[f"{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n))
     # Rows just past a cluster tier's power of two, launched with fewer CTAs than the tier's
-    # (FitCluster in ffi/softmax_launch.cuh), and a vocabulary's length (151936).
+    # (FitCluster in ffi/launch_device.cuh), and a vocabulary's length (151936).
     for _n in (16385, 65537, 151936):
         CASES[f"{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n))
     # Rows of 9-16 chunks of a 512-thread CTA (forward: staged clusters of 16 x 512 threads, or

@@ -199,7 +199,7 @@ CASES = [  # (rows, cols, dtype)
     # (session 42): odd (17 warps, windowed) and plain (32 warps), more rows than one CTA takes.
     (5, 16385, jnp.float32),
     (3, 32768, jnp.float32),
-    # Cluster tiers launched with the CTAs a row needs (FitCluster in ffi/softmax_launch.cuh):
+    # Cluster tiers launched with the CTAs a row needs (FitCluster in ffi/launch_device.cuh):
     # 7 of a staged 8 x 256 tier (forward 57273, the first odd row past the 1024-thread reread
     # blocks, session 53; the H100 runs 2 x 1024 there, LaunchStagedTier), more rows than
     # clusters; and float32 forward 5 of a staged 8 x 512 tier (backward 9 of 16 x 512),

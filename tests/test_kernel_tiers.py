@@ -204,7 +204,7 @@ def test_block_warps(backend, device, rng, dtype):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
 def test_cluster_ctas(backend, device, rng, dtype):
     # Cluster tiers launch the ceil(W / chunk) CTAs a row needs, not their power-of-two size,
-    # where the GPU holds at least 10% more such clusters (ffi/softmax_launch.cuh, FitCluster),
+    # where the GPU holds at least 10% more such clusters (ffi/launch_device.cuh, FitCluster),
     # and the tier's whole cluster otherwise, its last CTAs then with nothing of the row; so every
     # cluster size 2..16 must reduce and store right, including a last CTA of one vector.
     # A CTA's chunk is 2^11 .. 2^15 columns over the dtypes, directions, tiers and paths; for
@@ -239,7 +239,7 @@ def test_seven_chunk_rows(backend, device, rng, dtype):
     check_sizes(device, rng, dtype, sorted(sizes), rows_past_one_wave)
 
 
-# Row lengths of the wide blocks (ffi/softmax_launch.cuh, LaunchStagedTier: rows of 512 * 32 + 1 ..
+# Row lengths of the wide blocks (ffi/launch_staged.cuh, LaunchStagedTier: rows of 512 * 32 + 1 ..
 # 1024 * 32 columns on one staged CTA of as many warps as the row needs, up to 1024 threads of 32
 # values), where the reread blocks (up to 512 threads of 64 values, the row read from the stage in
 # each pass) do not take the row.
@@ -306,7 +306,7 @@ def test_odd_row_rings(backend, device, rng, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_odd_row_tiers(backend, device, rng, dtype):
     # 16-bit odd rows on the staged tiers of 5/4 E, 3/2 E and 3/4 E values per thread
-    # (GapTierRanges in ffi/softmax_launch.cuh; E = 32): W = 257-320 on 8 lanes of 40, 321-384
+    # (GapTierRanges in ffi/launch_rules.cuh; E = 32): W = 257-320 on 8 lanes of 40, 321-384
     # on 8 lanes of 48, 513-640 on 16 lanes of 40, 641-768 on 32 lanes of 24, 1025-1280 on 32
     # lanes of 40, 1281-1536 on 32 lanes of 48; on the H100 only the tiers of 40 values, 513-576
     # on 16 lanes. Since session 69 the forward short-row kernel takes the odd rows of up to 1023
@@ -451,7 +451,7 @@ def test_short_wide_rows(backend, device, rng, dtype):
 @pytest.mark.gpu
 def test_float_three_warp_rows(backend, device, rng):
     # Float32 odd rows of W = 2049-2560 on three warps of the 128-thread register block instead of
-    # four (FloatThreeWarpRows in ffi/softmax_launch.cuh: the rule of GPUs with the H200's DRAM
+    # four (FloatThreeWarpRows in ffi/launch_rules.cuh: the rule of GPUs with the H200's DRAM
     # bandwidth per SM cycle since session 60; the H100 takes four): two warps below (2047,
     # W = 2048), the first rows past them (2049, 2051), the middle (2113, 2305), the rule's last
     # rows (2557, 2559, W = 2560), the first past it on four warps (2561, W = 2564), the last
@@ -466,7 +466,7 @@ def test_float_three_warp_rows(backend, device, rng):
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_thin_reread_rows(backend, device, rng, dtype):
     # 16-bit odd rows that the reread blocks take from the staged row tiers on GPUs with the
-    # H200's DRAM bandwidth per SM cycle (ThinRereadElems in ffi/softmax_launch.cuh; on the H100
+    # H200's DRAM bandwidth per SM cycle (ThinRereadElems in ffi/launch_rules.cuh; on the H100
     # these rows keep the staged row tiers):
     # W = 2049-2304 on one warp of 72 values, four rows per CTA since session 58 (2049, 2113, and
     # 2297 at its end; 2305 past it; their 2047, 1985 and 1827 rows end on tiles of 3, 1 and 3
@@ -520,7 +520,7 @@ def test_past_top_rows(backend, device, rng, dtype):
 def test_reread_block_rows(backend, device, rng, dtype):
     # 16-bit plain rows of N = 512 * 32 + 8 .. 1024 * 32 columns: one staged CTA of as many warps
     # as the row needs (up to 512 threads of 64 values) that reads the row from shared memory in
-    # each pass (ffi/softmax_launch.cuh, LaunchStagedTier; session 34). The register tiers below
+    # each pass (ffi/launch_staged.cuh, LaunchStagedTier; session 34). The register tiers below
     # (16384) and the 1024-thread reread block above (32776, since session 53:
     # test_long_staged_rows), the first and last widths, and warp counts between: 9 warps
     # with most of the last one's packs past the row's end (16392) and with all packs inside
@@ -537,7 +537,7 @@ def test_plain_block_rows(backend, device, rng, dtype):
     # 16-bit plain rows of N = 256 * 32 + 8 .. 512 * 32 - 8 columns, past the 256 x 32 register
     # block: the staged 512 x 32 block with as many warps as the row needs (9 at 8200 and 8448,
     # with most of the ninth warp's values past the row's end; 10, 12, 13, 16), since session 51
-    # (ffi/softmax_launch.cuh, LaunchStagedTier: plain 16-bit rows of 256 E + 1 to 512 E - 1 stay
+    # (ffi/launch_staged.cuh, LaunchStagedTier: plain 16-bit rows of 256 E + 1 to 512 E - 1 stay
     # staged); the register tiers on either side (8192, 16384) and the reread block past it
     # (16392).
     sizes = [8184, 8192, 8200, 8256, 8448, 9216, 10240, 12288, 12296, 16376, 16384, 16392]
@@ -658,7 +658,7 @@ def test_windowed_row_neighbours(backend, device, rng, dtype):
      "50257", "65535"],
 )
 def test_staged_ring_wraps(backend, device, rng, dtype, tier):
-    # The staged tiers (sm_90+, forward rows: ffi/softmax_launch.cuh, LaunchStagedTier) feed each
+    # The staged tiers (sm_90+, forward rows: ffi/launch_staged.cuh, LaunchStagedTier) feed each
     # CTA through shared memory: one tile per CTA for the row tiers (two for the masked bfloat16
     # rows of 16V and 32V since session 74, GeneralRowTilesPerCta), and a persistent ring of 1-4
     # stages per CTA, refilled as soon as a stage is read, for the clusters. 64 MiB is several times
@@ -796,7 +796,7 @@ def test_attention_beyond_clusters(backend, device, rng, dtype, sk):
 def test_causal_long_keys(backend, device, rng, dtype):
     # Causal rows of cluster length (Sk = 2^15 + 2^14: a cluster of 4 CTAs of 512 x 32 columns)
     # on the register cluster kernel: rows with a bias or causal limit past 16 E columns never take
-    # the staged tiers (StageGeneralRows in ffi/softmax_launch.cuh). (Until issue 87 this test ran
+    # the staged tiers (StageGeneralRows in ffi/launch_rules.cuh). (Until issue 87 this test ran
     # again with the staged cluster kernel forced, whose copies stop at each row's causal limit; no
     # setting reaches that path now.) Sq = 16384 + 37 queries, so the limits of rows 16380-16390
     # cross the first CTA's chunk (16384 columns), and every limit lies inside the row (Sq < Sk):
@@ -971,7 +971,7 @@ def run_attention_cases(device, cases, dtype, causal, extra=None):
 def test_broadcast_operand_order(backend, device, rng, dtype, operands):
     # A (1, H, Sq, Sk) bias and a (1, 1, Sq, Sk) mask are broadcast over the outer row axes. Where
     # the bytes that pass through L2 between one copy's read of an operand row and the next exceed
-    # a quarter of L2 (OperandReuseOrder in ffi/softmax_launch.cuh), the launcher hands batches of
+    # a quarter of L2 (OperandReuseOrder in ffi/launch_rules.cuh), the launcher hands batches of
     # rows to CTAs copy by copy (RowOrder), in the kernels whose batches are of fewer than 32 rows
     # (kFollowsOrder in ffi/softmax_kernels.cuh) where they tile each copy exactly (H * Sq or Sq
     # rows per copy; Sq = 37 only one-row batches), and in memory order otherwise. These shapes
