@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cstdlib>
@@ -239,8 +240,8 @@ ClusterShape FitCluster(int device, int64_t n, int64_t chunk, size_t smem = 0) {
 
 // Grids: row kernels get one CTA per batch of rows (the block scheduler starts a CTA wherever one
 // finishes; s4: up to 12% faster than a persistent wave); cluster and two-pass kernels one
-// persistent wave (s4: 4-24% faster for clusters, which schedule only where all their CTAs fit).
-constexpr int64_t kPersistentWaves = 1;
+// persistent wave (s4: 4-24% faster for clusters, which schedule only where all their CTAs fit):
+// PersistentGrid.
 
 // JAX_SOFTMAX_STAGED=0 (read once) runs only the register kernels, as GPUs before sm_90 do: a
 // fallback, and how those kernels are tested on sm_90+ (scripts/gpu_check.sh's register job).
@@ -249,11 +250,10 @@ inline bool StagedEnabled() {
   return enabled;
 }
 
-// Blocks for `needed` units of work (CTAs, or clusters of kCluster CTAs): at most `waves` times
-// the `resident` units that fit the GPU at once (the CTAs loop over the rest).
-inline int GridUnits(int64_t needed, int64_t resident, int64_t waves, int cluster = 1) {
-  const int64_t cap = resident < (INT_MAX / cluster) / waves ? resident * waves : INT_MAX / cluster;
-  return static_cast<int>(needed < cap ? needed : cap);
+// Units of a persistent grid for `needed` units of work (CTAs, or clusters of `cluster` CTAs): at
+// most the `resident` units that fit the GPU at once (the CTAs loop over the rest).
+inline int PersistentGrid(int64_t needed, int64_t resident, int cluster = 1) {
+  return static_cast<int>(std::min({needed, resident, int64_t{INT_MAX / cluster}}));
 }
 
 struct LaunchCtx {

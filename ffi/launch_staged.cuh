@@ -17,13 +17,9 @@ namespace jax_softmax {
 
 // --- staged tiers (sm_90+, forward rows) ---------------------------------------------------------
 
-// CTAs of a staged row launch: tiles_per_cta tiles each, or (0) persistent waves of the CTAs
-// that fit the GPU.
-inline int StagedGrid(int64_t tiles, int tiles_per_cta, int ctas_per_sm, const DeviceInfo& dev) {
-  return tiles_per_cta > 0
-             ? static_cast<int>(std::min<int64_t>((tiles + tiles_per_cta - 1) / tiles_per_cta,
-                                                  INT_MAX))
-             : GridUnits(tiles, int64_t(ctas_per_sm) * dev.sm_count, kPersistentWaves);
+// CTAs of a staged row launch: tiles_per_cta (>= 1) tiles each.
+inline int StagedGrid(int64_t tiles, int tiles_per_cta) {
+  return static_cast<int>(std::min<int64_t>((tiles + tiles_per_cta - 1) / tiles_per_cta, INT_MAX));
 }
 
 // min_ctas_per_sm: decline (nullopt) where fewer of these CTAs fit an SM (registers and shared
@@ -61,7 +57,7 @@ Launched LaunchStagedRows(const LaunchCtx& c, int min_ctas_per_sm = 1, int tiles
       !AllowDynamicSmem<kernel>(c.device, c.dev))
     return std::nullopt;
   const int64_t tiles = (c.p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  const int grid = StagedGrid(tiles, tiles_per_cta, plan.ctas_per_sm, c.dev);
+  const int grid = StagedGrid(tiles, tiles_per_cta);
   return Launch(KernelLaunch(grid, block, plan.smem, c.stream, 1, c.dependent), kernel,
                 "softmax staged kernel", c.p, plan.tiles);
 }
@@ -119,7 +115,7 @@ Launched LaunchBwdStagedRows(const LaunchCtx& c) {
   if (plan.tiles.stages == 0 || plan.tiles.stage_bytes != 2 * half ||
       !AllowDynamicSmem<kernel>(c.device, c.dev))
     return std::nullopt;
-  const int grid = StagedGrid(c.p.rows, tiles_per_cta, plan.ctas_per_sm, c.dev);
+  const int grid = StagedGrid(c.p.rows, tiles_per_cta);
   return Launch(KernelLaunch(grid, block, plan.smem, c.stream, 1, c.dependent), kernel,
                 "softmax staged backward kernel", c.p, plan.tiles);
 }
@@ -138,7 +134,7 @@ Launched LaunchStagedCluster(const LaunchCtx& c) {
   const ClusterShape shape = FitCluster<kernel, kBlock, kCluster>(
       c.device, WindowWidth<kVec, kAccess>(c.p.cols), int64_t{kBlock} * kElems, plan.smem);
   if (shape.active == 0) return std::nullopt;
-  const int64_t clusters = GridUnits(c.p.rows, shape.active, kPersistentWaves, shape.ctas);
+  const int64_t clusters = PersistentGrid(c.p.rows, shape.active, shape.ctas);
   return Launch(KernelLaunch(static_cast<unsigned>(clusters * shape.ctas), kBlock, plan.smem,
                              c.stream, shape.ctas, c.dependent),
                 kernel, "softmax staged cluster kernel", c.p, plan.tiles);

@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
     // types: it helped them by 7-20% from N = 4096 and slowed float32 by 5-20%, whose batches are
     // twice the bytes and whose loads then queue behind the prefetch; the 16-bit backward cluster
     // rows ran 1.08-1.27x faster without it (s13: 262144 281 -> 239 us). Only CTAs with a next
-    // batch prefetch: those of the persistent (cluster) grids, see kPersistentWaves; and only on
+    // batch prefetch: those of the persistent (cluster) grids, see PersistentGrid; and only on
     // GPUs with the H200's DRAM bytes per SM cycle (PrefetchEnabled).
     constexpr bool kPrefetch = kVec > 1 && sizeof(T) == 2 && !kBwd;
     if (kPrefetch && p.prefetch && threadIdx.x < 32) {

@@ -36,7 +36,7 @@
 // Rules measured on the H200 only hold where the device moves as many DRAM bytes per SM cycle
 // (AmpleDramPerSm); the device's properties are read once (GetDeviceInfo).
 // Grids: one CTA per batch of rows for the row tiers, one persistent wave for the clusters and the
-// two-pass kernel (kPersistentWaves). Rows with a bias or mask broadcast over the outer row axes
+// two-pass kernel (PersistentGrid). Rows with a bias or mask broadcast over the outer row axes
 // take their batches copy by copy where the operand would fall out of L2 (OperandReuseOrder).
 // Launches use programmatic dependent launch on sm_90+ (DependentLaunchEnabled).
 #pragma once
@@ -87,7 +87,7 @@ ffi::Error LaunchTwoPass(const LaunchCtx& c) {
   constexpr auto kernel = softmax_rows_twopass_kernel<T, kBlock, kVec, kUnroll, kBwd, kAccess>;
   auto per_sm = BlocksPerSm<kernel, kBlock>(c.device, kBlock);
   if (per_sm.has_error()) return per_sm.error();
-  const int grid = GridUnits(c.p.rows, int64_t(*per_sm) * c.dev.sm_count, kPersistentWaves);
+  const int grid = PersistentGrid(c.p.rows, int64_t(*per_sm) * c.dev.sm_count);
   return Launch(KernelLaunch(grid, kBlock, 0, c.stream, 1, c.dependent), kernel,
                 "softmax two-pass kernel", c.p);
 }
@@ -121,7 +121,7 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
   const ClusterShape shape = FitCluster<kernel, kBlock, kCluster>(
       c.device, width, int64_t{kBlock} * kElems, smem);
   if (shape.active == 0) return LaunchTwoPass<T, kVec, kBwd, kAccess>(c);
-  const int64_t clusters = GridUnits(c.p.rows, shape.active, kPersistentWaves, shape.ctas);
+  const int64_t clusters = PersistentGrid(c.p.rows, shape.active, shape.ctas);
   // 16-bit backward rows held through the reduction: the next row's copies in flight
   // (kAsyncNextRow) where some CTA of the cluster has less than a whole chunk (s24: 50257 267 ->
   // 231 us; rows that fill every CTA lost, 65536 206 -> 236).
