@@ -181,11 +181,6 @@ def _kernel(name: str) -> Primitive:
     return getattr(primitives, name)
 
 
-def _over(collective, axes, statistic):
-    """One row statistic of this shard combined with the other key shards' (pmax or psum)."""
-    return collective(statistic, axes)
-
-
 def _partitioned_call(kernel: str, param_names: tuple[str, ...], reference, statistics):
     """The custom_partitioning op of one kernel primitive, called as ``op(rows, other, mask,
     *params)``.
@@ -219,7 +214,8 @@ def _partitioned_call(kernel: str, param_names: tuple[str, ...], reference, stat
         def lower_fn(rows, other, mask):
             if key_axes:
                 n_rows, n_cols = rows.shape[-2] if rows.ndim >= 2 else 1, rows.shape[-1]
-                hooks = {name: functools.partial(_over, op, key_axes) for name, op in statistics.items()}
+                # Each row statistic of this shard combined with the other key shards'.
+                hooks = {name: functools.partial(op, axis_name=key_axes) for name, op in statistics.items()}
                 return reference(
                     rows, other, mask, **params,
                     q_offset=_shard_offset(query_axes, n_rows) if causal else 0,
