@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_softmax.primitives import dummy_operands, softmax_bwd_p, softmax_fwd_p
+from jax_softmax import _philox
+from jax_softmax.dropout import fused_dropout
+from jax_softmax.primitives import bias_cotangent, dummy_operands, softmax_bwd_p, softmax_fwd_p
 
 SUPPORTED_DTYPES = tuple(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
 
@@ -48,21 +50,9 @@ def _fused_fwd(x, bias, mask, log, scale, has_bias, has_mask, causal):
 
 
 def _bias_cotangent(dx, bias, scale, y, dy, mask, log, has_mask, causal):
-    """d(loss)/d(bias): the z-cotangent summed over the axes where bias is broadcast.
-
-    dx already holds scale * dz; dividing it back avoids a second kernel. With scale == 0 the
-    division is impossible, and in float16 a small scale pushes scale * dz below float16's
-    normal range; then dz comes from its own backward call (XLA drops it when the bias gradient
-    is unused)."""
-    if scale != 0.0 and (scale == 1.0 or dx.dtype != jnp.float16):
-        dz = dx.astype(jnp.float32 if dx.dtype != jnp.float64 else dx.dtype)
-        dz = dz * (1.0 / scale) if scale != 1.0 else dz
-    else:
-        dz = _backward(y, dy, mask, log, 1.0, has_mask, causal)
-    axes = tuple(a for a, (b, n) in enumerate(zip(bias.shape, dx.shape)) if b == 1 and n != 1)
-    if axes:
-        dz = jnp.sum(dz, axis=axes, keepdims=True, dtype=jnp.promote_types(dz.dtype, jnp.float32))
-    return dz.astype(bias.dtype)
+    """d(loss)/d(bias) (primitives.bias_cotangent); dz, when needed, from a backward call of its
+    own with scale 1."""
+    return bias_cotangent(dx, bias, scale, lambda: _backward(y, dy, mask, log, 1.0, has_mask, causal))
 
 
 def _fused_bwd(log, scale, has_bias, has_mask, causal, res, dy):
@@ -203,8 +193,28 @@ def _static_scale(scale):
     return float(arr)
 
 
-def attention_softmax(scores, *, scale=1.0, bias=None, mask=None, is_causal: bool = False):
-    """Softmax over the last axis of ``scale * scores + bias`` with padding and causal masking.
+def _static_rate(rate) -> float:
+    """The dropout rate as a Python float in [0, 1); a clear error for anything else."""
+    fname = "attention_softmax"
+    if isinstance(rate, jax.core.Tracer):
+        raise TypeError(
+            f"{fname}: dropout_rate must be a Python or NumPy real number, not a traced value "
+            "(it decides the kernel's threshold at compile time)"
+        )
+    arr = np.asarray(rate)
+    if (arr.ndim != 0 or arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.number)
+            or np.iscomplexobj(arr)):
+        raise TypeError(f"{fname}: dropout_rate must be a real scalar, got {rate!r}")
+    value = float(arr)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{fname}: dropout_rate must be in [0, 1), got {value!r}")
+    return value
+
+
+def attention_softmax(scores, *, scale=1.0, bias=None, mask=None, is_causal: bool = False,
+                      dropout_rate=0.0, dropout_rng=None, broadcast_dropout: bool = False):
+    """Softmax over the last axis of ``scale * scores + bias`` with padding and causal masking,
+    and optionally attention dropout fused into the same kernels.
 
     Args:
       scores: (..., Sq, Sk) attention logits (any leading axes), float16/bfloat16/float32/float64.
@@ -218,6 +228,28 @@ def attention_softmax(scores, *, scale=1.0, bias=None, mask=None, is_causal: boo
         from the start (top-left aligned, as ``jax.nn.dot_product_attention``); when Sq < Sk the
         last ``Sk - Sq`` keys are seen by no query row past ``i``, when Sq > Sk rows ``i >= Sk``
         see every key.
+      dropout_rate: probability of dropping a weight, a Python/NumPy real in [0, 1) (not
+        traced). 0 (the default) means no dropout.
+      dropout_rng: the dropout key: a typed key (``jax.random.key``) or a raw uint32 key of
+        shape (2,) (``jax.random.PRNGKey``), whose data must be two uint32 words. Required when
+        ``dropout_rate > 0``.
+      broadcast_dropout: one dropout mask shared by every leading axis but the query axis (as
+        Flax's flag): the mask varies over (Sq, Sk) only.
+
+    Dropout: the kept weights are multiplied by ``1 / (1 - dropout_rate)``, the dropped ones are
+    0; the kernels draw the bits themselves (no mask tensor is stored; the backward regenerates
+    them from the key). Element (row r, column c) of the (rows, Sk) view of the scores draws 16
+    bits from Philox-4x32-10 keyed by the key's two words, counter (c // 8, r mod 2^32, r >> 32,
+    0) (r modulo Sq with ``broadcast_dropout``), and is kept iff they are >= t =
+    ``min(65535, round(rate * 65536))``: the keep probability is ``1 - t / 65536`` (the rate
+    quantised to 1/65536). The bits depend only on the key, the rate and the element's index,
+    never on the device, threads or tiling (ffi/philox.h has the full contract). Under
+    ``jax.vmap`` with one key the mapped entries get different masks (the mapped axis counts as
+    the leading row axis); with a batch of keys each entry's mask is that of its own key. The
+    bits differ from ``jax.random.bernoulli``'s. On the CPU the dropout is fused into the
+    kernels; elsewhere (CUDA included, for now) the same bits are computed by XLA ops. With
+    dropout, a row whose valid logits are all ``-inf`` gives zeros (as a fully masked row), and
+    forward-mode and second-order differentiation are not supported.
 
     A row with every position excluded gives zeros. Differentiable in ``scores`` and ``bias``
     (the bias gradient is summed over its broadcast axes); ``mask``, ``scale`` and
@@ -233,7 +265,15 @@ def attention_softmax(scores, *, scale=1.0, bias=None, mask=None, is_causal: boo
         )
     if not isinstance(is_causal, (bool, np.bool_)):
         raise TypeError(f"{fname}: is_causal must be a Python bool, got {is_causal!r}")
+    if not isinstance(broadcast_dropout, (bool, np.bool_)):
+        raise TypeError(f"{fname}: broadcast_dropout must be a Python bool, got {broadcast_dropout!r}")
     static_scale = _static_scale(scale)
+    rate = _static_rate(dropout_rate)
+    keys = None
+    if dropout_rng is not None:
+        keys = _philox.key_words(dropout_rng)
+    elif rate > 0.0:
+        raise ValueError(f"{fname}: dropout_rate {rate} > 0 needs a dropout_rng key")
     shape = scores.shape
     if bias is not None:
         bias = jnp.asarray(bias)
@@ -249,10 +289,17 @@ def attention_softmax(scores, *, scale=1.0, bias=None, mask=None, is_causal: boo
         scores = (scores * scale).astype(scores.dtype)
         static_scale = 1.0
     dummy_bias, dummy_mask = dummy_operands(scores.ndim, scores.dtype)
+    bias_op = dummy_bias if bias is None else bias
+    mask_op = dummy_mask if mask is None else mask
+    if rate > 0.0:
+        return fused_dropout(
+            scores, bias_op, mask_op, keys, static_scale, bias is not None, mask is not None,
+            bool(is_causal), rate, bool(broadcast_dropout),
+        )
     return _fused(
         scores,
-        dummy_bias if bias is None else bias,
-        dummy_mask if mask is None else mask,
+        bias_op,
+        mask_op,
         False,
         static_scale,
         bias is not None,

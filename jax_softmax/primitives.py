@@ -172,3 +172,21 @@ def dummy_operands(rank: int, dtype):
     """The stand-ins for an absent bias and mask: one element, broadcast over everything."""
     shape = (1,) * rank
     return np.zeros(shape, dtype), np.ones(shape, np.bool_)
+
+
+def bias_cotangent(dx, bias, scale, unscaled):
+    """d(loss)/d(bias): the z-cotangent summed over the axes where bias is broadcast.
+
+    dx already holds scale * dz; dividing it back avoids a second kernel. With scale == 0 the
+    division is impossible, and in float16 a small scale pushes scale * dz below float16's
+    normal range; then dz comes from ``unscaled()``, a backward call of its own with scale 1
+    (XLA drops it when the bias gradient is unused)."""
+    if scale != 0.0 and (scale == 1.0 or dx.dtype != jnp.float16):
+        dz = dx.astype(jnp.float32 if dx.dtype != jnp.float64 else dx.dtype)
+        dz = dz * (1.0 / scale) if scale != 1.0 else dz
+    else:
+        dz = unscaled()
+    axes = tuple(a for a, (b, n) in enumerate(zip(bias.shape, dx.shape)) if b == 1 and n != 1)
+    if axes:
+        dz = jnp.sum(dz, axis=axes, keepdims=True, dtype=jnp.promote_types(dz.dtype, jnp.float32))
+    return dz.astype(bias.dtype)

@@ -1,0 +1,98 @@
+// Philox-4x32-10 and the attention-dropout bits built from it: the contract that every kernel
+// (the CPU one now, the CUDA ones later) and the jnp reference (jax_softmax/_philox.py) follow,
+// so that a key gives the same mask on every device, tier and launch shape.
+//
+// Generator: Philox-4x32 with 10 rounds (Salmon, Moraes, Dror, Shaw, "Parallel random numbers:
+// as easy as 1, 2, 3", SC 2011). A round maps the counter (c0, c1, c2, c3) with the key (k0, k1):
+//   (hi0, lo0) = M0 * c0, (hi1, lo1) = M1 * c2   (32x32 -> 64-bit products)
+//   c' = (hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0)
+// and the key is bumped by (W0, W1) between rounds. M0 = 0xD2511F53, M1 = 0xCD9E8D57,
+// W0 = 0x9E3779B9, W1 = 0xBB67AE85. Known answers (tests/test_dropout.py checks them):
+//   counter 0, key 0                                       -> 6627e8d5 e169c58d bc57ac4c 9b00dbd8
+//   counter ffffffff x4, key ffffffff x2                   -> 408f276d 41c83b0e a20bc7c6 6d5451fd
+//   counter 243f6a88 85a308d3 13198a2e 03707344, key a4093822 299f31d0
+//                                                          -> d16cfe09 94fdcceb 5001e420 24126ea1
+//
+// Dropout bits of element (row r, column c) of the dense (rows, cols) view:
+//   key:      the JAX key's data as two words (k0, k1); a call may carry K keys (vmap over keys),
+//             K dividing rows: row r uses key r / (rows / K) and the row index r % (rows / K);
+//             with broadcast dropout that index is further taken modulo Sq (the query length), so
+//             every leading axis but the query axis shares one mask.
+//   counter:  (c / 8, row index low 32 bits, row index high 32 bits, 0): one Philox call per 8
+//             columns; its 128 bits are 8 uniforms of 16 bits: column c takes word (c % 8) / 2,
+//             its low half for even c % 8, its high half for odd.
+//   kept:     u16 >= t, t = min(65535, round(rate * 65536)): the keep probability is
+//             1 - t / 65536 (the rate quantised to 1/65536). Kept values are multiplied by
+//             1 / (1 - rate) (computed in double, then cast to the accumulator type), dropped
+//             ones are 0.
+// The bits depend only on the key, the rate and the element's (row, col): not on threads, tiling
+// or device. No library calls here, so that CUDA code can include it (JS_HOST_DEVICE).
+#pragma once
+
+#include <cstdint>
+
+#include "row_params.h"
+
+namespace jax_softmax {
+
+struct Philox4 {
+  uint32_t v[4];
+};
+
+JS_HOST_DEVICE uint32_t MulHi32(uint32_t a, uint32_t b) {
+  return static_cast<uint32_t>((static_cast<uint64_t>(a) * b) >> 32);
+}
+
+// Philox-4x32-10 of counter (c0, c1, c2, c3) under key (k0, k1).
+JS_HOST_DEVICE Philox4 Philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
+                                     uint32_t k0, uint32_t k1) {
+  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
+  constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+  for (int round = 0; round < 10; ++round) {
+    const uint32_t hi0 = MulHi32(kM0, c0), lo0 = kM0 * c0;
+    const uint32_t hi1 = MulHi32(kM1, c2), lo1 = kM1 * c2;
+    const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    c0 = n0;
+    c1 = lo1;
+    c2 = n2;
+    c3 = lo0;
+    k0 += kW0;
+    k1 += kW1;
+  }
+  return Philox4{{c0, c1, c2, c3}};
+}
+
+// The 16-bit uniform of column offset j (0..7) of one Philox call's output.
+JS_HOST_DEVICE uint32_t DropoutUniform16(const Philox4& bits, int j) {
+  const uint32_t w = bits.v[j >> 1];
+  return (j & 1) ? (w >> 16) : (w & 0xffffu);
+}
+
+// What one call's dropout needs besides the rows (the host fills it; see the contract above).
+struct DropoutParams {
+  const uint32_t* keys = nullptr;  // (num_keys, 2) words
+  int64_t num_keys = 1;
+  int64_t rows_per_key = 0;        // rows / num_keys
+  int64_t query_len = 0;           // broadcast dropout: Sq; 0: a mask of its own per row
+  uint32_t threshold = 0;          // t: kept iff u16 >= t
+  double multiplier = 1.0;         // 1 / (1 - rate)
+
+  // The key words (k0, k1) and the counter's row index of `row`.
+  JS_HOST_DEVICE void RowKey(int64_t row, uint32_t& k0, uint32_t& k1, uint64_t& index) const {
+    const int64_t k = row / rows_per_key;
+    int64_t r = row - k * rows_per_key;
+    if (query_len > 0) r %= query_len;
+    k0 = keys[2 * k];
+    k1 = keys[2 * k + 1];
+    index = static_cast<uint64_t>(r);
+  }
+};
+
+// One Philox call: the bits of columns [8 * group, 8 * group + 8) of the row with counter row
+// index `index`.
+JS_HOST_DEVICE Philox4 DropoutBits(uint64_t index, int64_t group, uint32_t k0, uint32_t k1) {
+  return Philox4x32_10(static_cast<uint32_t>(group), static_cast<uint32_t>(index),
+                       static_cast<uint32_t>(index >> 32), 0u, k0, k1);
+}
+
+}  // namespace jax_softmax

@@ -1,0 +1,427 @@
+"""attention_softmax with fused dropout: the Philox generator's known answers (jnp and C++), the
+kernel's bits against the jnp reference's, values and gradients against float64 references
+applying the same mask, the keep fraction and independence of the bits, keys, broadcast_dropout,
+vmap, errors and edge cases."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import (
+    DTYPE_IDS,
+    FLOAT_DTYPES,
+    GRAD_TOL,
+    assert_close,
+    attention_valid,
+    compiled_hlo,
+    count_custom_calls,
+    jnp_attention,
+    np_attention,
+    put,
+    rounded,
+    run,
+)
+
+import jax_softmax as js
+from jax_softmax import _philox
+from jax_softmax import dropout as jsd
+
+KAT = [  # Random123's kat_vectors for philox4x32_10: counter, key -> output
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+def key_rows(key):
+    """The (1, 2) uint32 key operand of a typed or raw key."""
+    return np.asarray(_philox.key_words(key))
+
+
+def keep_of(key, shape, rate, broadcast=False):
+    return np.asarray(_philox.keep_mask(key_rows(key), shape, rate, broadcast=broadcast))
+
+
+def np_dropout_attention(scores, scale, bias, mask, causal, keep, rate):
+    """float64 reference: softmax times keep / (1 - rate)."""
+    return np_attention(scores, scale, bias, mask, causal) * keep / (1.0 - rate)
+
+
+def attn(scores, key, rate, *, scale=1.0, bias=None, mask=None, causal=False, broadcast=False):
+    return js.attention_softmax(scores, scale=scale, bias=bias, mask=mask, is_causal=causal,
+                                dropout_rate=rate, dropout_rng=key, broadcast_dropout=broadcast)
+
+
+# --- the generator ---------------------------------------------------------------------------------
+def test_philox_known_answers_jnp():
+    for counter, key, expect in KAT:
+        out = _philox.philox4x32_10(tuple(np.uint32(c) for c in counter), tuple(np.uint32(k) for k in key))
+        assert tuple(int(w) for w in out) == expect
+
+
+def test_philox_known_answers_cpp(rng):
+    counters = np.array([c for c, _, _ in KAT], np.uint32)
+    keys = np.array([k for _, k, _ in KAT], np.uint32)
+    cpu = jax.devices("cpu")[0]
+    out = run(cpu, jsd._philox_cpu, counters, keys)
+    np.testing.assert_array_equal(out, np.array([e for _, _, e in KAT], np.uint32))
+    # and the jnp generator agrees with the C++ one on random inputs
+    counters = rng.integers(0, 2**32, (257, 4), dtype=np.uint32)
+    keys = rng.integers(0, 2**32, (257, 2), dtype=np.uint32)
+    ours = np.stack(_philox.philox4x32_10(tuple(counters.T), tuple(keys.T)), axis=-1)
+    np.testing.assert_array_equal(run(cpu, jsd._philox_cpu, counters, keys), np.asarray(ours))
+
+
+def test_element_layout_matches_contract():
+    # (row r, column c) -> counter (c // 8, r_lo, r_hi, 0), word (c % 8) // 2, low/high half.
+    key = jax.random.PRNGKey(5)
+    k0, k1 = (np.uint32(w) for w in np.asarray(key))
+    shape = (3, 70, 21)
+    u = np.asarray(_philox.uniforms16(key_rows(key), shape, broadcast=False)).reshape(-1, 21)
+    for r, c in [(0, 0), (0, 1), (0, 7), (0, 8), (0, 20), (5, 3), (209, 15), (128, 9)]:
+        words = _philox.philox4x32_10(tuple(np.uint32(v) for v in (c // 8, r, 0, 0)), (k0, k1))
+        w = int(words[(c % 8) // 2])
+        assert int(u[r, c]) == (w >> 16 if c % 2 else w & 0xFFFF), (r, c)
+
+
+# --- the kernel's bits -------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(1, 1), (4, 7), (3, 8), (2, 9), (5, 33), (2, 1000), (1200, 9),
+                                   (2, 3, 5, 4099)], ids=str)
+@pytest.mark.parametrize("broadcast", [False, True], ids=["own", "bcast"])
+def test_bits_equal_reference(backend, device, shape, broadcast):
+    # Zero scores: y > 0 everywhere, so out == 0 exactly where the kernel dropped.
+    key = jax.random.key(11)
+    rate = 0.4
+    out = run(device, lambda s: attn(s, key, rate, broadcast=broadcast), np.zeros(shape, np.float32))
+    keep = keep_of(key, shape, rate, broadcast)
+    np.testing.assert_array_equal(out != 0, keep)
+
+
+# --- values ------------------------------------------------------------------------------------------
+CASES = [  # (B, H, Sq, Sk), bias shape, mask shape, causal
+    ((1, 1, 1, 1), None, None, False),
+    ((2, 3, 4, 7), (1, 3, 4, 7), (2, 1, 1, 7), True),
+    ((2, 2, 3, 8), (2, 1, 1, 8), None, False),
+    ((1, 2, 5, 9), None, (1, 1, 5, 9), True),
+    ((2, 1, 3, 33), (3, 33), (2, 1, 3, 33), False),
+    ((1, 2, 3, 1000), (1, 2, 3, 1000), (1, 1, 1, 1000), True),
+    ((1, 1, 1100, 5), None, None, True),
+    ((1, 1, 2, 5000), (5000,), (1, 1, 1, 5000), False),  # several chunks per row
+]
+
+
+def make(rng, case, dtype):
+    shape, bshape, mshape, causal = case
+    s = rounded(rng.standard_normal(shape) * 2, dtype)
+    bias = None if bshape is None else rounded(rng.standard_normal(bshape), dtype)
+    mask = None
+    if mshape is not None:
+        mask = rng.random(mshape) < 0.8
+        if mask.size > 1:
+            mask.reshape(-1)[0] = False
+    return s, bias, mask, causal
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
+def test_forward_vs_f64_reference(backend, device, rng, dtype):
+    key = jax.random.key(3)
+    rate = 0.3
+    cases = [make(rng, c, dtype) for c in CASES]
+    outs = run(device, lambda cs: [attn(s, key, rate, scale=0.7, bias=b, mask=m, causal=c)
+                                   for (s, b, m), c in zip(cs, [c[3] for c in cases])],
+               [c[:3] for c in cases])
+    for (s, b, m, c), y in zip(cases, outs):
+        assert y.dtype == np.dtype(dtype) and y.shape == s.shape
+        keep = keep_of(key, s.shape, rate)
+        expect = np_dropout_attention(s, 0.7, b, m, c, keep, rate)
+        assert_close(y, expect, dtype, what=f"{s.shape}")
+        assert np.all(y[~keep] == 0)
+
+
+def test_keep_fraction(backend, device):
+    key = jax.random.key(0)
+    shape = (1024, 1031)  # > 1e6 elements, rows not a multiple of 8
+    for rate in (0.1, 0.5, 0.9):
+        out = run(device, lambda s: attn(s, key, rate), np.zeros(shape, np.float32))
+        p = 1 - _philox.threshold(rate) / 65536
+        n = out.size
+        frac = np.count_nonzero(out) / n
+        sigma = np.sqrt(p * (1 - p) / n)
+        assert abs(frac - p) < 4 * sigma, (rate, frac, p, sigma)
+        np.testing.assert_allclose(out[out != 0], 1 / 1031 / (1 - rate), rtol=1e-6)
+
+
+def _corr(a, b):
+    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    return np.corrcoef(a, b)[0, 1]
+
+
+def test_rows_heads_batches_independent(backend, device):
+    key = jax.random.key(1)
+    shape = (4, 4, 64, 256)
+    kept = run(device, lambda s: attn(s, key, 0.5), np.zeros(shape, np.float32)) != 0
+    bound = 5 / np.sqrt(kept[..., 1:, :].size)  # ~5 sigma for uncorrelated bits
+    pairs = {
+        "rows": (kept[..., 1:, :], kept[..., :-1, :]),
+        "heads": (kept[:, 1:], kept[:, :-1]),
+        "batch": (kept[1:], kept[:-1]),
+        "columns": (kept[..., 1:], kept[..., :-1]),  # neighbours share a Philox word
+        "words": (kept[..., 2:], kept[..., :-2]),
+        "groups": (kept[..., 8:], kept[..., :-8]),  # neighbouring Philox calls
+    }
+    for what, (a, b) in pairs.items():
+        c = _corr(a, b)
+        assert abs(c) < bound, (what, c, bound)
+        assert not np.array_equal(a, b), what
+    assert len({kept[b, h, q].tobytes() for b in range(4) for h in range(4) for q in range(64)}) == 4 * 4 * 64
+
+
+def test_keys(backend, device, rng):
+    s = rng.standard_normal((2, 3, 8, 40)).astype(np.float32)
+    sd = put(device, s)
+    f = jax.jit(lambda s, k: attn(s, k, 0.5))
+    y1 = np.asarray(f(sd, jax.random.key(1)))
+    y1b = np.asarray(f(sd, jax.random.key(1)))
+    y1c = np.asarray(jax.jit(lambda s, k: attn(s, k, 0.5))(sd, jax.random.key(1)))
+    y2 = np.asarray(f(sd, jax.random.key(2)))
+    assert y1.tobytes() == y1b.tobytes() == y1c.tobytes()  # bitwise, run to run and compile to compile
+    agree = np.mean((y1 != 0) == (y2 != 0))
+    assert 0.4 < agree < 0.6, agree  # independent masks agree on half the elements at rate 0.5
+    # a raw key with the same data is the same key
+    raw = jax.random.key_data(jax.random.key(1))
+    assert np.asarray(f(sd, raw)).tobytes() == y1.tobytes()
+    # eager (op by op) gives the jitted result
+    assert np.asarray(attn(sd, jax.random.key(1), 0.5)).tobytes() == y1.tobytes()
+
+
+# --- gradients -----------------------------------------------------------------------------------------
+def ref_with_mask(keep, rate):
+    mult = 1.0 / (1.0 - rate)
+
+    def f(s, scale=1.0, bias=None, mask=None, is_causal=False):
+        return jnp_attention(s, scale, bias, mask, is_causal) * jnp.where(keep, mult, 0.0).astype(s.dtype)
+
+    return f
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("bias_shape,mask_shape,causal,scale,sk", [
+    ((1, 3, 5, 7), (2, 1, 1, 7), True, 0.7, 7),
+    ((2, 1, 1, 33), None, False, 0.0, 33),
+    ((33,), (1, 1, 5, 33), True, -1.5, 33),
+    ((1, 1, 5, 2500), (2, 1, 1, 2500), False, 0.3, 2500),
+])
+def test_grads_vs_reference(backend, device, rng, dtype, bias_shape, mask_shape, causal, scale, sk):
+    shape = (2, 3, 5, sk)
+    rate = 0.25
+    key = jax.random.key(9)
+    s = rounded(rng.standard_normal(shape), dtype)
+    bias = rounded(rng.standard_normal(bias_shape), dtype)
+    mask = None if mask_shape is None else rng.random(mask_shape) < 0.8
+    g = rounded(rng.standard_normal(shape), dtype)
+    keep = keep_of(key, shape, rate)
+
+    def vjp(fn):
+        def f(s, b, m, g):
+            y, pull = jax.vjp(lambda s, b: fn(s, scale=scale, bias=b, mask=m, is_causal=causal), s, b)
+            return (y, *pull(g))
+        return f
+
+    ours = run(device, vjp(lambda s, **kw: js.attention_softmax(s, dropout_rate=rate, dropout_rng=key, **kw)),
+               s, bias, mask, g)
+    ref = run(device, vjp(ref_with_mask(keep, rate)), *(a.astype(np.float64) for a in (s, bias)), mask,
+              g.astype(np.float64))
+    for a, r, what in zip(ours, ref, ["y", "d scores", "d bias"]):
+        assert a.dtype == np.dtype(dtype)
+        assert_close(a, r, dtype, tol=GRAD_TOL, what=what)
+    if scale == 0.0:
+        assert np.all(ours[1] == 0)
+
+
+def test_grads_16bit(backend, device, rng):
+    shape = (2, 2, 4, 19)
+    key = jax.random.PRNGKey(4)
+    keep = keep_of(key, shape, 0.2)
+    for dtype in (jnp.float16, jnp.bfloat16):
+        s = rounded(rng.standard_normal(shape), dtype)
+        bias = rounded(rng.standard_normal((1, 2, 4, 19)), dtype)
+        g = rounded(rng.standard_normal(shape), dtype)
+        ds, db = run(device, jax.grad(
+            lambda s, b, g: jnp.sum((attn(s, key, 0.2, scale=0.01, bias=b, causal=True) * g).astype(jnp.float32)),
+            argnums=(0, 1)), s, bias, g)
+        rs, rb = run(device, jax.grad(
+            lambda s, b, g: jnp.sum(ref_with_mask(keep, 0.2)(s, 0.01, b, None, True) * g), argnums=(0, 1)),
+            *(a.astype(np.float64) for a in (s, bias, g)))
+        assert_close(ds, rs, dtype, tol=GRAD_TOL, what=f"{dtype} d scores")
+        assert_close(db, rb, dtype, tol=GRAD_TOL, what=f"{dtype} d bias")
+
+
+def test_hlo_fused_calls(rng):
+    cpu = jax.devices("cpu")[0]
+    s, b = put(cpu, rng.standard_normal((2, 3, 4, 9)).astype(np.float32),
+               rng.standard_normal((1, 3, 4, 9)).astype(np.float32))
+    key = jax.random.key(0)
+    loss = lambda s, b: jnp.sum(jnp.sin(attn(s, key, 0.1, scale=0.5, bias=b, causal=True)))
+    hlo = compiled_hlo(jax.grad(loss, argnums=(0, 1)), s, b)
+    assert count_custom_calls(hlo, jsd.FWD_TARGET) == 1
+    assert count_custom_calls(hlo, jsd.BWD_TARGET) == 1
+    assert count_custom_calls(hlo, "jax_softmax_fwd") == 0
+
+
+# --- broadcast_dropout, vmap, jit ---------------------------------------------------------------------
+def test_broadcast_dropout(backend, device):
+    key = jax.random.key(21)
+    shape = (3, 4, 16, 64)
+    kept = run(device, lambda s: attn(s, key, 0.5, broadcast=True), np.zeros(shape, np.float32)) != 0
+    assert np.all(kept == kept[:1, :1])  # one mask for every batch entry and head
+    assert len({kept[0, 0, q].tobytes() for q in range(16)}) == 16  # queries differ
+    np.testing.assert_array_equal(kept[0, 0], keep_of(key, shape[-2:], 0.5))
+
+
+def test_vmap_unbatched_key(backend, device, rng):
+    key = jax.random.key(5)
+    xs = rng.standard_normal((3, 2, 4, 10)).astype(np.float32)
+    bias = rng.standard_normal((4, 10)).astype(np.float32)
+    f = lambda s: attn(s, key, 0.5, bias=bias, causal=True)
+    for axis in (0, 1):
+        y = run(device, jax.vmap(f, in_axes=axis, out_axes=axis), xs)
+        stacked = np.moveaxis(xs, axis, 0)
+        expect = np.moveaxis(run(device, f, stacked), 0, axis)
+        np.testing.assert_array_equal(y, expect)
+    y = run(device, jax.vmap(f), xs)
+    assert not np.array_equal(y[0] != 0, y[1] != 0)  # the mapped entries get different masks
+    # gradients through vmap
+    g = rng.standard_normal(xs.shape).astype(np.float32)
+    dv = run(device, lambda x, g: jax.vjp(jax.vmap(f), x)[1](g)[0], xs, g)
+    dd = run(device, lambda x, g: jax.vjp(f, x)[1](g)[0], xs, g)
+    np.testing.assert_allclose(dv, dd, rtol=1e-6, atol=1e-7)
+
+
+def test_vmap_batched_keys(backend, device, rng):
+    keys = jax.random.split(jax.random.key(6), 3)
+    xs = rng.standard_normal((3, 2, 5, 12)).astype(np.float32)
+    mask = rng.random((3, 1, 1, 12)) < 0.8
+    g = rng.standard_normal(xs.shape).astype(np.float32)
+    f = lambda s, k, m: attn(s, k, 0.3, scale=0.5, mask=m)
+
+    def fwd_bwd(fn):
+        return lambda s, k, m, g: (lambda y, pull: (y, pull(g)[0]))(*jax.vjp(lambda s: fn(s, k, m), s))
+
+    y, dx = run(device, fwd_bwd(jax.vmap(f)), xs, keys, mask, g)
+    for i in range(3):
+        yi, dxi = run(device, fwd_bwd(f), xs[i], keys[i], mask[i], g[i])
+        np.testing.assert_array_equal(y[i], yi)
+        np.testing.assert_allclose(dx[i], dxi, rtol=1e-6, atol=1e-7)
+    # raw keys, mapped along axis 1, scores unbatched
+    raw = np.asarray(jax.random.key_data(keys)).T.copy()  # (2, 3)
+    y2 = run(device, jax.vmap(lambda k: attn(xs[0], k, 0.3), in_axes=1), raw)
+    for i in range(3):
+        np.testing.assert_array_equal(y2[i], run(device, lambda s: attn(s, keys[i], 0.3), xs[0]))
+
+
+def test_rate_zero_is_no_dropout(backend, device, rng):
+    s = rng.standard_normal((2, 3, 6, 11)).astype(np.float32)
+    a = run(device, lambda s: js.attention_softmax(s, scale=0.3, is_causal=True, dropout_rate=0.0,
+                                                   dropout_rng=jax.random.key(0)), s)
+    b = run(device, lambda s: js.attention_softmax(s, scale=0.3, is_causal=True), s)
+    assert a.tobytes() == b.tobytes()
+
+
+# --- errors and edge cases ------------------------------------------------------------------------------
+def test_errors():
+    s = jnp.zeros((2, 4, 4))
+    k = jax.random.key(0)
+    for rate, err in [(-0.1, ValueError), (1.0, ValueError), (1.5, ValueError), (float("nan"), ValueError),
+                      ("0.1", TypeError), (True, TypeError), (np.array([0.1]), TypeError)]:
+        with pytest.raises(err, match="dropout_rate"):
+            js.attention_softmax(s, dropout_rate=rate, dropout_rng=k)
+    with pytest.raises(TypeError, match="traced"):
+        jax.jit(lambda r: js.attention_softmax(s, dropout_rate=r, dropout_rng=k))(0.1)
+    with pytest.raises(ValueError, match="dropout_rng"):
+        js.attention_softmax(s, dropout_rate=0.1)
+    for key, err, what in [
+        (jnp.zeros(2, jnp.int32), TypeError, "int32"),
+        (jnp.zeros(2, jnp.float32), TypeError, "float32"),
+        (jnp.zeros(3, jnp.uint32), ValueError, r"\(3,\)"),
+        (jnp.zeros((1, 2), jnp.uint32), ValueError, r"\(1, 2\)"),
+        (jax.random.split(k, 2), ValueError, r"\(2,\)"),
+        (jax.random.key(0, impl="rbg"), ValueError, "key data of shape"),
+        (7, TypeError, "7"),
+    ]:
+        with pytest.raises(err, match=what):
+            js.attention_softmax(s, dropout_rate=0.1, dropout_rng=key)
+    with pytest.raises(TypeError, match="broadcast_dropout"):
+        js.attention_softmax(s, dropout_rate=0.1, dropout_rng=k, broadcast_dropout="yes")
+
+
+def test_zero_size(backend, device):
+    k = jax.random.key(0)
+    for shape in [(0, 5), (3, 0), (2, 0, 4)]:
+        s = np.zeros(shape, np.float32)
+        y, ds = run(device, lambda s: (lambda y, pull: (y, pull(y)[0]))(*jax.vjp(lambda s: attn(s, k, 0.5), s)), s)
+        assert y.shape == shape and ds.shape == shape and y.dtype == np.float32
+
+
+def test_fully_masked_rows(backend, device, rng):
+    s = rng.standard_normal((2, 3, 4, 6)).astype(np.float32)
+    mask = np.ones((2, 1, 1, 6), bool)
+    mask[1] = False
+    mask[0, ..., 0] = False  # with causal: row 0 of batch 0 sees nothing
+    bias = rng.standard_normal((1, 3, 4, 6)).astype(np.float32)
+    g = np.ones(s.shape, np.float32)
+    k = jax.random.key(3)
+    y, ds, db = run(device, lambda s, b, g: (lambda y, pull: (y, *pull(g)))(
+        *jax.vjp(lambda s, b: attn(s, k, 0.3, bias=b, mask=mask, causal=True), s, b)), s, bias, g)
+    for a in (y, ds, db):
+        assert not np.isnan(a).any()
+    assert np.all(y[1] == 0) and np.all(ds[1] == 0)
+    assert np.all(y[0, :, 0] == 0) and np.all(ds[0, :, 0] == 0)
+    assert np.all(db[0, :, 0] == 0)
+    # the other rows: the reference
+    keep = keep_of(k, s.shape, 0.3)
+    assert_close(y, np_dropout_attention(s, 1.0, bias, mask, True, keep, 0.3), jnp.float32)
+
+
+def test_nonfinite_logits(backend, device):
+    # NaN / +inf among the valid logits: NaN at the kept valid positions, 0 at the dropped ones;
+    # all -inf: zeros (as a fully masked row). The reference lowering does the same.
+    s = np.zeros((3, 16), np.float32)
+    s[0, 3] = np.nan
+    s[1, 5] = np.inf
+    s[2] = -np.inf
+    k = jax.random.key(2)
+    y = run(device, lambda s: attn(s, k, 0.5), s)
+    keep = keep_of(k, s.shape, 0.5)
+    np.testing.assert_array_equal(np.isnan(y[:2]), keep[:2])
+    assert np.all(y[:2][~keep[:2]] == 0) and np.all(y[2] == 0)
+    kr = key_rows(k)
+    ref = np.asarray(jax.jit(lambda s: _philox.forward(
+        s, np.zeros((1, 1), np.float32), np.ones((1, 1), bool), kr, scale=1.0, has_bias=False,
+        has_mask=False, causal=False, rate=0.5, broadcast=False)[0])(s))
+    np.testing.assert_array_equal(np.isnan(ref), np.isnan(y))
+    assert np.all(ref[~np.isnan(ref)] == y[~np.isnan(y)])
+
+
+def test_reference_lowering_matches_kernel(rng):
+    # The lowering of platforms without the fused kernel (CUDA for now) against the CPU kernel.
+    shape, bias_shape = (2, 3, 5, 21), (1, 3, 5, 21)
+    s = rng.standard_normal(shape).astype(np.float32)
+    b = rng.standard_normal(bias_shape).astype(np.float32)
+    m = rng.random((2, 1, 1, 21)) < 0.8
+    g = rng.standard_normal(shape).astype(np.float32)
+    keys = key_rows(jax.random.key(8))
+    params = dict(scale=0.5, has_bias=True, has_mask=True, causal=True, rate=0.2, broadcast=False)
+    cpu = jax.devices("cpu")[0]
+    out, lse = run(cpu, lambda *a: jsd.attn_dropout_fwd_p.bind(*a, **params), s, b, m, keys)
+    rout, rlse = run(cpu, lambda *a: _philox.forward(*a, **params), s, b, m, keys)
+    assert_close(out, rout, jnp.float32)
+    assert lse.dtype == np.float32 and lse.shape == shape[:-1]
+    np.testing.assert_allclose(lse, rlse, rtol=1e-6)
+    dx = run(cpu, lambda *a: jsd.attn_dropout_bwd_p.bind(*a, grad_scale=0.5, **params), s, b, m, keys, lse, g)
+    rdx = run(cpu, lambda *a: _philox.backward(*a, grad_scale=0.5, **params), s, b, m, keys, lse, g)
+    assert_close(dx, rdx, jnp.float32, tol=GRAD_TOL)
