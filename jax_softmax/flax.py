@@ -37,13 +37,21 @@ signature, and NNX's ``MultiHeadAttention`` always passes ``mask``, ``dropout_rn
 and ``is_causal``, all of which are accepted here. (Linen's layer has no ``is_causal`` argument,
 hence the ``partial`` above to get causal masking without a mask array.)
 
-Behaviour matches Flax's: the same dtype promotion, bias addition, dropout (same
-``jax.random.bernoulli`` call, so the same ``dropout_rng`` drops the same weights),
+Behaviour matches Flax's: the same dtype promotion, bias addition, dropout rate and
 ``broadcast_dropout``, ``force_fp32_for_softmax``, ``precision``/``einsum_dot_general``/custom
 einsums, grouped-query attention (fewer key/value heads than query heads, as in NNX) and sowing
 of the attention weights into ``'intermediates'`` (Linen) or ``nnx.Intermediate`` (NNX) when
 ``module`` is given. Differences:
 
+* Dropout (``dropout_rng`` given, ``dropout_rate > 0``, ``deterministic=False``) is fused into
+  the softmax kernels (:func:`jax_softmax.attention_softmax`'s ``dropout_rate``): its bits come
+  from a counter-based generator (Philox) keyed by ``dropout_rng``, not from
+  ``jax.random.bernoulli``, so the same rng drops different weights than Flax's (with the same
+  keep probability, up to the rate's quantisation to 1/65536), and the rescaling by
+  ``1/(1 - rate)`` happens in float32 (float64 for float64) rather than in the compute dtype.
+  ``flax_dropout_bits=True`` keeps Flax's exact bits the old way (a ``jax.random.bernoulli``
+  draw over the weights and a multiply, as separate XLA ops). With ``module`` given (sowing),
+  the weights before dropout are sown and the same Philox bits are then applied by XLA ops.
 * A row whose keys are all masked out gets all-zero weights (so the output row is zero);
   Flax's gives uniform weights over the masked keys.
 * ``bias`` is cast to the logits' dtype before it is added (Flax adds in the promoted dtype).
@@ -73,6 +81,7 @@ from jax import random
 from flax import linen as _linen
 from flax import nnx as _nnx
 
+from jax_softmax import _philox
 from jax_softmax.api import attention_softmax
 
 __all__ = ["dot_product_attention", "dot_product_attention_weights"]
@@ -163,6 +172,7 @@ def dot_product_attention_weights(
     *,
     promote_dtype: Callable[..., Any] = _promote_dtype,
     is_causal: bool = False,
+    flax_dropout_bits: bool = False,
 ):
     """Computes dot-product attention weights given query and key, like Flax's function.
 
@@ -191,6 +201,9 @@ def dot_product_attention_weights(
       promote_dtype: NNX-style dtype promotion ``fn((query, key), dtype=dtype)``.
       is_causal: exclude keys ``j > i`` for query ``i`` (top-left aligned) without building a
         mask array.
+      flax_dropout_bits: draw the dropout mask as Flax does (``jax.random.bernoulli``, unfused)
+        instead of the fused kernel's Philox bits: the same ``dropout_rng`` then drops exactly
+        the weights Flax's function drops.
 
     Returns:
       Weights of shape ``[batch..., num_heads, q_length, kv_length]``.
@@ -234,13 +247,31 @@ def dot_product_attention_weights(
         if not jnp.issubdtype(bias.dtype, jnp.floating):
             bias = bias.astype(logits.dtype)
         bias = _with_leading_dims(bias, logits.ndim)
+    dropout = not deterministic and dropout_rate > 0.0
+    if dropout and not flax_dropout_bits and module is None:
+        # Dropout fused into the softmax kernels (Philox bits; see the module docstring).
+        return attention_softmax(
+            logits, scale=scale, bias=bias, mask=mask, is_causal=is_causal,
+            dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+            broadcast_dropout=broadcast_dropout,
+        )
     attn_weights = attention_softmax(logits, scale=scale, bias=bias, mask=mask, is_causal=is_causal)
 
     if module is not None:
         _sow(module, attn_weights)
 
+    if dropout and not flax_dropout_bits:
+        # Sown weights: the fused kernel's bits applied by XLA ops, so that sowing does not
+        # change the result.
+        keep = _philox.keep_mask(
+            _philox.key_words(dropout_rng), attn_weights.shape, float(dropout_rate),
+            broadcast=broadcast_dropout,
+        )
+        mult = jnp.asarray(_philox.multiplier(float(dropout_rate)), attn_weights.dtype)
+        return jnp.where(keep, attn_weights * mult, 0).astype(attn_weights.dtype)
+
     # Attention dropout, written exactly as in Flax so that the same rng gives the same result.
-    if not deterministic and dropout_rate > 0.0:
+    if dropout:
         keep_prob = 1.0 - dropout_rate
         if broadcast_dropout:
             # dropout is broadcast across the batch + head dimensions
@@ -274,6 +305,7 @@ def dot_product_attention(
     *,
     promote_dtype: Callable[..., Any] = _promote_dtype,
     is_causal: bool = False,
+    flax_dropout_bits: bool = False,
 ):
     """Computes dot-product attention given query, key and value, like Flax's function.
 
@@ -320,6 +352,7 @@ def dot_product_attention(
         einsum=qk_attn_weights_einsum,
         promote_dtype=promote_dtype,
         is_causal=is_causal,
+        flax_dropout_bits=flax_dropout_bits,
     )
     if not attn_weights_value_einsum:
         attn_weights_value_einsum = _default_einsum(precision, einsum_dot_general)

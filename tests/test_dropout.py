@@ -1,7 +1,7 @@
 """attention_softmax with fused dropout: the Philox generator's known answers (jnp and C++), the
 kernel's bits against the jnp reference's, values and gradients against float64 references
 applying the same mask, the keep fraction and independence of the bits, keys, broadcast_dropout,
-vmap, errors and edge cases."""
+vmap, errors, edge cases, and the Flax plug-in's dropout."""
 
 from __future__ import annotations
 
@@ -425,3 +425,47 @@ def test_reference_lowering_matches_kernel(rng):
     dx = run(cpu, lambda *a: jsd.attn_dropout_bwd_p.bind(*a, grad_scale=0.5, **params), s, b, m, keys, lse, g)
     rdx = run(cpu, lambda *a: _philox.backward(*a, grad_scale=0.5, **params), s, b, m, keys, lse, g)
     assert_close(dx, rdx, jnp.float32, tol=GRAD_TOL)
+
+
+# --- Flax ---------------------------------------------------------------------------------------------
+def test_flax_plugin_dropout(rng):
+    pytest.importorskip("flax")
+    import flax.linen as nn
+    from flax import nnx
+    import jax_softmax.flax as jsf
+
+    B, L, H, D = 2, 6, 2, 4
+    q, k, v = (rng.standard_normal((B, L, H, D)).astype(np.float32) for _ in range(3))
+    mask = np.ones((B, 1, L, L), bool)
+    mask[1, ..., 4:] = False
+    key = jax.random.key(13)
+    for bcast in (True, False):
+        kw = dict(mask=mask, dropout_rng=key, dropout_rate=0.3, deterministic=False, broadcast_dropout=bcast)
+        y = np.asarray(jax.jit(lambda q, k, v: jsf.dot_product_attention(q, k, v, **kw))(q, k, v))
+        shape = (B, H, L, L)
+        keep = keep_of(key, shape, 0.3, broadcast=bcast)
+        w = np_dropout_attention(np.einsum("bqhd,bkhd->bhqk", q, k), 1 / np.sqrt(D), None, mask, False,
+                                 keep, 0.3)
+        np.testing.assert_allclose(y, np.einsum("bhqk,bkhd->bqhd", w, v), rtol=2e-5, atol=2e-6)
+        # the weights alone
+        weights = jax.jit(lambda q, k: jsf.dot_product_attention_weights(q, k, **kw))(q, k)
+        np.testing.assert_allclose(weights, w, rtol=2e-5, atol=2e-6)
+        # flax_dropout_bits=True: Flax's own function's bits and result, as before
+        ours = jax.jit(lambda q, k, v: jsf.dot_product_attention(q, k, v, flax_dropout_bits=True, **kw))(q, k, v)
+        theirs = jax.jit(lambda q, k, v: nn.dot_product_attention(q, k, v, **kw))(q, k, v)
+        np.testing.assert_allclose(ours, theirs, rtol=2e-5, atol=2e-6)
+        assert not np.allclose(ours, y)
+
+    # inside a Linen layer, sowing or not gives the same result
+    x = rng.standard_normal((B, L, 8)).astype(np.float32)
+    layer = nn.MultiHeadDotProductAttention(num_heads=H, dropout_rate=0.3, attention_fn=jsf.dot_product_attention)
+    params = layer.init(jax.random.key(0), x, deterministic=True)
+    outs = [jax.jit(lambda p, x: layer.apply(p, x, deterministic=False, sow_weights=sow, rngs={"dropout": key},
+                                             mutable=["intermediates"])[0])(params, x) for sow in (False, True)]
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-7)
+    # NNX: runs with dropout and differs from deterministic
+    layer = nnx.MultiHeadAttention(num_heads=H, in_features=8, decode=False, dropout_rate=0.3,
+                                   attention_fn=jsf.dot_product_attention, rngs=nnx.Rngs(0))
+    y1 = nnx.jit(lambda m, x: m(x, deterministic=False))(layer, x)
+    y0 = nnx.jit(lambda m, x: m(x, deterministic=True))(layer, x)
+    assert np.isfinite(np.asarray(y1)).all() and not np.allclose(y1, y0)

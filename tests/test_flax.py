@@ -188,12 +188,14 @@ def _linen_params():
     return jax.jit(nn.MultiHeadDotProductAttention(num_heads=H).init)(jax.random.key(0), x)
 
 
-def _linen_pair(dtype, **kw):
+def _linen_pair(dtype, attention_fn=jsf.dot_product_attention, **kw):
     ref = nn.MultiHeadDotProductAttention(num_heads=H, dtype=dtype, **kw)
-    ours = nn.MultiHeadDotProductAttention(
-        num_heads=H, dtype=dtype, attention_fn=jsf.dot_product_attention, **kw
-    )
+    ours = nn.MultiHeadDotProductAttention(num_heads=H, dtype=dtype, attention_fn=attention_fn, **kw)
     return ref, ours
+
+
+# Flax's own dropout bits (jax.random.bernoulli), not the fused kernel's (tests/test_dropout.py)
+FLAX_BITS = functools.partial(jsf.dot_product_attention, flax_dropout_bits=True)
 
 
 def _linen_out_and_grad(module, x, ct, **call_kw):
@@ -240,7 +242,7 @@ def test_linen_matches_flax(dtype, mask_kind):
 def test_linen_dropout_same_rng_same_result(dtype, broadcast_dropout):
     x, ct = _inputs(dtype)
     mask = _mask("padding")
-    ref, ours = _linen_pair(dtype, dropout_rate=0.3, broadcast_dropout=broadcast_dropout)
+    ref, ours = _linen_pair(dtype, FLAX_BITS, dropout_rate=0.3, broadcast_dropout=broadcast_dropout)
     kw = dict(mask=mask, deterministic=False, rngs={"dropout": jax.random.key(7)})
     y_ref, g_ref = _linen_out_and_grad(ref, x, ct, **kw)
     y, g = _linen_out_and_grad(ours, x, ct, **kw)
@@ -305,10 +307,10 @@ def test_linen_is_causal_partial_matches_causal_mask():
 # NNX
 
 
-def _nnx_pair(dtype, **kw):
+def _nnx_pair(dtype, attention_fn=jsf.dot_product_attention, **kw):
     kw = dict(num_heads=H, in_features=F, decode=False, dtype=dtype, **kw)
     ref = nnx.MultiHeadAttention(**kw, rngs=nnx.Rngs(0))
-    ours = nnx.MultiHeadAttention(**kw, attention_fn=jsf.dot_product_attention, rngs=nnx.Rngs(0))
+    ours = nnx.MultiHeadAttention(**kw, attention_fn=attention_fn, rngs=nnx.Rngs(0))
     return ref, ours
 
 
@@ -354,7 +356,7 @@ def test_nnx_matches_flax(dtype, mask_kind):
 def test_nnx_dropout_same_rng_same_result(dtype):
     x, ct = _inputs(dtype)
     mask = _mask("padding")
-    ref, ours = _nnx_pair(dtype, dropout_rate=0.3)
+    ref, ours = _nnx_pair(dtype, FLAX_BITS, dropout_rate=0.3)
     kw = dict(mask=mask, deterministic=False, is_causal=True)
     # the same dropout stream: both modules are built from Rngs(0)
     y_ref, g_ref = _nnx_out_and_grad(ref, x, ct, **kw)
