@@ -31,7 +31,7 @@ constexpr int RowMinBlocksPerSm(int group, int elems, int vec, bool bwd, int row
 }
 
 // MinBlocksPerSm for the staged row tiers: lane tiers (up to 32 threads per row, 128-thread CTAs)
-// whose threads hold more than 40 values (the 16-bit rows' 3/2 E tiers, GapTierRanges) take
+// whose threads hold more than 40 values (the 16-bit rows' 3/2 E tiers, the gap tiers, kForwardTiers) take
 // 7 CTAs per SM, i.e. up to 72 registers: at 8 CTAs' 64 they spilled 16-28 bytes, where 40 values
 // fit in 62 (ptxas sm_90a; 48 values: 70 registers, no spill, at 7; s39, H200: bfloat16 1281
 // 152 -> 137 us). Those of more than 48 values (the 7/4 E tiers, s41) take 6, i.e. up to 80
@@ -62,7 +62,7 @@ struct RowTier {
 
 // The staged tiers that keep 16-bit plain rows as loaded (RowLoader::kRawFwd, finish_batch_raw_fwd):
 // lane groups and warps, and 16-bit blocks of 256 threads or more (the odd rows of 5121-16384
-// columns, LaunchStagedTier), whose CTAs fit an SM more often at 40 registers (MaxRegisters): 9
+// columns, kForwardTiers), whose CTAs fit an SM more often at 40 registers (MaxRegisters): 9
 // warps 5 times instead of 3. Not the clusters, nor the register tiers, nor blocks of 64-128
 // threads, where the output's exps computed again cost more issue slots than the extra CTAs repay
 // (s21, H200, us per call, floats / as loaded: bfloat16 odd block 8193 175 / 155; clusters 50257

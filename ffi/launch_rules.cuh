@@ -1,6 +1,6 @@
 // The tuning rules of the launcher: each function or constant holds one decision (which rows, which
 // tier or shape, on which devices) with what it won and where it was measured (sN: session N of
-// TUNING.md's log). LaunchTier and LaunchStagedTier apply them.
+// TUNING.md's log). The tier tables (tier_table.cuh) and the launchers apply them.
 #pragma once
 
 #include <algorithm>
@@ -27,7 +27,7 @@ inline bool PrefetchEnabled(const DeviceInfo& dev) { return dev.cc_major >= 9 &&
 // three); stages == 0 where not even one CTA's tile fits (the register kernel runs instead).
 
 // Tiles per CTA for 16-bit odd rows (windowed) of W window offsets, E values per thread, on the
-// staged row tiers; also plain 16-bit rows on the gap tiers (GapTierRanges). Two on the tiers of
+// staged row tiers; also plain 16-bit rows on the gap tiers (the gap tiers, kForwardTiers). Two on the tiers of
 // 16 E + 1 to 128 E and 512 E + 1 to 1024 E (every row on GPUs with the H200's DRAM bandwidth per
 // SM cycle, else to 96 E; s37, H200: 2049 218 -> 195 us, 16385 172 -> 148), and on the staged
 // 256- and 512-thread blocks for rows that fill at most 15/16 of their warps on such GPUs (s54:
@@ -62,40 +62,6 @@ int GeneralRowTilesPerCta(int64_t width) {
   return sizeof(T) == 2 && width > 8 * kVec && width <= 8 * kEB ? 2 : 1;
 }
 
-// The thin 16-bit odd rows of the staged 128- to 512-thread blocks take reread blocks (the row read
-// from the stage in each pass, none of it in registers) of fewer, fuller warps, so that an SM holds
-// more rows, on GPUs with the H200's DRAM bandwidth per SM cycle (on the H100 they lost 1-3 us,
-// s56). ThinRereadElems gives the values per thread, or 0 for the row tiers: first the fixed shapes
-// (kThinRereadShapes), then 2E where the staged block fills its warps thinly: W = 144 E + 1 to
-// 256 E where the 256-thread block fills at most 15/16 of its warps and the reread block at least
-// 5/6 of its own, W = 256 E + 1 to 512 E where the 512-thread block fills at most 23/24 (H200,
-// row tiers -> reread block: s55 5121 149 -> 134 us; s56 4097 149 -> 132 on 3 warps of 3/2 E).
-struct ThinRereadShape {
-  int from_e, to_e, quarter_e;  // rows of W = from_e E + 1 to to_e E on quarter_e / 4 E values
-  constexpr int Elems(int e) const { return quarter_e * e / 4; }
-  // Rows that fit one warp run four per 128-thread CTA, each in a stage slot of its own (one-warp
-  // CTAs stop at the SM's 32 resident blocks); the others one per block of up to 512 threads.
-  constexpr int Group() const { return 8 * quarter_e >= to_e ? 32 : 512; }
-};
-inline constexpr ThinRereadShape kThinRereadShapes[] = {
-    {64, 72, 9},    // one warp of 9/4 E, four rows per CTA (s56, s58)
-    {128, 144, 6},  // three warps of 3/2 E (s56)
-    {192, 220, 7},  // four warps of 7/4 E (s57)
-};
-template <int kE>
-int ThinRereadElems(const DeviceInfo& dev, int64_t width) {
-  if (!AmpleDramPerSm(dev)) return 0;
-  for (const ThinRereadShape& shape : kThinRereadShapes)
-    if (width > shape.from_e * kE && width <= shape.to_e * kE) return shape.Elems(kE);
-  if (width > 144 * kE && width <= 256 * kE) {
-    const bool reread_filled = 6 * width >= 5 * RowWarpValues(width, 2 * kE);  // at least 5/6
-    return ThinOddBlockRow<kE>(width) && reread_filled ? 2 * kE : 0;
-  }
-  if (width > 256 * kE && width <= 512 * kE)
-    return 24 * width <= 23 * RowWarpValues(width, kE) ? 2 * kE : 0;
-  return 0;
-}
-
 // Where the staged one-row tiles of windowed rows (and the reread blocks' rows) start their copies
 // into shared memory: on 128 bytes (s50: a copy that starts 16 bytes into a 32-byte sector ran
 // 3% slower, bfloat16 24577 138 -> 134 us; s52-53 the same for the other one-row blocks). The plain
@@ -114,37 +80,6 @@ constexpr bool SectorSplitRows(int64_t cols) {
 inline bool RawScale(double scale) {
   const float s = static_cast<float>(scale);
   return s > 0.f && std::isfinite(s);
-}
-
-// The tiers between the power-of-two ones for 16-bit rows (odd and plain): the widest rows, W in
-// units of E, that each takes (0: none), tried narrowest first: 8 lanes of 5/4 E, 3/2 E, 7/4 E
-// values, 16 lanes of 5/4 E, 32 lanes of 3/4 E, 5/4 E, 3/2 E, 7/4 E, and past the 64-thread tier
-// 64 threads of 5/4 E (odd rows only past odd64_40_from E). H200, power-of-two tier -> gap tier:
-// s38-39 odd bfloat16 1025 159 -> 137 us, s40 plain 1032 197 -> 135 (odd rows on 64 x 5/4 E lost
-// below 72 E). The H100 lost on the 3/2 E, 7/4 E and 3/4 E tiers (s38-41: 345 196 -> 203) and on
-// 16 lanes past 18 E, and takes 64 x 5/4 E only for plain rows to 72 E.
-struct GapTierTops {
-  int lanes8_40, lanes8_48, lanes8_56, lanes16_40, lanes32_24, lanes32_40, lanes32_48, lanes32_56;
-  int threads64_40, odd64_40_from;
-};
-// GPUs with the H200's DRAM bandwidth per SM cycle (AmpleDramPerSm), and the others (the H100).
-constexpr GapTierTops kGapTopsAmpleDram{/*lanes8_40=*/10, /*lanes8_48=*/12, /*lanes8_56=*/14,
-                                        /*lanes16_40=*/20, /*lanes32_24=*/24, /*lanes32_40=*/40,
-                                        /*lanes32_48=*/48, /*lanes32_56=*/56,
-                                        /*threads64_40=*/80, /*odd64_40_from=*/72};
-constexpr GapTierTops kGapTopsOther{/*lanes8_40=*/10, /*lanes8_48=*/0, /*lanes8_56=*/0,
-                                    /*lanes16_40=*/18, /*lanes32_24=*/0, /*lanes32_40=*/40,
-                                    /*lanes32_48=*/0, /*lanes32_56=*/0,
-                                    /*threads64_40=*/72, /*odd64_40_from=*/72};
-inline GapTierTops GapTierRanges(const DeviceInfo& dev) {
-  return AmpleDramPerSm(dev) ? kGapTopsAmpleDram : kGapTopsOther;
-}
-
-// Float32 windowed forward rows of W = 2049-2560 on the register block of 128 threads: three warps
-// rather than RowThreads' even four, on GPUs with the H200's DRAM bandwidth per SM cycle (s60:
-// 2049 141 -> 131 us; 2561 and up even or slower).
-inline bool FloatThreeWarpRows(const DeviceInfo& dev, int64_t width) {
-  return AmpleDramPerSm(dev) && width <= 2560;
 }
 
 // Whether consecutive rows read the same mask row: the mask's innermost row axis is broadcast
@@ -237,7 +172,7 @@ bool AllowDynamicSmem(int device, const DeviceInfo& dev) {
 template <typename T, int kVec>
 constexpr bool kStageable = kVec > 1 && sizeof(T) <= 4;
 // 16-bit rows of odd length read through windows: the rows that the staged tiers' odd-row rules
-// serve (odd warp counts in TierThreads, OddRowTilesPerCta, GapTierRanges). The staged tiers' other
+// serve (odd warp counts in TierThreads, OddRowTilesPerCta, the gap tiers, kForwardTiers). The staged tiers' other
 // windowed rows are float32 (kStageable).
 template <typename T, Access kAccess>
 constexpr bool kOdd16Rows = kAccess == Access::kWindowed && sizeof(T) == 2;
@@ -284,7 +219,7 @@ constexpr int64_t WindowWidth(int64_t cols) {
 // needs, an even count below 8 (s20: bfloat16 4097 175 us against 201 on the whole tier; multiples
 // of 4 were 7-11% slower). keep_filled (16-bit forward rows on the register tiers): the whole tier
 // where the row fills more than 5/8 of it (s20: 12000 on 12 of 16 warps 187 / 156). even_warps =
-// false (16-bit odd rows on the staged tiers, the caller's FloatThreeWarpRows): odd counts too, for
+// false (16-bit odd rows on the staged tiers, the caller's the three-warp row of kForwardTiers): odd counts too, for
 // more rows per SM (s37, H200: bfloat16 2049 195 -> 159 us).
 inline int RowThreads(int64_t width, int group, int elems, bool keep_filled,
                       bool even_warps = true) {
@@ -299,7 +234,7 @@ inline int RowThreads(int64_t width, int group, int elems, bool keep_filled,
 // Threads of a CTA of a row tier (kRuntimeWarps: as many warps as the row needs, RowThreads).
 // kRegisterTier: the register kernel (softmax_rows_kernel), not the staged one. even_warps =
 // false: the caller's rule takes an odd count of warps where the row needs one
-// (FloatThreeWarpRows).
+// (the three-warp row of kForwardTiers).
 template <typename Loader, int kGroup, int kElems, Access kAccess, bool kRegisterTier>
 int TierThreads(int64_t cols, bool even_warps = true) {
   if constexpr (kRuntimeWarps<Loader, kGroup, kElems, 1>) {

@@ -1,5 +1,4 @@
-// Launching the short-row kernels: which windowed rows take them (ShortWideForwardRow,
-// ShortOddBackwardRow), their tiles (ShortRowsTuningFor, PickShortRowsTile), the spacing of a warp's
+// Launching the short-row kernels (which rows take them: tier_table.cuh): their tiles (ShortRowsTuningFor, PickShortRowsTile), the spacing of a warp's
 // rows (ShortRowsSpacing) and the lanes per row.
 #pragma once
 
@@ -277,39 +276,6 @@ Launched LaunchShortRowsFewestLanes(const LaunchCtx& c) {
   if (c.p.cols <= 8 * kV) return on(std::integral_constant<int, 8>{});
   if (c.p.cols <= 16 * kV) return on(std::integral_constant<int, 16>{});
   return on(std::integral_constant<int, 32>{});
-}
-
-// Windowed forward rows (N % V != 0, no mask, bias or causal limit) on sm_90+ that take the
-// short-row kernel (the CTA's rows copied into shared memory as one span, 1-32 lanes a row):
-// every row of up to 32 vectors (s63-64: float32 17 243 -> 140 us, bfloat16 47 421 -> 210), and
-// past them 16-bit rows to 1023 columns (s69: bfloat16 641 151 -> 131) and float32 ones to 608
-// (s72: 257 139 -> 126; from 641 the register tiers tie or win).
-template <typename T>
-bool ShortWideForwardRow(int64_t cols) {
-  if (cols >= 32 * int64_t(kShortRowValues)) return false;
-  return sizeof(T) < 4 || cols <= 19 * 32;
-}
-
-// Windowed backward rows on sm_90+ that take the backward short-row kernel (y's and dy's tiles in
-// shared memory, 1-32 lanes a row, ShortRowsBwdGroup) rather than the register lane groups and
-// warps: rows of up to 32 vectors of at most 255 columns (16-bit) or 96 (float32; s65: 101 191 /
-// 208 us, the lane groups already at the copy's rate), and past 32 vectors the column ranges where
-// it won (s69-70, H200: float32 131 234 -> 192 us; bfloat16 257 313 -> 208, 641 321 -> 195; 479-511
-// and 961-1023 within 1-3%, kept on the warps).
-struct ColumnRange {
-  int64_t first, last;
-};
-template <typename T, int kVec>
-bool ShortOddBackwardRow(int64_t cols) {
-  if (cols <= 32 * kVec) return cols <= (sizeof(T) < 4 ? 8 : 3) * int64_t(kShortRowValues);
-  static constexpr ColumnRange kFloat32[] = {{129, 148}};
-  static constexpr ColumnRange k16Bit[] = {{257, 495}, {513, 959}};
-  const auto in = [cols](const auto& ranges) {
-    for (const ColumnRange& r : ranges)
-      if (cols >= r.first && cols <= r.last) return true;
-    return false;
-  };
-  return sizeof(T) == 4 ? in(kFloat32) : in(k16Bit);
 }
 
 }  // namespace jax_softmax

@@ -58,7 +58,7 @@ struct BatchOperands {
   static constexpr int kVec = Loader::kVecWidth;
   static constexpr bool kGeneral = !Loader::kPlain;
   // Float32 general batches of at most 16 values per thread (the tiers LaunchTier and
-  // LaunchStagedTier give such rows up to 512 x 16 columns): the split with everything ahead
+  // kForwardTiers give such rows up to 512 x 16 columns): the split with everything ahead
   // fits, since x, the bias and the mask bytes then take 16 + 16 + 4 registers.
   static constexpr bool kNarrowF32 =
       sizeof(T) == 4 && kGeneral && kRows <= 2 && kRows * kPacks * kVec <= 16;

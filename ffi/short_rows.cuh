@@ -11,9 +11,9 @@ namespace jax_softmax {
 
 // --- short windowed rows through shared memory -------------------------------------------------
 // Rows of few columns whose length is not a multiple of the vector width (windowed rows: no
-// mask, bias or causal limit; ShortWideForwardRow and ShortOddBackwardRow in launch_short.cuh
-// say which, and why). A CTA's rows are consecutive, so its tile is one contiguous span of each
-// operand whatever the rows' alignment: the CTA copies it into shared memory with 16-byte loads
+// mask, bias or causal limit; the short-row rows of tier_table.cuh say which, and why). A CTA's
+// rows are consecutive, so its tile is one contiguous span of each operand whatever the rows'
+// alignment: the CTA copies it into shared memory with 16-byte loads
 // (the span's start aligned down to 16 bytes: that first vector's leading elements belong to the
 // rows before, inside the operand since it starts 16-byte aligned; the last partial vector
 // element by element, so that nothing past its end is read), each row is reduced by kGroup lanes

@@ -106,7 +106,7 @@ __device__ __forceinline__ StagedRange staged_range(const RowParams& p, int64_t 
 // (LaunchStagedRows leaves room for them). Not plain rows: the run-time rounding cost the 16-bit
 // plain reread blocks 8 bytes of spills (ptxas sm_90a); the plain rows that gain from it take
 // the windowed kernel instead (float32 rows on the reread blocks, 16-bit rows of cols % 16 == 8,
-// LaunchStagedTier).
+// kForwardTiers).
 template <typename T, int kVec, int kRowsPerBlock, int kCluster, Access kAccess>
 __device__ __forceinline__ StagedRange staged_tile(const RowParams& p, int64_t row0, int64_t col_base,
                                                    int64_t chunk, int copy_align = 0) {
@@ -167,7 +167,7 @@ __device__ __forceinline__ void whole_window(typename Loader::Elem* window, cons
 // stage is made whole vectors first, so that its passes read as a plain row's do (see the code
 // after the wait). 16-bit ones of up to 80 values per thread are held to 40 registers (as
 // kRawRows; 80 values spill 8 bytes there, ptxas sm_90a, but two CTAs of 23 warps fit an SM only
-// at 40: LaunchStagedTier); float32 ones, whose 64 values per thread take twice the registers, to
+// at 40: kForwardTiers); float32 ones, whose 64 values per thread take twice the registers, to
 // 64 (two CTAs of 512 threads per SM), and so would be 16-bit ones of 128 values (not
 // instantiated: at 40 they spilled 36-52 bytes, and they lost, s52-53).
 template <typename T, int kGroup, int kElems, int kVec, int kCluster, Access kAccess, int kRows = 1,

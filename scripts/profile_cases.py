@@ -168,7 +168,7 @@ for _name in ("f32", "bf16"):
     for _n in (16385, 65537, 151936):
         CASES[f"{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n))
     # Rows of 9-16 chunks of a 512-thread CTA (forward: staged clusters of 16 x 512 threads, or
-    # for 16-bit rows up to 8 x 1024, LaunchStagedTier).
+    # for 16-bit rows up to 8 x 1024, kForwardTiers).
     for _n in (140000, 170000, 200000, 230000):
         CASES[f"{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _row_case(dt, n))
     for _n in (32769, 65537, 81920, 100003, 114688, 151936):

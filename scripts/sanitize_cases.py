@@ -92,7 +92,7 @@ CASES = [  # (rows, cols, dtype)
     # columns a CTA (14368 bytes, whole sectors), the last CTA of 7 rows.
     (1031, 449, jnp.float32),
     # Session 75: 16-bit rows with a mask, bias or causal limit of 72-128 columns on the staged
-    # tiers' 4 lanes of one row (LaunchStagedTier; with SANITIZE_ALL_OPS=1: the `where` rows, and
+    # tiers' 4 lanes of one row (kForwardTiers; with SANITIZE_ALL_OPS=1: the `where` rows, and
     # the attention calls' causal, padding-mask and broadcast bias and mask rows), two tiles per
     # CTA of 32 rows, the last CTA with one tile of 7 rows.
     (1031, 128, jnp.bfloat16),
@@ -135,7 +135,7 @@ CASES = [  # (rows, cols, dtype)
     # 157 on 8 lanes, one pass of 16 rows, one partial CTA (sessions 59-61 ran them on the
     # register tiers' half-warp rows and 8-lane rows, FloatHalfWarpRows and FloatShortRowShape,
     # removed in issue 87; before sm_90 the register warps take them); and of W = 2049-2560 on
-    # three warps of the 128-thread block (FloatThreeWarpRows, on GPUs with the H200's DRAM
+    # three warps of the 128-thread block (the three-warp row of kForwardTiers, on GPUs with the H200's DRAM
     # bandwidth per SM cycle), rows that wrap
     (13, 319, jnp.float32),
     (13, 227, jnp.float32),
@@ -151,7 +151,7 @@ CASES = [  # (rows, cols, dtype)
     # on the staged 256-thread block with 5 warps (an odd count: TierThreads, RowThreads), on the
     # H200 in session 54 with two tiles per CTA (OddRowTilesPerCta: the row fills 4104 of the
     # warps' 5120 values) and since session 56 on the reread block of 3 warps of 48 values
-    # (ThinRereadElems); 12289, 13 warps of the 512-thread block until session 55, takes the
+    # (the thin reread rows, kForwardTiers); 12289, 13 warps of the 512-thread block until session 55, takes the
     # reread block of 7 warps of 64 values on the H200, as 5121 (3 warps), 2049 one warp of 72
     # values (session 56; 80 in session 55; four such rows per CTA since session 58: 11 rows end on
     # a tile of three) and 6145 four warps of 56 (session 57).
@@ -171,7 +171,7 @@ CASES = [  # (rows, cols, dtype)
     # packed pairs (max_pair): in one CTA of up to 1024 threads (the wide-block rule) until
     # session 49, now a reread block.
     (5, 20001, jnp.float16),
-    # 16-bit odd rows on the tiers between the power-of-two ones (GapTierRanges), four rows per
+    # 16-bit odd rows on the tiers between the power-of-two ones (the gap tiers, kForwardTiers), four rows per
     # CTA and two tiles per CTA on 32 lanes (OddRowTilesPerCta): an odd row count leaves the last
     # CTA a partial tile. 1025-1280 on 32 lanes of 40 values, 1281-1536 of 48 (the H200's), and
     # 257-320 on 8 lanes of 40 (one tile of 16 rows), 321-384 of 48 (the H200's), 513-640 on 16
@@ -201,7 +201,7 @@ CASES = [  # (rows, cols, dtype)
     (3, 32768, jnp.float32),
     # Cluster tiers launched with the CTAs a row needs (FitCluster in ffi/launch_device.cuh):
     # 7 of a staged 8 x 256 tier (forward 57273, the first odd row past the 1024-thread reread
-    # blocks, session 53; the H100 runs 2 x 1024 there, LaunchStagedTier), more rows than
+    # blocks, session 53; the H100 runs 2 x 1024 there, kForwardTiers), more rows than
     # clusters; and float32 forward 5 of a staged 8 x 512 tier (backward 9 of 16 x 512),
     # windowed. 32769 took 5 of 8 x 256 (forward; backward 5 of 8 x 512) before session 53, and
     # since then the 1024-thread reread block (17 warps) and staged backward block.

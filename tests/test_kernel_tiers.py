@@ -191,7 +191,7 @@ def test_block_warps(backend, device, rng, dtype):
     # element with the mask). w = 3 .. 31: blocks of 96 .. 992 threads (float32 backward rows
     # take a 1024-thread block to 2^14 columns). And 5119 / 5121: 16-bit odd forward rows on the
     # staged 256-thread block of 5 and 6 warps (5121 on the H200 on the thin rows' reread block of
-    # 3 warps, ThinRereadElems); until session 38 the register tiers took the rows up to 5120.
+    # 3 warps, the thin reread rows, kForwardTiers); until session 38 the register tiers took the rows up to 5120.
     v = VEC[dtype]
     sizes = {5119, 5121}
     for e in (32, 16):
@@ -224,7 +224,7 @@ def test_seven_chunk_rows(backend, device, rng, dtype):
     # 16-bit staged forward rows that the 256- and 512-thread cluster tables would split over 7
     # CTAs, W = 6 * 256 * 32 + 1 .. 7 * 256 * 32 and 6 * 512 * 32 + 1 .. 7 * 512 * 32, take 2 and
     # 4 CTAs of 1024 threads instead on the H100, and keep the 7 CTAs on the H200
-    # (ffi/softmax_launch.cuh, LaunchStagedTier, AmpleDramPerSm): either way, each range's
+    # (ffi/tier_table.cuh, kForwardTiers, AmpleDramPerSm): either way, each range's
     # first and last widths, odd (windowed; the top one wraps) and plain, one past each end, and
     # more rows than such clusters fit on the GPU at once, so that each cluster loops over rows.
     # Plain 16-bit rows below 2^16 take the register tiers. (16-bit only: the other types' rows
@@ -239,7 +239,7 @@ def test_seven_chunk_rows(backend, device, rng, dtype):
     check_sizes(device, rng, dtype, sorted(sizes), rows_past_one_wave)
 
 
-# Row lengths of the wide blocks (ffi/launch_staged.cuh, LaunchStagedTier: rows of 512 * 32 + 1 ..
+# Row lengths of the wide blocks (ffi/tier_table.cuh, kForwardTiers: rows of 512 * 32 + 1 ..
 # 1024 * 32 columns on one staged CTA of as many warps as the row needs, up to 1024 threads of 32
 # values), where the reread blocks (up to 512 threads of 64 values, the row read from the stage in
 # each pass) do not take the row.
@@ -284,14 +284,14 @@ def test_wide_block_rows(backend, device, rng, dtype):
 def test_odd_row_rings(backend, device, rng, dtype):
     # 16-bit odd rows on the staged tiers that take OddRowTilesPerCta tiles per CTA (two on GPUs
     # with the H200's DRAM bandwidth per SM cycle, else up to W = 3072; ffi/softmax_launch.cuh,
-    # LaunchStagedTier): 32 lanes (W = 1032-1536; GapTierRanges, the H100's to 1280; the 16-32
+    # kForwardTiers): 32 lanes (W = 1032-1536; the gap tiers, kForwardTiers, the H100's to 1280; the 16-32
     # lanes of shorter rows since session 69 see only plain rows, the odd ones, 513 and 1023 here,
     # taking the forward short-row kernel) and blocks of 64 and 128 threads (to 4096; on the H200
-    # W = 2049-2304 take the one-warp reread rows, ThinRereadElems, test_thin_reread_rows). The
+    # W = 2049-2304 take the one-warp reread rows, the thin reread rows, kForwardTiers, test_thin_reread_rows). The
     # staged blocks of 256 and 512 threads take two
     # tiles on the H200 where a row fills at most 15/16 of its warps (session 54), but since
     # sessions 55-56 the H200 runs this test's such rows, 4097, 5121, 8193 and 12289, on the
-    # reread blocks (ThinRereadElems; test_thin_reread_rows's 4609 keeps the two-tile staged
+    # reread blocks (the thin reread rows, kForwardTiers; test_thin_reread_rows's 4609 keeps the two-tile staged
     # block), and the H100 on the staged blocks of 5, 6, 9 and 13 warps with one tile; 16383
     # fills its 16 warps and keeps one tile, and the rows past 512 E (16385-24575) take the
     # reread blocks, one tile per CTA.
@@ -306,15 +306,15 @@ def test_odd_row_rings(backend, device, rng, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_odd_row_tiers(backend, device, rng, dtype):
     # 16-bit odd rows on the staged tiers of 5/4 E, 3/2 E and 3/4 E values per thread
-    # (GapTierRanges in ffi/launch_rules.cuh; E = 32): W = 257-320 on 8 lanes of 40, 321-384
+    # (the gap tiers of ffi/tier_table.cuh; E = 32): W = 257-320 on 8 lanes of 40, 321-384
     # on 8 lanes of 48, 513-640 on 16 lanes of 40, 641-768 on 32 lanes of 24, 1025-1280 on 32
     # lanes of 40, 1281-1536 on 32 lanes of 48; on the H100 only the tiers of 40 values, 513-576
     # on 16 lanes. Since session 69 the forward short-row kernel takes the odd rows of up to 1023
-    # columns on sm_90+ (ShortWideForwardRow), so that of these tiers only those past 1024 columns
+    # columns on sm_90+ (the short rows of kForwardTiers), so that of these tiers only those past 1024 columns
     # see odd rows by default (the narrower ones serve plain rows: test_plain_row_gaps), and the
     # sizes below 1024 test the kernel's rows of 8, 16 and 32 lanes. W = 4097-5120: the staged
     # block of 5 warps (on the H200 W = 4097-4608 and 5121 on the reread blocks of 3 warps,
-    # ThinRereadElems). Both ends of each range (W is cols rounded up to 8) and one past each, in
+    # the thin reread rows, kForwardTiers). Both ends of each range (W is cols rounded up to 8) and one past each, in
     # an odd number of rows (rows_past_one_wave), so that the last CTA's tile is partial;
     # gpu_check.sh's register_tiers job runs it again under JAX_SOFTMAX_STAGED=0, every size on
     # the register tiers (the forward's; the backward's are the same in both runs).
@@ -328,7 +328,7 @@ def test_float_half_warp_rows(backend, device, rng):
     # Float32 odd rows of W = 257-512 window columns. From session 59 the H200 ran those of up to
     # W = 452 on half-warp rows of 8 vectors per lane (FloatHalfWarpRows, removed with issue 87's
     # knobs: since session 72 it served only rows that the short-row kernel leaves). Now the
-    # forward short-row kernel takes them on sm_90+ (ShortWideForwardRow in
+    # forward short-row kernel takes them on sm_90+ (the short rows of kForwardTiers in
     # ffi/softmax_launch.cuh: 8 lanes to 256 columns, 16 to 512, 32 from 513), and before sm_90
     # (and under JAX_SOFTMAX_STAGED=0) the register tiers' warp per row (two rows a warp to
     # W = 256); the backward takes the register warps, masked rows the scalar path. Sizes: the
@@ -349,7 +349,7 @@ def test_float_short_row_lanes(backend, device, rng):
     # session 72 it served only rows that the short-row kernel leaves). Now the forward short-row
     # kernel takes them on sm_90+ (4 lanes to 128 columns, 8 to 256, 16 from 257), and before
     # sm_90 (and under JAX_SOFTMAX_STAGED=0) the register tiers' warp of two rows; the backward
-    # the short-row backward kernel for 129-148 (ShortOddBackwardRow), the register lane groups
+    # the short-row backward kernel for 129-148 (the short rows of kBackwardTiers), the register lane groups
     # and warps for the others, masked rows the scalar path. Sizes: the lane groups below (127,
     # W = 128) and the first row past them (129, W = 132), the middle (131, 137, 149), the old
     # rule's bounds (157, 159, W = 160; 161, 163, W = 164; 193; 225, 227, W = 228; 229, 231,
@@ -388,7 +388,7 @@ def test_short_windowed_rows(backend, device, rng, dtype):
     # log_softmax, a `where` mask (other kernels) and the backward (its short-row kernel for 16-bit
     # rows to 255 columns, on 8 lanes past 128 (129 with a warp's rows 16 apart over windows of 4
     # passes since session 74, PassWindowSpacing), and float32 to 96 with 95 and 97 either side,
-    # ShortOddBackwardRow; on more than the fewest lanes where the bank count halves,
+    # the short rows of kBackwardTiers; on more than the fewest lanes where the bank count halves,
     # ShortRowsBwdGroup: 16-bit 20 on 2, 149 and 223 on 16, 191, 193 (tiles of an even count of
     # 4-row passes, so that each starts at a 16-byte boundary) and 255 on 32, float32 22 on 2),
     # and attention_softmax's scale (taken into the kernel's rows). gpu_check.sh's register_tiers
@@ -430,8 +430,8 @@ def test_short_wide_rows(backend, device, rng, dtype):
     # tiers). The forward's 16-bit rows take the kernel on 16 lanes (to 512 columns, 8 rows a
     # pass) or 32 (to 1023, 4 rows a pass), tiles of whole 32-byte sectors (an even count of
     # passes for odd lengths on 16 lanes, a multiple of 4 on 32; the count nearest 12 KiB: 257 4,
-    # 449 and 511 2, 513 and 577 4; ShortWideForwardRow, PickShortRowsTile), every lane with 16 or
-    # more of them; the backward's the backward kernel where it won (ShortOddBackwardRow: float32
+    # 449 and 511 2, 513 and 577 4; the short rows of kForwardTiers, PickShortRowsTile), every lane with 16 or
+    # more of them; the backward's the backward kernel where it won (the short rows of kBackwardTiers: float32
     # 129-148, the odd ones to 147 with a warp's rows 8 apart over windows of 2 passes since
     # session 74, 16-bit 257-495 and 513-959), on the fewest of 8, 16 or 32 lanes or on 32 where
     # the bank count halves (16-bit 257, 319, 383, 447, 449, 511; ShortRowsBwdGroup through
@@ -451,7 +451,7 @@ def test_short_wide_rows(backend, device, rng, dtype):
 @pytest.mark.gpu
 def test_float_three_warp_rows(backend, device, rng):
     # Float32 odd rows of W = 2049-2560 on three warps of the 128-thread register block instead of
-    # four (FloatThreeWarpRows in ffi/launch_rules.cuh: the rule of GPUs with the H200's DRAM
+    # four (the three-warp row of ffi/tier_table.cuh: the rule of GPUs with the H200's DRAM
     # bandwidth per SM cycle since session 60; the H100 takes four): two warps below (2047,
     # W = 2048), the first rows past them (2049, 2051), the middle (2113, 2305), the rule's last
     # rows (2557, 2559, W = 2560), the first past it on four warps (2561, W = 2564), the last
@@ -466,7 +466,7 @@ def test_float_three_warp_rows(backend, device, rng):
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_thin_reread_rows(backend, device, rng, dtype):
     # 16-bit odd rows that the reread blocks take from the staged row tiers on GPUs with the
-    # H200's DRAM bandwidth per SM cycle (ThinRereadElems in ffi/launch_rules.cuh; on the H100
+    # H200's DRAM bandwidth per SM cycle (the thin reread rows of ffi/tier_table.cuh; on the H100
     # these rows keep the staged row tiers):
     # W = 2049-2304 on one warp of 72 values, four rows per CTA since session 58 (2049, 2113, and
     # 2297 at its end; 2305 past it; their 2047, 1985 and 1827 rows end on tiles of 3, 1 and 3
@@ -486,7 +486,7 @@ def test_thin_reread_rows(backend, device, rng, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_plain_row_gaps(backend, device, rng, dtype):
     # 16-bit plain rows (multiples of 8 columns) between the power-of-two staged tiers, which
-    # take the odd rows' tiers since session 40 (GapTierRanges), on the odd rows' tiles per CTA
+    # take the odd rows' tiers since session 40 (the gap tiers, kForwardTiers), on the odd rows' tiles per CTA
     # there and one tile on the power-of-two tiers. The top of each power-of-two tier and of each
     # gap range on both GPUs (the H100's: 320, 576, 1280), and one vector past each, in an odd
     # number of rows (rows_past_one_wave); 256 takes the register lane groups of two rows. The
@@ -502,11 +502,11 @@ def test_plain_row_gaps(backend, device, rng, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_past_top_rows(backend, device, rng, dtype):
     # 16-bit rows just past the 3/2 E tiers' and the 64-thread tier's tops (session 41,
-    # GapTierRanges): on the H200 W = 385-448 on 8 lanes of 7/4 E, 1537-1792 on 32 lanes of 7/4 E;
+    # the gap tiers, kForwardTiers): on the H200 W = 385-448 on 8 lanes of 7/4 E, 1537-1792 on 32 lanes of 7/4 E;
     # plain rows of 2056-2560 (H100: to 2304) and odd ones of W = 2312-2560 (H200 only) on 64
     # threads of 5/4 E. Since session 69 the odd rows of up to 1023 columns (385, 447, 449) take
     # the forward short-row kernel instead, and since session 58 the H200's odd rows of
-    # W = 2049-2304 (2049, 2303) its one-warp reread rows (ThinRereadElems). Both ends of each
+    # W = 2049-2304 (2049, 2303) its one-warp reread rows (the thin reread rows, kForwardTiers). Both ends of each
     # range, odd and plain (W is cols rounded up to 8), and one past each, in an odd number of
     # rows (rows_past_one_wave); gpu_check.sh's register_tiers job runs it again under
     # JAX_SOFTMAX_STAGED=0 (none of these tiers: the register tiers' forward rows).
@@ -520,7 +520,7 @@ def test_past_top_rows(backend, device, rng, dtype):
 def test_reread_block_rows(backend, device, rng, dtype):
     # 16-bit plain rows of N = 512 * 32 + 8 .. 1024 * 32 columns: one staged CTA of as many warps
     # as the row needs (up to 512 threads of 64 values) that reads the row from shared memory in
-    # each pass (ffi/launch_staged.cuh, LaunchStagedTier; session 34). The register tiers below
+    # each pass (ffi/tier_table.cuh, kForwardTiers; session 34). The register tiers below
     # (16384) and the 1024-thread reread block above (32776, since session 53:
     # test_long_staged_rows), the first and last widths, and warp counts between: 9 warps
     # with most of the last one's packs past the row's end (16392) and with all packs inside
@@ -537,7 +537,7 @@ def test_plain_block_rows(backend, device, rng, dtype):
     # 16-bit plain rows of N = 256 * 32 + 8 .. 512 * 32 - 8 columns, past the 256 x 32 register
     # block: the staged 512 x 32 block with as many warps as the row needs (9 at 8200 and 8448,
     # with most of the ninth warp's values past the row's end; 10, 12, 13, 16), since session 51
-    # (ffi/launch_staged.cuh, LaunchStagedTier: plain 16-bit rows of 256 E + 1 to 512 E - 1 stay
+    # (ffi/tier_table.cuh, kForwardTiers: plain 16-bit rows of 256 E + 1 to 512 E - 1 stay
     # staged); the register tiers on either side (8192, 16384) and the reread block past it
     # (16392).
     sizes = [8184, 8192, 8200, 8256, 8448, 9216, 10240, 12288, 12296, 16376, 16384, 16392]
@@ -573,7 +573,7 @@ def test_mid_backward_rows(backend, device, rng, dtype):
 
 # 16-bit rows past the reread blocks and the staged backward block (ffi/softmax_launch.cuh,
 # session 53): forward rows of 32769 to W = 57272 on one reread CTA of up to 1024 threads where
-# two fit an SM (LaunchStagedTier: 2E values to 24 warps, W = 49152, as 40 registers allow; then
+# two fit an SM (kForwardTiers: 2E values to 24 warps, W = 49152, as 40 registers allow; then
 # 5/2 E values where the two stages fit, 114688 bytes each on the H100 and H200, PlanStages),
 # backward ones of 32769-57856 on the staged backward block of up to 1024 threads where y's and
 # dy's stage fits (231424 bytes: LaunchTier, LaunchBwdStagedRows); the clusters take the others.
@@ -658,7 +658,7 @@ def test_windowed_row_neighbours(backend, device, rng, dtype):
      "50257", "65535"],
 )
 def test_staged_ring_wraps(backend, device, rng, dtype, tier):
-    # The staged tiers (sm_90+, forward rows: ffi/launch_staged.cuh, LaunchStagedTier) feed each
+    # The staged tiers (sm_90+, forward rows: ffi/tier_table.cuh, kForwardTiers) feed each
     # CTA through shared memory: one tile per CTA for the row tiers (two for the masked bfloat16
     # rows of 16V and 32V since session 74, GeneralRowTilesPerCta), and a persistent ring of 1-4
     # stages per CTA, refilled as soon as a stage is read, for the clusters. 64 MiB is several times
@@ -673,7 +673,7 @@ def test_staged_ring_wraps(backend, device, rng, dtype, tier):
     # before their row and end in the next (the last one at x's end); 40961 and 50257 took clusters
     # too (6 of 8 x 256; 2 x 1024) before session 53's 1024-thread reread blocks, one tile per CTA;
     # 1001 took 32 lanes until the short-row kernel took it (session 69); float32 odd rows of up to
-    # 2^16 columns take the register tiers (LaunchStagedTier).
+    # 2^16 columns take the register tiers (kForwardTiers).
     # Softmax and log_softmax, with their backward (register tiers), without and with a `where`
     # mask of shape (1, N): a mask that consecutive rows share, which the staged tiers take up to
     # N = 16 E, and for float32 beyond 4096 columns (x in the stages, the mask read from global
@@ -766,7 +766,7 @@ def test_causal_attention_sizes(backend, device, rng, dtype, s):
     # On sm_90+ 16-bit rows of 65-256 keys take two tiles per CTA on the staged tiers since
     # session 74 (GeneralRowTilesPerCta), one below (64) and past (257): both sides of each bound,
     # in 2 S rows (S = 65: 130 rows, five tiles of 32, the last CTA with one tile of 2 rows). Those
-    # of 72-128 keys (whole vectors) take 4 lanes of one row since session 75 (LaunchStagedTier):
+    # of 72-128 keys (whole vectors) take 4 lanes of one row since session 75 (kForwardTiers):
     # the tier's first and last row lengths, and the 8-lane tier's first past it (136).
     # gpu_check.sh's register_tiers job runs it again under JAX_SOFTMAX_STAGED=0: every forward
     # row on the register tiers.
