@@ -24,6 +24,7 @@
 #include <limits>
 #include <string>
 
+#include "attention_dropout.h"
 #include "common.h"
 #include "cpu_rows.h"
 #include "philox.h"
@@ -32,13 +33,6 @@
 
 namespace jax_softmax {
 namespace {
-
-struct DropoutRows {
-  RowParams rows;          // in: x; grad_in: dy (backward); out: out or dx; bias, mask, causal
-  DropoutParams dropout;
-  void* lse = nullptr;     // forward: written; backward: read (accumulator type, one per row)
-  double grad_scale = 1.0;  // backward: dx = grad_scale * dz
-};
 
 // f[0, len) = keep ? mult : 0 for the columns [c0, c0 + len) of a row; c0 is a multiple of 8.
 // Two flat loops that vectorise: the Philox calls of the chunk's groups of 8 columns (their
@@ -227,46 +221,6 @@ DropoutRowsFn PickDropoutRows() {
 // ------------------------------------------------------------------------------------------
 // Handlers
 
-ffi::DataType AccType(ffi::DataType dtype) {
-  return dtype == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
-}
-
-// Validates the key, lse and rate of one call and fills dp.dropout and dp.lse.
-ffi::Error FillDropout(const ffi::AnyBuffer& x, const ffi::AnyBuffer& key, void* lse,
-                       ffi::DataType lse_type, ffi::Span<const int64_t> lse_dims, double rate,
-                       bool broadcast, DropoutRows& dp) {
-  const auto kd = key.dimensions();
-  if (key.element_type() != ffi::DataType::U32 || kd.size() != 2 || kd[1] != 2 || kd[0] < 1) {
-    return InvalidArgument("the dropout key must be uint32 of shape (K, 2), got shape " +
-                           DimsToString(kd));
-  }
-  const int64_t rows = dp.rows.rows;
-  if (rows > 0 && rows % kd[0] != 0) {
-    return InvalidArgument(std::to_string(kd[0]) + " dropout keys do not divide the " +
-                           std::to_string(rows) + " rows");
-  }
-  const auto xd = x.dimensions();
-  if (lse_type != AccType(x.element_type()) || NumElements(lse_dims) != NumElements(xd) / xd.back()) {
-    return InvalidArgument("the log-sum-exp must have one " +
-                           std::string(DtypeName(AccType(x.element_type()))) +
-                           " value per row, got shape " + DimsToString(lse_dims) + " " +
-                           DtypeName(lse_type));
-  }
-  if (!(rate >= 0.0 && rate < 1.0)) {
-    return InvalidArgument("the dropout rate must be in [0, 1), got " + std::to_string(rate));
-  }
-  DropoutParams& d = dp.dropout;
-  d.keys = static_cast<const uint32_t*>(key.untyped_data());
-  d.num_keys = kd[0];
-  d.rows_per_key = rows > 0 ? rows / kd[0] : 1;
-  d.query_len = broadcast ? (xd.size() >= 2 ? xd[xd.size() - 2] : 1) : 0;
-  const double t = std::nearbyint(rate * 65536.0);
-  d.threshold = static_cast<uint32_t>(t < 65535.0 ? t : 65535.0);
-  d.multiplier = 1.0 / (1.0 - rate);
-  dp.lse = lse;
-  return ffi::Error::Success();
-}
-
 ffi::Error Run(ffi::ThreadPool& pool, DropoutRows& dp, ffi::DataType dtype, bool forward) {
   return DispatchFloat(dtype, [&](auto tag) -> ffi::Error {
     using Tag = typename decltype(tag)::type;
@@ -282,17 +236,10 @@ ffi::Error DropoutFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
                           ffi::Result<ffi::AnyBuffer> lse, double scale, bool has_bias,
                           bool has_mask, bool causal, double rate, bool broadcast) {
   DropoutRows dp;
-  if (auto err = FillRowParams(x, nullptr, has_bias ? &bias : nullptr, has_mask ? &mask : nullptr,
-                               *out, causal, dp.rows);
-      err.failure()) {
+  if (auto err = FillDropoutForward(x, bias, mask, key, *out, *lse, scale, has_bias, has_mask,
+                                    causal, rate, broadcast, dp);
+      err.failure())
     return err;
-  }
-  dp.rows.scale = scale;
-  if (auto err = FillDropout(x, key, lse->untyped_data(), lse->element_type(), lse->dimensions(),
-                             rate, broadcast, dp);
-      err.failure()) {
-    return err;
-  }
   return Run(pool, dp, x.element_type(), true);
 }
 
@@ -302,19 +249,10 @@ ffi::Error DropoutBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
                           double grad_scale, bool has_bias, bool has_mask, bool causal,
                           double rate, bool broadcast) {
   DropoutRows dp;
-  if (auto err = FillRowParams(x, &dy, has_bias ? &bias : nullptr, has_mask ? &mask : nullptr,
-                               *dx, causal, dp.rows);
-      err.failure()) {
+  if (auto err = FillDropoutBackward(x, bias, mask, key, lse, dy, *dx, scale, grad_scale, has_bias,
+                                     has_mask, causal, rate, broadcast, dp);
+      err.failure())
     return err;
-  }
-  dp.rows.scale = scale;
-  dp.grad_scale = grad_scale;
-  // The kernel only reads lse.
-  if (auto err = FillDropout(x, key, lse.untyped_data(), lse.element_type(), lse.dimensions(),
-                             rate, broadcast, dp);
-      err.failure()) {
-    return err;
-  }
   return Run(pool, dp, x.element_type(), false);
 }
 
@@ -343,38 +281,10 @@ ffi::Error PhiloxImpl(ffi::Buffer<ffi::U32> counters, ffi::Buffer<ffi::U32> keys
 }  // namespace jax_softmax
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSoftmaxAttnDropoutFwdCpu, jax_softmax::DropoutFwdImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // x
-                                  .Arg<xla::ffi::AnyBuffer>()  // bias
-                                  .Arg<xla::ffi::AnyBuffer>()  // mask
-                                  .Arg<xla::ffi::AnyBuffer>()  // key (K, 2) uint32
-                                  .Ret<xla::ffi::AnyBuffer>()  // out
-                                  .Ret<xla::ffi::AnyBuffer>()  // lse
-                                  .Attr<double>("scale")
-                                  .Attr<bool>("has_bias")
-                                  .Attr<bool>("has_mask")
-                                  .Attr<bool>("causal")
-                                  .Attr<double>("rate")
-                                  .Attr<bool>("broadcast"));
+                              jax_softmax::DropoutForwardBinding<xla::ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSoftmaxAttnDropoutBwdCpu, jax_softmax::DropoutBwdImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // x
-                                  .Arg<xla::ffi::AnyBuffer>()  // bias
-                                  .Arg<xla::ffi::AnyBuffer>()  // mask
-                                  .Arg<xla::ffi::AnyBuffer>()  // key
-                                  .Arg<xla::ffi::AnyBuffer>()  // lse
-                                  .Arg<xla::ffi::AnyBuffer>()  // dy
-                                  .Ret<xla::ffi::AnyBuffer>()  // dx
-                                  .Attr<double>("scale")
-                                  .Attr<double>("grad_scale")
-                                  .Attr<bool>("has_bias")
-                                  .Attr<bool>("has_mask")
-                                  .Attr<bool>("causal")
-                                  .Attr<double>("rate")
-                                  .Attr<bool>("broadcast"));
+                              jax_softmax::DropoutBackwardBinding<xla::ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSoftmaxPhiloxCpu, jax_softmax::PhiloxImpl,
                               xla::ffi::Ffi::Bind()

@@ -89,6 +89,9 @@ inline ffi::ErrorOr<DeviceInfo> GetDeviceInfo(int device) {
   return info[device];
 }
 
+// Whether a buffer starts on a 16-byte boundary (the vector kernels need it; XLA aligns buffers).
+inline bool Aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
 inline ffi::Error CheckLaunch(const char* what) {
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Internal(std::string(what) + " launch failed: " + cudaGetErrorString(e));

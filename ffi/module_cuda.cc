@@ -15,6 +15,10 @@ NB_MODULE(_jax_softmax_cuda, m) {
         nb::dict registrations;
         registrations["jax_softmax_fwd"] = EncapsulateFfiHandler(JaxSoftmaxFwdCuda);
         registrations["jax_softmax_bwd"] = EncapsulateFfiHandler(JaxSoftmaxBwdCuda);
+        registrations["jax_softmax_attn_dropout_fwd"] =
+            EncapsulateFfiHandler(JaxSoftmaxAttnDropoutFwdCuda);
+        registrations["jax_softmax_attn_dropout_bwd"] =
+            EncapsulateFfiHandler(JaxSoftmaxAttnDropoutBwdCuda);
         registrations["jax_softmax_gpu_clock"] = EncapsulateFfiHandler(JaxSoftmaxGpuClockCuda);
         return registrations;
       },

@@ -281,8 +281,6 @@ ffi::Error LaunchTier(const LaunchCtx& c) {
                                                std::make_index_sequence<TierTable<kBwd>::kSize>{});
 }
 
-inline bool Aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
-
 template <typename Tag, bool kBwd>
 ffi::Error LaunchSoftmax(const RowParams& p, cudaStream_t stream) {
   using T = typename CudaStorage<Tag>::type;

@@ -11,9 +11,10 @@ key, never y or a mask tensor.
 batching rule below stacks vmapped keys that way). The bits are those of ffi/philox.h, computed
 in jnp by _philox.py.
 
-Lowering: the CPU FFI targets where the CPU extension is built. Everywhere else, CUDA included,
-this stage lowers the jnp reference of _philox.py (same bits, not fused: interim, dropout is not
-yet fused on GPU). No custom_partitioning yet: under a sharded jit these calls run replicated.
+Lowering: the FFI targets on the CPU and on CUDA GPUs, where those extensions are built (the
+CUDA kernels: ffi/dropout_rows.cuh); elsewhere (ROCm, TPU, or a build without them) the jnp
+reference of _philox.py, with the same bits, not fused. No custom_partitioning yet: under a
+sharded jit these calls run replicated.
 """
 
 from __future__ import annotations
@@ -62,13 +63,14 @@ def _bwd_abstract(x, *_, **__):
 attn_dropout_fwd_p.def_abstract_eval(_fwd_abstract)
 attn_dropout_bwd_p.def_abstract_eval(_bwd_abstract)
 
-# Platforms without a fused dropout kernel (for now CUDA, ROCm, TPU) lower the jnp reference:
-# the same bits, as separate XLA ops. The CPU lowers to its FFI targets.
+# Platforms without a fused dropout kernel (ROCm, TPU, a build without CUDA) lower the jnp
+# reference: the same bits, as separate XLA ops. The CPU and CUDA lower to their FFI targets.
 mlir.register_lowering(attn_dropout_fwd_p, mlir.lower_fun(_philox.forward, multiple_results=True))
 mlir.register_lowering(attn_dropout_bwd_p, mlir.lower_fun(_philox.backward, multiple_results=False))
-if _ffi.has_platform("cpu"):
-    mlir.register_lowering(attn_dropout_fwd_p, jax.ffi.ffi_lowering(FWD_TARGET), platform="cpu")
-    mlir.register_lowering(attn_dropout_bwd_p, jax.ffi.ffi_lowering(BWD_TARGET), platform="cpu")
+for _platform in ("cpu", "cuda"):
+    if _ffi.has_platform(_platform):
+        mlir.register_lowering(attn_dropout_fwd_p, jax.ffi.ffi_lowering(FWD_TARGET), platform=_platform)
+        mlir.register_lowering(attn_dropout_bwd_p, jax.ffi.ffi_lowering(BWD_TARGET), platform=_platform)
 
 
 # --- batching --------------------------------------------------------------------------------------

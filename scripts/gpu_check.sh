@@ -187,7 +187,8 @@ if want test; then
   shards+=(
     "tiers_rest:test_kernel_tiers and not ($tiers_split) and not ($big)"
     "softmax:not test_kernel_tiers and (test_softmax or test_transforms or test_errors)"
-    "rest:not (test_kernel_tiers or test_softmax or test_transforms or test_errors)"
+    "dropout:test_dropout"
+    "rest:not (test_kernel_tiers or test_softmax or test_transforms or test_errors or test_dropout)"
   )
   if test_part suite; then
     for shard in "${shards[@]}"; do

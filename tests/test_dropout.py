@@ -261,9 +261,9 @@ def test_grads_16bit(backend, device, rng):
         assert_close(db, rb, dtype, tol=GRAD_TOL, what=f"{dtype} d bias")
 
 
-def test_hlo_fused_calls(rng):
-    cpu = jax.devices("cpu")[0]
-    s, b = put(cpu, rng.standard_normal((2, 3, 4, 9)).astype(np.float32),
+def test_hlo_fused_calls(backend, device, rng):
+    # One fused call each way on the CPU and on CUDA GPUs (no XLA dropout ops).
+    s, b = put(device, rng.standard_normal((2, 3, 4, 9)).astype(np.float32),
                rng.standard_normal((1, 3, 4, 9)).astype(np.float32))
     key = jax.random.key(0)
     loss = lambda s, b: jnp.sum(jnp.sin(attn(s, key, 0.1, scale=0.5, bias=b, causal=True)))
@@ -271,6 +271,56 @@ def test_hlo_fused_calls(rng):
     assert count_custom_calls(hlo, jsd.FWD_TARGET) == 1
     assert count_custom_calls(hlo, jsd.BWD_TARGET) == 1
     assert count_custom_calls(hlo, "jax_softmax_fwd") == 0
+
+
+# --- the CUDA kernels' tiers (ffi/attention_dropout_cuda.cu) ------------------------------------------
+# A row of W vectors (V = 16 bytes of elements) takes the register kernel on the fewest threads G
+# (1, 2, 4, ... 1024) holding two vectors each, W <= 2 G: lane groups up to G = 32, blocks above;
+# past 2048 vectors, or with cols % V != 0, the streaming kernel (chunks of 512 x 2 vectors, x read
+# twice; element by element where cols % V != 0). Each boundary: the widest row of a G, the next
+# width, and an odd length (element by element). The CPU runs the same lengths (its own chunking).
+VEC = {jnp.float16: 8, jnp.bfloat16: 8, jnp.float32: 4, jnp.float64: 2}
+
+
+def tier_lengths(dtype):
+    v = VEC[dtype]
+    lengths = {1, v, 3 * v}
+    for g in (1, 2, 16, 32, 64, 512, 1024):
+        lengths |= {2 * g * v, 2 * g * v + v, 2 * g * v + 1}
+    lengths |= {2048 * v + 2 * 512 * v + v}  # a streaming row of two chunks, the second partial
+    return sorted(lengths)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("variant", ["plain", "bias_mask", "causal_mask"])
+def test_tier_lengths(backend, device, rng, dtype, variant):
+    # Shapes (2, 3, n): with causal, query i of 3 sees keys 0..i; the padding mask cuts the rest.
+    # Every length in one jitted program (one compile per variant and dtype).
+    rate, key, scale = 0.3, jax.random.key(17), 0.8
+    causal = variant == "causal_mask"
+    cases = []
+    for n in tier_lengths(dtype):
+        shape = (2, 3, n)
+        s = rounded(rng.standard_normal(shape) * 2, dtype)
+        b = rounded(rng.standard_normal((1, 3, n)), dtype) if variant == "bias_mask" else None
+        m = rng.random((2, 1, n)) < 0.9 if variant != "plain" else None
+        cases.append((s, b, m, rounded(rng.standard_normal(shape), dtype)))
+
+    def fwd_bwd(cases):
+        out = []
+        for s, b, m, g in cases:
+            y, pull = jax.vjp(lambda s: attn(s, key, rate, scale=scale, bias=b, mask=m, causal=causal), s)
+            out.append((y, pull(g)[0]))
+        return out
+
+    for (s, b, m, g), (y, dx) in zip(cases, run(device, fwd_bwd, cases)):
+        what = f"n={s.shape[-1]} {variant}"
+        keep = keep_of(key, s.shape, rate)
+        assert_close(y, np_dropout_attention(s, scale, b, m, causal, keep, rate), dtype, what=what + " y")
+        assert np.all(y[~keep] == 0), what
+        _, pull = jax.vjp(lambda s: ref_with_mask(keep, rate)(
+            s, scale, None if b is None else b.astype(np.float64), m, causal), s.astype(np.float64))
+        assert_close(dx, pull(g.astype(np.float64))[0], dtype, tol=GRAD_TOL, what=what + " dx")
 
 
 # --- broadcast_dropout, vmap, jit ---------------------------------------------------------------------
@@ -408,7 +458,7 @@ def test_nonfinite_logits(backend, device):
 
 
 def test_reference_lowering_matches_kernel(rng):
-    # The lowering of platforms without the fused kernel (CUDA for now) against the CPU kernel.
+    # The lowering of platforms without a fused kernel (ROCm, TPU) against the CPU kernel.
     shape, bias_shape = (2, 3, 5, 21), (1, 3, 5, 21)
     s = rng.standard_normal(shape).astype(np.float32)
     b = rng.standard_normal(bias_shape).astype(np.float32)

@@ -1,0 +1,146 @@
+// Host side of the attention-dropout FFI targets, shared by the CPU and CUDA handlers so that
+// their contract cannot drift apart: what one call describes (DropoutRows), the validation of its
+// key, log-sum-exp and rate (FillDropout), and the operands and attributes of the two targets.
+//
+//   jax_softmax_attn_dropout_fwd: x, bias, mask, key -> out, lse
+//       attrs scale, has_bias, has_mask, causal, rate, broadcast
+//   jax_softmax_attn_dropout_bwd: x, bias, mask, key, lse, dy -> dx
+//       attrs scale, grad_scale, has_bias, has_mask, causal, rate, broadcast
+//
+// Forward: out = softmax(scale * x + bias) over each row's valid positions times keep / (1 - rate)
+// and lse = the row's log-sum-exp in the accumulator type. Backward: y = exp(z - lse) and the keep
+// bits regenerated, dx = grad_scale * y * (g - sum(y g)), g = dy * keep / (1 - rate). The bits are
+// philox.h's.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "common.h"
+#include "philox.h"
+#include "row_params.h"
+
+namespace jax_softmax {
+
+struct DropoutRows {
+  RowParams rows;           // in: x; grad_in: dy (backward); out: out or dx; bias, mask, causal
+  DropoutParams dropout;
+  void* lse = nullptr;      // forward: written; backward: read (accumulator type, one per row)
+  double grad_scale = 1.0;  // backward: dx = grad_scale * dz
+};
+
+inline ffi::DataType DropoutAccType(ffi::DataType dtype) {
+  return dtype == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
+}
+
+// Validates the key, lse and rate of one call (after FillRowParams) and fills dp.dropout, dp.lse.
+inline ffi::Error FillDropout(const ffi::AnyBuffer& x, const ffi::AnyBuffer& key, void* lse,
+                              ffi::DataType lse_type, ffi::Span<const int64_t> lse_dims,
+                              double rate, bool broadcast, DropoutRows& dp) {
+  const auto kd = key.dimensions();
+  if (key.element_type() != ffi::DataType::U32 || kd.size() != 2 || kd[1] != 2 || kd[0] < 1) {
+    return InvalidArgument("the dropout key must be uint32 of shape (K, 2), got shape " +
+                           DimsToString(kd));
+  }
+  const int64_t rows = dp.rows.rows;
+  if (rows > 0 && rows % kd[0] != 0) {
+    return InvalidArgument(std::to_string(kd[0]) + " dropout keys do not divide the " +
+                           std::to_string(rows) + " rows");
+  }
+  const auto xd = x.dimensions();
+  const int64_t expect_rows = xd.back() == 0 ? NumElements(xd.first(xd.size() - 1))
+                                             : NumElements(xd) / xd.back();
+  if (lse_type != DropoutAccType(x.element_type()) || NumElements(lse_dims) != expect_rows) {
+    return InvalidArgument("the log-sum-exp must have one " +
+                           std::string(DtypeName(DropoutAccType(x.element_type()))) +
+                           " value per row, got shape " + DimsToString(lse_dims) + " " +
+                           DtypeName(lse_type));
+  }
+  if (!(rate >= 0.0 && rate < 1.0)) {
+    return InvalidArgument("the dropout rate must be in [0, 1), got " + std::to_string(rate));
+  }
+  DropoutParams& d = dp.dropout;
+  d.keys = static_cast<const uint32_t*>(key.untyped_data());
+  d.num_keys = kd[0];
+  d.rows_per_key = rows > 0 ? rows / kd[0] : 1;
+  d.query_len = broadcast ? (xd.size() >= 2 ? xd[xd.size() - 2] : 1) : 0;
+  const double t = std::nearbyint(rate * 65536.0);
+  d.threshold = static_cast<uint32_t>(t < 65535.0 ? t : 65535.0);
+  d.multiplier = 1.0 / (1.0 - rate);
+  dp.lse = lse;
+  return ffi::Error::Success();
+}
+
+// The two targets' operands and attributes. Ctx: the platform's context (thread pool, stream).
+template <typename Ctx>
+auto DropoutForwardBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<Ctx>()
+      .template Arg<ffi::AnyBuffer>()  // x
+      .template Arg<ffi::AnyBuffer>()  // bias
+      .template Arg<ffi::AnyBuffer>()  // mask
+      .template Arg<ffi::AnyBuffer>()  // key (K, 2) uint32
+      .template Ret<ffi::AnyBuffer>()  // out
+      .template Ret<ffi::AnyBuffer>()  // lse
+      .template Attr<double>("scale")
+      .template Attr<bool>("has_bias")
+      .template Attr<bool>("has_mask")
+      .template Attr<bool>("causal")
+      .template Attr<double>("rate")
+      .template Attr<bool>("broadcast");
+}
+
+template <typename Ctx>
+auto DropoutBackwardBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<Ctx>()
+      .template Arg<ffi::AnyBuffer>()  // x
+      .template Arg<ffi::AnyBuffer>()  // bias
+      .template Arg<ffi::AnyBuffer>()  // mask
+      .template Arg<ffi::AnyBuffer>()  // key
+      .template Arg<ffi::AnyBuffer>()  // lse
+      .template Arg<ffi::AnyBuffer>()  // dy
+      .template Ret<ffi::AnyBuffer>()  // dx
+      .template Attr<double>("scale")
+      .template Attr<double>("grad_scale")
+      .template Attr<bool>("has_bias")
+      .template Attr<bool>("has_mask")
+      .template Attr<bool>("causal")
+      .template Attr<double>("rate")
+      .template Attr<bool>("broadcast");
+}
+
+// Fills dp for a forward call: the rows, then the dropout.
+inline ffi::Error FillDropoutForward(const ffi::AnyBuffer& x, const ffi::AnyBuffer& bias,
+                                     const ffi::AnyBuffer& mask, const ffi::AnyBuffer& key,
+                                     ffi::AnyBuffer& out, ffi::AnyBuffer& lse, double scale,
+                                     bool has_bias, bool has_mask, bool causal, double rate,
+                                     bool broadcast, DropoutRows& dp) {
+  if (auto err = FillRowParams(x, nullptr, has_bias ? &bias : nullptr, has_mask ? &mask : nullptr,
+                               out, causal, dp.rows);
+      err.failure())
+    return err;
+  dp.rows.scale = scale;
+  return FillDropout(x, key, lse.untyped_data(), lse.element_type(), lse.dimensions(), rate,
+                     broadcast, dp);
+}
+
+// Fills dp for a backward call (lse is only read).
+inline ffi::Error FillDropoutBackward(const ffi::AnyBuffer& x, const ffi::AnyBuffer& bias,
+                                      const ffi::AnyBuffer& mask, const ffi::AnyBuffer& key,
+                                      const ffi::AnyBuffer& lse, const ffi::AnyBuffer& dy,
+                                      ffi::AnyBuffer& dx, double scale, double grad_scale,
+                                      bool has_bias, bool has_mask, bool causal, double rate,
+                                      bool broadcast, DropoutRows& dp) {
+  if (auto err = FillRowParams(x, &dy, has_bias ? &bias : nullptr, has_mask ? &mask : nullptr, dx,
+                               causal, dp.rows);
+      err.failure())
+    return err;
+  dp.rows.scale = scale;
+  dp.grad_scale = grad_scale;
+  return FillDropout(x, key, lse.untyped_data(), lse.element_type(),
+                     lse.dimensions(), rate, broadcast, dp);
+}
+
+}  // namespace jax_softmax

@@ -1,0 +1,133 @@
+// CUDA FFI handlers of the attention dropout (attention_dropout.h) and the rule that picks its
+// kernel (dropout_rows.cuh). Command-buffer safe: no synchronisation, allocation or data-dependent
+// host logic; device properties are read once per device.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
+#include "attention_dropout.h"
+#include "dropout_rows.cuh"
+#include "launch_device.cuh"
+#include "softmax_cuda.h"
+
+namespace jax_softmax {
+namespace {
+
+// Which kernel takes a row of W vectors (kVec columns each):
+//   W <= P x 1024: the register kernel on the fewest threads G (a power of two, 1-1024) that hold
+//     the row at P vectors a thread (DropoutPacks: 4, the 16-bit backward 2): lane groups of G <= 32
+//     lanes in 128-thread CTAs, blocks of G threads above. Several vectors per thread keep as many
+//     16-byte loads of x (and dy) in flight per thread from the shortest rows on.
+//   longer rows, and rows that are not whole aligned vectors: the streaming kernel (x read twice).
+constexpr int kMaxRowThreads = 1024;
+
+template <typename T, int kVec, int kGroup, bool kBwd>
+ffi::Error LaunchRegisterRows(const DropoutKernelParams& d, const LaunchCtx& c) {
+  constexpr int kBlock = BlockThreads(kGroup);
+  constexpr int kRowsPerBlock = kBlock / kGroup;
+  const int64_t needed = (d.p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int grid = static_cast<int>(std::min<int64_t>(needed, INT_MAX));
+  return Launch(KernelLaunch(grid, kBlock, 0, c.stream, 1, c.dependent),
+                dropout_rows_kernel<T, kVec, kGroup, DropoutPacks<T, kBwd>(), kBwd>, "dropout row kernel",
+                d);
+}
+
+template <typename T, int kVec, bool kBwd>
+ffi::Error LaunchStream(const DropoutKernelParams& d, const LaunchCtx& c) {
+  constexpr auto kernel = dropout_stream_kernel<T, kVec, kBwd>;
+  auto per_sm = BlocksPerSm<kernel, 512>(c.device, 512);
+  if (per_sm.has_error()) return per_sm.error();
+  const int grid = PersistentGrid(d.p.rows, int64_t(*per_sm) * c.dev.sm_count);
+  return Launch(KernelLaunch(grid, 512, 0, c.stream, 1, c.dependent), kernel,
+                "dropout streaming kernel", d);
+}
+
+// The register kernel of the fewest threads G >= min_threads (a power of two up to 1024).
+template <typename T, int kVec, bool kBwd, int kGroup = 1>
+ffi::Error LaunchRowsOfWidth(const DropoutKernelParams& d, const LaunchCtx& c, int64_t min_threads) {
+  if constexpr (kGroup < kMaxRowThreads) {
+    if (kGroup < min_threads) return LaunchRowsOfWidth<T, kVec, kBwd, 2 * kGroup>(d, c, min_threads);
+  }
+  return LaunchRegisterRows<T, kVec, kGroup, kBwd>(d, c);
+}
+
+template <typename Tag, bool kBwd>
+ffi::Error LaunchDropout(const DropoutRows& dp, cudaStream_t stream) {
+  using T = typename CudaStorage<Tag>::type;
+  constexpr int kVec = 16 / sizeof(T);
+  const RowParams& p = dp.rows;
+  if (p.rows == 0 || p.cols == 0) return ffi::Error::Success();
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess)
+    return Internal(std::string("cudaGetDevice: ") + cudaGetErrorString(e));
+  auto dev = GetDeviceInfo(device);
+  if (dev.has_error()) return dev.error();
+  const LaunchCtx ctx{p, stream, device, *dev, dev->cc_major >= 9 && DependentLaunchEnabled()};
+
+  const bool rows_below_2_31 = p.rows < (int64_t{1} << 31);
+  DropoutKernelParams d;
+  d.p = p;
+  d.keys = dp.dropout.keys;
+  d.rows_per_key = RowDivisor(dp.dropout.rows_per_key, rows_below_2_31);
+  d.query_len = RowDivisor(dp.dropout.query_len, rows_below_2_31);
+  d.threshold = dp.dropout.threshold;
+  d.multiplier = dp.dropout.multiplier;
+  d.lse = dp.lse;
+  d.grad_scale = dp.grad_scale;
+
+  // XLA aligns buffers; the check depends on addresses, never on data.
+  const bool vectors = p.cols % kVec == 0 && Aligned16(p.in) && Aligned16(p.out) &&
+                       (!p.grad_in || Aligned16(p.grad_in)) &&
+                       (!p.bias.data || Aligned16(p.bias.data)) &&
+                       (!p.mask.data || Aligned16(p.mask.data));
+  if (!vectors) return LaunchStream<T, 1, kBwd>(d, ctx);
+  constexpr int kPacks = DropoutPacks<T, kBwd>();
+  const int64_t width = p.cols / kVec;
+  if (width > int64_t{kPacks} * kMaxRowThreads) return LaunchStream<T, kVec, kBwd>(d, ctx);
+  return LaunchRowsOfWidth<T, kVec, kBwd>(d, ctx, (width + kPacks - 1) / kPacks);
+}
+
+ffi::Error DropoutForwardCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer bias,
+                              ffi::AnyBuffer mask, ffi::AnyBuffer key,
+                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                              double scale, bool has_bias, bool has_mask, bool causal, double rate,
+                              bool broadcast) {
+  DropoutRows dp;
+  if (auto err = FillDropoutForward(x, bias, mask, key, *out, *lse, scale, has_bias, has_mask,
+                                    causal, rate, broadcast, dp);
+      err.failure())
+    return err;
+  return DispatchFloat(x.element_type(), [&](auto tag) {
+    return LaunchDropout<typename decltype(tag)::type, false>(dp, stream);
+  });
+}
+
+ffi::Error DropoutBackwardCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer bias,
+                               ffi::AnyBuffer mask, ffi::AnyBuffer key, ffi::AnyBuffer lse,
+                               ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx, double scale,
+                               double grad_scale, bool has_bias, bool has_mask, bool causal,
+                               double rate, bool broadcast) {
+  DropoutRows dp;
+  if (auto err = FillDropoutBackward(x, bias, mask, key, lse, dy, *dx, scale, grad_scale, has_bias,
+                                     has_mask, causal, rate, broadcast, dp);
+      err.failure())
+    return err;
+  return DispatchFloat(x.element_type(), [&](auto tag) {
+    return LaunchDropout<typename decltype(tag)::type, true>(dp, stream);
+  });
+}
+
+}  // namespace
+}  // namespace jax_softmax
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxSoftmaxAttnDropoutFwdCuda, jax_softmax::DropoutForwardCuda,
+    jax_softmax::DropoutForwardBinding<xla::ffi::PlatformStream<cudaStream_t>>(),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxSoftmaxAttnDropoutBwdCuda, jax_softmax::DropoutBackwardCuda,
+    jax_softmax::DropoutBackwardBinding<xla::ffi::PlatformStream<cudaStream_t>>(),
+    {xla::ffi::Traits::kCmdBufferCompatible});

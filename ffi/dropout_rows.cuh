@@ -1,0 +1,391 @@
+// Attention softmax with dropout fused in, forward and backward (attention_dropout.h states the
+// contract, philox.h the bits). The rows are general-access rows of the softmax kernels (scale,
+// broadcast bias and mask, causal limit: RowLoader<.., Access::kGeneral>), and the reductions are
+// theirs (group_maxsum, fwd_stats, block_allreduce); what differs is the epilogue:
+//   forward:  out = exp(z - max) / sum * keep / (1 - rate), and the row's log-sum-exp;
+//   backward: y = exp(z - lse) from x, g = keep ? dy / (1 - rate) : 0, dx = grad_scale *
+//             y * (g - sum(y g)); x and dy are read, never y or a mask tensor.
+// Each vector of kVec columns draws its keep bits from one Philox call (the call of its group of
+// 8 columns: a 16-byte 16-bit vector is exactly one call, a float32 vector half of one).
+//
+// Two kernels per direction:
+//   dropout_rows_kernel:   kGroup threads per row hold the row in registers, kPacks vectors each
+//                          (lane groups of 1-32 lanes, 128-thread CTAs; blocks of 64-1024 threads,
+//                          one row per CTA): x read once.
+//   dropout_stream_kernel: any row, one CTA per row, in chunks: x (and dy) read twice, once for
+//                          the statistics, once for the output.
+#pragma once
+
+#include <cstdint>
+
+#include "philox.h"
+#include "row_forward.cuh"
+
+namespace jax_softmax {
+
+// What the kernels take. p describes the rows (in: x, grad_in: dy, out: out or dx).
+struct DropoutKernelParams {
+  RowParams p;
+  const uint32_t* keys = nullptr;  // (K, 2) key words
+  RowDivisor rows_per_key;         // row -> key index
+  RowDivisor query_len;            // broadcast dropout: the counter's row index modulo Sq; d == 0: off
+  uint32_t threshold = 0;          // kept iff the 16-bit uniform >= threshold
+  double multiplier = 1.0;         // 1 / (1 - rate)
+  void* lse = nullptr;             // accumulator type, one per row
+  double grad_scale = 1.0;         // backward
+};
+
+// A row's Philox key and counter row index (philox.h's contract).
+struct RowKey {
+  uint32_t k0, k1;
+  uint64_t index;
+};
+
+__device__ __forceinline__ RowKey row_key(const DropoutKernelParams& d, int64_t row) {
+  const int64_t k = d.rows_per_key.quotient(row);
+  int64_t r = row - k * d.rows_per_key.d;
+  if (d.query_len.d > 0) r -= d.query_len.quotient(r) * d.query_len.d;
+  return RowKey{d.keys[2 * k], d.keys[2 * k + 1], static_cast<uint64_t>(r)};
+}
+
+// Vectors per thread of the register kernel and of a streaming chunk: two. 16 bytes of x (and of
+// dy) in flight twice per thread, with 1024 or more threads an SM, are 32 KiB and more per SM:
+// above what the H200's DRAM needs in flight (bandwidth x latency / SMs, ~25 KiB). Four vectors
+// spilled at the 64 registers that 1024 threads an SM leave (ptxas sm_90a: 16-bit forward 52-100
+// bytes, float32 68-72, the 16-bit backward at four 270-410 bytes).
+template <typename T, bool kBwd>
+constexpr int DropoutPacks() {
+  return 2;
+}
+
+// Word i (0-3) of a Philox output, i known only at run time: selects, not an indexed array (which
+// would live in local memory).
+__device__ __forceinline__ uint32_t philox_word(const Philox4& b, int i) {
+  return i == 0 ? b.v[0] : i == 1 ? b.v[1] : i == 2 ? b.v[2] : b.v[3];
+}
+
+// Bit e set iff column c + e of the row is kept (c a multiple of kVec). A vector of 8 or more
+// columns starts a Philox call (its uniforms are words 0-3, fixed); narrower ones take their part
+// of the call of their group of 8.
+template <int kVec>
+__device__ __forceinline__ uint32_t keep_bits(const RowKey& key, int c, uint32_t threshold) {
+  static_assert(kVec <= 8 && 8 % kVec == 0, "a vector lies inside one group of 8 columns");
+  const Philox4 b = DropoutBits(key.index, c >> 3, key.k0, key.k1);
+  const int first = kVec == 8 ? 0 : (c & 7);  // the vector's first uniform in the call
+  uint32_t bits = 0;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    const int j = first + e;
+    const uint32_t word = kVec == 8 ? b.v[e >> 1] : philox_word(b, j >> 1);
+    const uint32_t u = (j & 1) ? word >> 16 : word & 0xffffu;
+    bits |= uint32_t(u >= threshold) << e;
+  }
+  return bits;
+}
+
+// --- per-vector pieces shared by the two kernels ---------------------------------------------------
+// One thread's part of a row: kPacks vectors at window offsets first + k * stride. Every load is
+// issued before any is used: x, dy (kWithDy), the mask bytes and (where the values and cotangents
+// take at most 16 values per thread) the bias; the keep bits are drawn while they are on their way
+// (Philox needs only the row and column), so that its ~80 instructions per call overlap the memory
+// latency and its temporaries are dead before the values live. Then z = scale * x + bias, -inf
+// where a position does not take part, and g = dy. valid[k]: the positions of vector k that take
+// part; keep[k]: bit e set iff column e of vector k is kept. Returns whether any position takes
+// part. (Fetched ahead, the bias of 32 16-bit values made the forward spill 56-92 bytes at 64
+// registers: ptxas sm_90a.)
+template <int kPacks, bool kWithDy, typename Loader, typename A, int kVec = Loader::kVecWidth>
+__device__ __forceinline__ bool load_part(const Loader& loader, const typename Loader::Elem* dy,
+                                          int first, int stride, const RowKey& key,
+                                          uint32_t threshold, A (&v)[kPacks][kVec],
+                                          A (&g)[kWithDy ? kPacks : 1][kVec],
+                                          typename Loader::Bytes (&valid)[kPacks],
+                                          uint32_t (&keep)[kPacks]) {
+  using T = typename Loader::Elem;
+  constexpr bool kBiasAhead = kPacks * kVec * (kWithDy ? 2 : 1) <= 16;
+  T xs[kPacks][kVec], gs[kWithDy ? kPacks : 1][kVec], bs[kBiasAhead ? kPacks : 1][kVec];
+  typename Loader::Bytes mask[kPacks];
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) loader.fetch_x(first + k * stride, xs[k]);
+  if constexpr (kWithDy) {
+    // dy past the limit is not read: no valid position lies beyond it.
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int c = first + k * stride;
+      zero_vec(gs[k]);
+      if (c <= loader.limit) load_vec<kVec>(dy + c, gs[k]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    mask[k] = loader.fetch_mask(first + k * stride);
+    if constexpr (kBiasAhead) loader.fetch_bias(first + k * stride, bs[k]);
+  }
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) keep[k] = keep_bits<kVec>(key, first + k * stride, threshold);
+  bool any = false;
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int w = first + k * stride;
+    valid[k] = loader.limit_bytes(w, mask[k]);
+    any |= loader.template load_fwd<kBiasAhead>(w, xs[k], mask[k], bs[kBiasAhead ? k : 0], v[k]);
+    if constexpr (kWithDy) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) g[k][e] = to_acc(gs[k][e]);
+    }
+  }
+  return any;
+}
+
+// The outputs of one vector at column c of a row whose statistics are finite: e_v holds
+// exp(z - shift) and fm the factor that turns it into softmax / (1 - rate).
+template <typename Loader, typename A, int kVec>
+__device__ __forceinline__ void store_dropped(const Loader& loader, typename Loader::Elem* dst,
+                                              int c, const A (&e_v)[kVec], A fm, uint32_t keep) {
+  A o[kVec];
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) o[e] = (keep >> e & 1u) ? e_v[e] * fm : A(0);
+  loader.store(dst, c, o);
+}
+
+// The outputs of one vector of a row with a NaN or +inf among its valid logits: NaN at the valid
+// kept positions, 0 elsewhere (as the CPU kernel and the jnp reference).
+template <typename Loader, typename A, int kVec = Loader::kVecWidth>
+__device__ __forceinline__ void store_nan_row(const Loader& loader, typename Loader::Elem* dst,
+                                              int c, uint32_t keep) {
+  const typename Loader::Bytes valid = loader.valid_bytes(c);  // the mask read again: a rare row
+  A o[kVec];
+#pragma unroll
+  for (int e = 0; e < kVec; ++e)
+    o[e] = (keep >> e & 1u) && Loader::takes_part(valid, e) ? A(NAN) : A(0);
+  loader.store(dst, c, o);
+}
+
+// Zeros for one vector at column c.
+template <typename Loader, typename A, int kVec = Loader::kVecWidth>
+__device__ __forceinline__ void store_zeros(const Loader& loader, typename Loader::Elem* dst, int c) {
+  A o[kVec];
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) o[e] = A(0);
+  loader.store(dst, c, o);
+}
+
+// The row's log-sum-exp from its max and sum of exp(z - max): -inf where nothing valid is finite
+// (sum +-0), NaN for a NaN row.
+template <typename A>
+__device__ __forceinline__ A row_lse(A m, A s) {
+  return s > A(0) ? m + log_acc(s) : s == A(0) ? neg_inf<A>() : A(NAN);
+}
+
+// Backward terms of one vector (after load_part): y = exp(z - lse) and g = keep ? dy / (1 - rate)
+// : 0 at the valid positions, 0 at the others (selects, so that inf or NaN in dy at a dropped or
+// masked position stays out). Returns this vector's sum of y g.
+template <typename Loader, typename A, int kVec>
+__device__ __forceinline__ A backward_terms(typename Loader::Bytes valid, uint32_t keep, A lse,
+                                            A mult, A (&y)[kVec], A (&g)[kVec]) {
+  A dot = A(0);
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    const bool ok = Loader::takes_part(valid, e);
+    y[e] = ok ? exp_acc(y[e] - lse) : A(0);
+    g[e] = ok && (keep >> e & 1u) ? g[e] * mult : A(0);
+    dot += y[e] * g[e];
+  }
+  return dot;
+}
+
+// dx of one vector: y and g are 0 at the positions that do not take part, so dx is too while the
+// dot product is finite; a NaN or inf one (a NaN row, an inf cotangent) reads the mask again.
+template <typename Loader, typename A, int kVec>
+__device__ __forceinline__ void store_dx(const Loader& loader, typename Loader::Elem* dst, int c,
+                                         const A (&y)[kVec], const A (&g)[kVec], A dot, A gscale) {
+  const typename Loader::Bytes ok = isfinite(dot) ? Loader::kAllBytes : loader.valid_bytes(c);
+  A o[kVec];
+#pragma unroll
+  for (int e = 0; e < kVec; ++e)
+    o[e] = Loader::takes_part(ok, e) ? gscale * (y[e] * (g[e] - dot)) : A(0);
+  loader.store(dst, c, o);
+}
+
+// --- register rows ---------------------------------------------------------------------------------
+// kGroup threads per row (lane groups share 128-thread CTAs; blocks take one row per CTA), kPacks
+// vectors per thread; pack k of lane l covers columns (k * kGroup + l) * kVec.
+template <typename T, int kVec, int kGroup, int kPacks, bool kBwd>
+__global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThreads(kGroup)))
+    dropout_rows_kernel(const DropoutKernelParams d) {
+  using A = acc_t<T>;
+  using Loader = RowLoader<T, kVec, /*kBwd=*/false, Access::kGeneral>;
+  using Bytes = typename Loader::Bytes;
+  using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;
+  constexpr int kBlock = BlockThreads(kGroup);
+  constexpr int kRowsPerBlock = kBlock / kGroup;
+  constexpr int kStride = kGroup * kVec;
+  wait_prior_grids_release_next();
+  __shared__ S slots[2][32];
+
+  const RowParams& p = d.p;
+  const int lane = threadIdx.x % kGroup, group = threadIdx.x / kGroup;
+  const int first = lane * kVec;
+  const A mult = static_cast<A>(d.multiplier);
+  uint32_t use = 0;
+  for (int64_t row0 = int64_t(blockIdx.x) * kRowsPerBlock; row0 < p.rows;
+       row0 += int64_t(gridDim.x) * kRowsPerBlock, ++use) {
+    const int64_t row = row0 + group;
+    const bool row_ok = row < p.rows;
+    const Loader loader(p, row, row_ok);
+    const RowKey key = row_ok ? row_key(d, row) : RowKey{0, 0, 0};
+    const T* dy = kBwd ? static_cast<const T*>(p.grad_in) + row * p.cols : nullptr;
+    A v[kPacks][kVec];
+    A g[kBwd ? kPacks : 1][kVec];
+    Bytes valid[kPacks];
+    uint32_t keep[kPacks];
+    const bool any =
+        load_part<kPacks, kBwd>(loader, dy, first, kStride, key, d.threshold, v, g, valid, keep);
+    T* dst = loader.out_row(p, row);
+
+    if constexpr (!kBwd) {
+      auto& vr = *reinterpret_cast<A(*)[kPacks * kVec]>(&v[0][0]);
+      FwdStats<A> st;
+      if constexpr (kGroup <= 32) {
+        st = group_stats(group_maxsum<kGroup>(vr, any, /*log=*/false), false);
+      } else {
+        const MaxSum<A> warp = group_maxsum<32>(vr, any, /*log=*/false);
+        const MaxSum<A> total = block_allreduce<kBlock, /*kWarpReduced=*/true>(warp, slots[use & 1]);
+        st = fwd_stats(warp.m, total, false);
+      }
+      if (!row_ok) continue;
+      if (lane == 0) static_cast<A*>(d.lse)[row] = row_lse(st.max, st.sum);
+      if (st.sum > A(0)) {
+        const A fm = st.factor * mult;
+#pragma unroll
+        for (int k = 0; k < kPacks; ++k) store_dropped(loader, dst, first + k * kStride, v[k], fm, keep[k]);
+      } else if (st.sum == A(0)) {  // nothing valid is finite
+#pragma unroll
+        for (int k = 0; k < kPacks; ++k) store_zeros<Loader, A>(loader, dst, first + k * kStride);
+      } else {  // a NaN row
+#pragma unroll
+        for (int k = 0; k < kPacks; ++k) store_nan_row<Loader, A>(loader, dst, first + k * kStride, keep[k]);
+      }
+    } else {
+      const A lse = row_ok ? static_cast<const A*>(d.lse)[row] : A(0);
+      // lse == -inf: nothing of the row is valid and finite; its gradient is zero.
+      if (lse == neg_inf<A>()) {
+#pragma unroll
+        for (int k = 0; k < kPacks; ++k) valid[k] = 0;
+      }
+      A partial = A(0);
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k)
+        partial += backward_terms<Loader>(valid[k], keep[k], lse, mult, v[k], g[k]);
+      A dot;
+      if constexpr (kGroup <= 32)
+        dot = group_allreduce<kGroup>(Sum<A>{partial}).s;
+      else
+        dot = block_allreduce<kBlock>(Sum<A>{partial}, slots[use & 1]).s;
+      if (!row_ok) continue;
+      const A gscale = static_cast<A>(d.grad_scale);
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) store_dx(loader, dst, first + k * kStride, v[k], g[k], dot, gscale);
+    }
+  }
+}
+
+// --- streaming rows --------------------------------------------------------------------------------
+// One row per CTA of kBlock threads, in chunks of kBlock * kPacks vectors: a first sweep for the
+// statistics (forward: running (max, sum) merged per chunk; backward: sum(y g)), a second for the
+// outputs. Any row length and any alignment (kVec == 1 reads element by element).
+template <typename T, int kVec, bool kBwd>
+__global__ void __launch_bounds__(512, 2) dropout_stream_kernel(const DropoutKernelParams d) {
+  using A = acc_t<T>;
+  using Loader = RowLoader<T, kVec, /*kBwd=*/false, Access::kGeneral>;
+  using Bytes = typename Loader::Bytes;
+  using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;
+  constexpr int kBlock = 512;
+  constexpr int kPacks = kVec == 1 ? 4 : DropoutPacks<T, kBwd>();
+  constexpr int kStride = kBlock * kVec;
+  constexpr int kChunk = kStride * kPacks;
+  wait_prior_grids_release_next();
+  __shared__ S slots[2][32];
+
+  const RowParams& p = d.p;
+  const A mult = static_cast<A>(d.multiplier);
+  const int first = threadIdx.x * kVec;
+  uint32_t use = 0;
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x, ++use) {
+    const Loader loader(p, row, true);
+    const RowKey key = row_key(d, row);
+    const T* dy = kBwd ? static_cast<const T*>(p.grad_in) + row * p.cols : nullptr;
+    T* dst = loader.out_row(p, row);
+    const int cols = static_cast<int>(p.cols);
+    A v[kPacks][kVec];
+    A g[kBwd ? kPacks : 1][kVec];
+    Bytes valid[kPacks];
+    uint32_t keep[kPacks];
+    // Columns past the causal limit are not valid: not read, written as 0.
+    const auto part = [&](int c0) {
+      return load_part<kPacks, kBwd>(loader, dy, c0 + first, kStride, key, d.threshold, v, g,
+                                     valid, keep);
+    };
+    if constexpr (!kBwd) {
+      const int end = loader.limit + 1;
+      MaxSum<A> run = MaxSum<A>::identity();
+      for (int c0 = 0; c0 < end; c0 += kChunk) {
+        const bool any = part(c0);
+        auto& vr = *reinterpret_cast<A(*)[kPacks * kVec]>(&v[0][0]);
+        run = combine(run, thread_maxsum(vr, any, /*log=*/false));
+      }
+      const MaxSum<A> total = block_allreduce<kBlock>(run, slots[use & 1]);
+      if (threadIdx.x == 0) static_cast<A*>(d.lse)[row] = row_lse(total.m, total.s);
+      const bool finite = total.s > A(0), nan_row = !finite && !(total.s == A(0));
+      const A fm = finite ? mult / total.s : A(0);
+      for (int c0 = 0; c0 < cols; c0 += kChunk) {
+        const bool live = c0 < end && (finite || nan_row);
+        if (live) part(c0);
+#pragma unroll
+        for (int k = 0; k < kPacks; ++k) {
+          const int c = c0 + first + k * kStride;
+          if (c >= cols) break;
+          if (!live) {
+            store_zeros<Loader, A>(loader, dst, c);
+          } else if (nan_row) {
+            store_nan_row<Loader, A>(loader, dst, c, keep[k]);
+          } else {
+            A e_v[kVec];
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) e_v[e] = exp_acc(v[k][e] - total.m);
+            store_dropped(loader, dst, c, e_v, fm, keep[k]);
+          }
+        }
+      }
+    } else {
+      const A lse = static_cast<const A*>(d.lse)[row];
+      const int end = lse == neg_inf<A>() ? 0 : loader.limit + 1;
+      // y and g of the chunk at c0 into v and g; returns the thread's sum of y g over it.
+      const auto terms = [&](int c0) {
+        part(c0);
+        A dot = A(0);
+#pragma unroll
+        for (int k = 0; k < kPacks; ++k) dot += backward_terms<Loader>(valid[k], keep[k], lse, mult, v[k], g[k]);
+        return dot;
+      };
+      A partial = A(0);
+      for (int c0 = 0; c0 < end; c0 += kChunk) partial += terms(c0);
+      const A dot = block_allreduce<kBlock>(Sum<A>{partial}, slots[use & 1]).s;
+      const A gscale = static_cast<A>(d.grad_scale);
+      for (int c0 = 0; c0 < cols; c0 += kChunk) {
+        const bool live = c0 < end;
+        if (live) terms(c0);
+#pragma unroll
+        for (int k = 0; k < kPacks; ++k) {
+          const int c = c0 + first + k * kStride;
+          if (c >= cols) break;
+          if (live)
+            store_dx(loader, dst, c, v[k], g[k], dot, gscale);
+          else
+            store_zeros<Loader, A>(loader, dst, c);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace jax_softmax
