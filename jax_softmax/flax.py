@@ -37,6 +37,17 @@ signature, and NNX's ``MultiHeadAttention`` always passes ``mask``, ``dropout_rn
 and ``is_causal``, all of which are accepted here. (Linen's layer has no ``is_causal`` argument,
 hence the ``partial`` above to get causal masking without a mask array.)
 
+The fastest exact path: where cuDNN's flash attention applies (``jax.nn.dot_product_attention``
+with ``implementation="cudnn"``: a CUDA GPU of compute capability 8.0 or newer, float16 or
+bfloat16, rank-4 inputs, a head dim that is a multiple of 8 and at most 256 (128 before Hopper),
+no dropout, no sowing, no custom einsum, precision or ``force_fp32_for_softmax``, a mask or bias
+whose last two axes are (q_length, kv_length) and then even lengths, and ``is_causal`` only for
+q_length == kv_length), :func:`dot_product_attention` takes it by default: a flash-attention kernel
+never writes the ``[..., heads, q, kv]`` weights, which no softmax kernel can beat. Elsewhere it
+takes jax_softmax's fused softmax. ``implementation="jax_softmax"`` or ``"cudnn"`` forces either
+(``"cudnn"`` raises a ``ValueError`` naming the reason where it does not apply). On the cuDNN path a
+fully masked query row attends uniformly to its keys (as Flax's default) instead of giving zeros.
+
 Behaviour matches Flax's: the same dtype promotion, bias addition, dropout rate and
 ``broadcast_dropout``, ``force_fp32_for_softmax``, ``precision``/``einsum_dot_general``/custom
 einsums, grouped-query attention (fewer key/value heads than query heads, as in NNX) and sowing
@@ -152,6 +163,61 @@ def _promote_dtype(args, /, *, dtype=None, inexact=True):
 
 def _promote(promote_fn, arrays, dtype):
     return tuple((promote_fn or _promote_dtype)(arrays, dtype=dtype))
+
+
+IMPLEMENTATIONS = (None, "jax_softmax", "cudnn")
+
+
+def _cuda_compute_capability() -> tuple[int, int] | None:
+    """The default device's CUDA compute capability, or None where JAX's default backend is not a
+    CUDA GPU (the CPU, ROCm, TPU)."""
+    if jax.default_backend() != "gpu":
+        return None
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        major, minor = (int(v) for v in str(cc).split(".")[:2])
+    except ValueError:
+        return None
+    return major, minor
+
+
+def _shape_tail_is(a, tail) -> bool:
+    return a is None or tuple(a.shape[-2:]) == tuple(tail)
+
+
+def cudnn_unsupported_reason(query, key, value, *, bias=None, mask=None, is_causal=False,
+                             dropout=False, sowing=False, custom=False,
+                             compute_capability=None) -> str | None:
+    """Why cuDNN's flash attention (``jax.nn.dot_product_attention(implementation="cudnn")``) does
+    not take this call, or None where it does. Arguments as :func:`dot_product_attention`'s after
+    dtype promotion (bias and mask already of the logits' rank); ``custom``: a custom einsum,
+    precision or ``force_fp32_for_softmax``; ``compute_capability``: (major, minor) of the CUDA GPU,
+    None where there is none."""
+    if dropout:
+        return "dropout is on (cuDNN's path has no dropout that matches jax_softmax's bits)"
+    if sowing:
+        return "the attention weights are sown (module given), and flash attention never forms them"
+    if custom:
+        return "a custom einsum, precision or force_fp32_for_softmax is given"
+    if compute_capability is None:
+        return "JAX's default backend is not a CUDA GPU"
+    if compute_capability < (8, 0):
+        return f"the GPU's compute capability {compute_capability} is below 8.0"
+    if query.ndim != 4:
+        return f"the inputs have rank {query.ndim}, not 4 (batch, length, heads, depth)"
+    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in (jnp.float16, jnp.bfloat16):
+        return f"dtype {query.dtype} is not float16 or bfloat16"
+    depth, max_depth = query.shape[-1], 256 if compute_capability >= (9, 0) else 128
+    if depth % 8 or depth > max_depth or value.shape[-1] != depth:
+        return f"head dim {depth} (value {value.shape[-1]}) is not a multiple of 8 up to {max_depth}"
+    q_len, kv_len = query.shape[-3], key.shape[-3]
+    if not (_shape_tail_is(bias, (q_len, kv_len)) and _shape_tail_is(mask, (q_len, kv_len))):
+        return "a mask or bias broadcast along the query or key axis (cuDNN needs (q_length, kv_length))"
+    if (bias is not None or mask is not None) and (q_len % 2 or kv_len % 2):
+        return f"odd lengths {q_len}, {kv_len} with a mask or bias"
+    if is_causal and q_len != kv_len:
+        return f"is_causal with q_length {q_len} != kv_length {kv_len}"
+    return None
 
 
 def dot_product_attention_weights(
@@ -306,6 +372,7 @@ def dot_product_attention(
     promote_dtype: Callable[..., Any] = _promote_dtype,
     is_causal: bool = False,
     flax_dropout_bits: bool = False,
+    implementation: str | None = None,
 ):
     """Computes dot-product attention given query, key and value, like Flax's function.
 
@@ -319,6 +386,9 @@ def dot_product_attention(
         ``attn_weights_value_einsum``; mutually exclusive with ``precision`` and
         ``einsum_dot_general``.
       attn_weights_value_einsum: custom einsum for ``weights @ v``.
+      implementation: None (default) takes cuDNN's flash attention where it applies (see the
+        module docstring) and jax_softmax's fused softmax elsewhere; ``"jax_softmax"`` or
+        ``"cudnn"`` forces one (``"cudnn"`` raises ``ValueError`` where it does not apply).
 
     Returns:
       Output of shape ``[batch..., q_length, num_heads, v_depth_per_head]``.
@@ -331,9 +401,31 @@ def dot_product_attention(
             " mutually exclusive. Please specify only one of them."
         )
 
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     query, key, value = _promote(promote_dtype, (query, key, value), dtype)
     dtype = query.dtype
     _validate_qkv_shapes(query, key, value)
+
+    if implementation != "jax_softmax":
+        cudnn_mask = None if mask is None else _with_leading_dims(_as_bool_mask(mask), query.ndim)
+        cudnn_bias = None if bias is None else _with_leading_dims(jnp.asarray(bias), query.ndim)
+        reason = cudnn_unsupported_reason(
+            query, key, value, bias=cudnn_bias, mask=cudnn_mask, is_causal=is_causal,
+            dropout=not deterministic and dropout_rate > 0.0, sowing=module is not None,
+            custom=bool(precision or einsum_dot_general or qk_attn_weights_einsum
+                        or force_fp32_for_softmax),
+            compute_capability=_cuda_compute_capability())
+        if reason is None:
+            if cudnn_bias is not None:
+                cudnn_bias = cudnn_bias.astype(dtype)
+            return jax.nn.dot_product_attention(
+                query, key, value, bias=cudnn_bias, mask=cudnn_mask,
+                scale=1.0 / math.sqrt(query.shape[-1]), is_causal=is_causal,
+                implementation="cudnn")
+        if implementation == "cudnn":
+            raise ValueError(f"implementation='cudnn' does not apply here: {reason}")
 
     attn_weights = dot_product_attention_weights(
         query,

@@ -540,3 +540,94 @@ def test_reference_contract_matches_attention_softmax():
         ours = jax.jit(lambda x: attention_softmax(x, **kw))(x)
         ref = jax.jit(lambda x: reference_attention_softmax(x, **kw))(x)
         assert_close(ours, ref, 1e-6, str(kw))
+
+
+# ---------------------------------------------------------------------------------------------
+# The implementation choice: cuDNN's flash attention where it applies, jax_softmax elsewhere
+
+
+def _bshd(shape, dtype, seed):
+    return jnp.asarray(_randn(shape, seed=seed)).astype(dtype)
+
+
+def test_cudnn_unsupported_reason_rules():
+    reason = jsf.cudnn_unsupported_reason
+    q = k = v = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.bfloat16)
+    h100 = (9, 0)
+    assert reason(q, k, v, is_causal=True, compute_capability=h100) is None
+    full_mask = jax.ShapeDtypeStruct((2, 1, 64, 64), jnp.bool_)
+    assert reason(q, k, v, mask=full_mask, compute_capability=h100) is None
+    cases = {
+        "dropout": dict(dropout=True),
+        "sown": dict(sowing=True),
+        "custom einsum": dict(custom=True),
+        "not a CUDA GPU": dict(compute_capability=None),
+        "below 8.0": dict(compute_capability=(7, 5)),
+        "broadcast along the query": dict(mask=jax.ShapeDtypeStruct((2, 1, 1, 64), jnp.bool_)),
+    }
+    for what, kw in cases.items():
+        kw = {"compute_capability": h100, **kw}
+        assert what in reason(q, k, v, **kw), what
+    f32 = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.float32)
+    assert "float32" in reason(f32, f32, f32, compute_capability=h100)
+    odd_depth = jax.ShapeDtypeStruct((2, 64, 4, 60), jnp.bfloat16)
+    assert "head dim 60" in reason(odd_depth, odd_depth, odd_depth, compute_capability=h100)
+    deep = jax.ShapeDtypeStruct((2, 64, 4, 192), jnp.bfloat16)
+    assert reason(deep, deep, deep, compute_capability=h100) is None
+    assert "head dim 192" in reason(deep, deep, deep, compute_capability=(8, 0))
+    rank3 = jax.ShapeDtypeStruct((64, 4, 64), jnp.bfloat16)
+    assert "rank 3" in reason(rank3, rank3, rank3, compute_capability=h100)
+    odd = jax.ShapeDtypeStruct((2, 63, 4, 64), jnp.bfloat16)
+    odd_mask = jax.ShapeDtypeStruct((2, 1, 63, 63), jnp.bool_)
+    assert "odd lengths" in reason(odd, odd, odd, mask=odd_mask, compute_capability=h100)
+    assert reason(odd, odd, odd, compute_capability=h100) is None
+    kv = jax.ShapeDtypeStruct((2, 32, 4, 64), jnp.bfloat16)
+    assert "is_causal" in reason(q, kv, kv, is_causal=True, compute_capability=h100)
+
+
+def test_implementation_keyword():
+    q, k, v = (_bshd((2, 16, 2, 8), jnp.bfloat16, s) for s in range(3))
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        jsf.dot_product_attention(q, k, v, implementation="flash")
+    ours = jax.jit(functools.partial(jsf.dot_product_attention, implementation="jax_softmax", is_causal=True))
+    hlo = ours.lower(q, k, v).compile().as_text()
+    assert 'custom_call_target="jax_softmax_fwd"' in hlo
+    if jax.default_backend() != "gpu":
+        # the default takes jax_softmax's kernels; cuDNN is refused with the reason
+        auto = jax.jit(functools.partial(jsf.dot_product_attention, is_causal=True))
+        assert 'custom_call_target="jax_softmax_fwd"' in auto.lower(q, k, v).compile().as_text()
+        with pytest.raises(ValueError, match="not a CUDA GPU"):
+            jsf.dot_product_attention(q, k, v, implementation="cudnn")
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU (cuDNN)")
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "mask"])
+def test_cudnn_route_on_gpu(masked):
+    B_, S_, N_, D_ = 2, 128, 4, 64
+    q, k, v = (_bshd((B_, S_, N_, D_), jnp.bfloat16, s) for s in range(3))
+    mask = None
+    kw = dict(is_causal=True)
+    if masked:
+        mask = np.tril(np.ones((S_, S_), bool))[None, None].repeat(B_, 0)
+        mask[1, :, :, 100:] = False  # padded keys of batch 1
+        kw = dict(mask=jnp.asarray(mask))
+
+    def loss(q, k, v, impl):
+        y = jsf.dot_product_attention(q, k, v, implementation=impl, **kw)
+        return jnp.sum(y.astype(jnp.float32) ** 2), y
+
+    outs = {}
+    for impl in (None, "cudnn", "jax_softmax"):
+        f = jax.jit(jax.value_and_grad(functools.partial(loss, impl=impl), argnums=(0, 1, 2), has_aux=True))
+        hlo = f.lower(q, k, v).compile().as_text()
+        assert ("cudnn" in hlo and "fmha" in hlo) == (impl != "jax_softmax"), impl
+        (_, y), grads = f(q, k, v)
+        outs[impl] = [np.asarray(a, np.float32) for a in (y, *grads)]
+    for a, b, c in zip(outs[None], outs["cudnn"], outs["jax_softmax"]):
+        np.testing.assert_array_equal(a, b)  # the default is the cuDNN program
+        np.testing.assert_allclose(a, c, rtol=5e-2, atol=5e-2 * np.abs(c).max())
+    # with dropout the default takes jax_softmax's fused dropout
+    drop = jax.jit(lambda q, k, v: jsf.dot_product_attention(
+        q, k, v, dropout_rng=jax.random.key(0), dropout_rate=0.1, deterministic=False, **kw))
+    hlo = drop.lower(q, k, v).compile().as_text()
+    assert 'custom_call_target="jax_softmax_attn_dropout_fwd"' in hlo and "fmha" not in hlo
