@@ -24,6 +24,7 @@ From Python (e.g. benchmarks)::
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import sys
 import time
@@ -108,17 +109,18 @@ def make_batch(key, batch: int, seq_len: int, vocab: int):
     return seq[:, :-1], seq[:, 1:]
 
 
-def _attention_fn(use_plugin: bool):
+def _attention_fn(use_plugin: bool, implementation: str | None = None):
     if not use_plugin:
         return None  # Flax's default: flax.nnx.dot_product_attention
     from jax_softmax.flax import dot_product_attention
 
-    return dot_product_attention
+    if implementation is None:
+        return dot_product_attention
+    return functools.partial(dot_product_attention, implementation=implementation)
 
 
-def train(
+def make_trainer(
     *,
-    steps: int = 60,
     seq_len: int = 32,
     batch: int = 16,
     d_model: int = 64,
@@ -126,20 +128,15 @@ def train(
     heads: int = 4,
     vocab: int = 32,
     use_plugin: bool = True,
+    implementation: str | None = None,
     dtype: str = "float32",
     lr: float = 3e-3,
     weight_decay: float = 0.01,
     dropout: float = 0.0,
     seed: int = 0,
-    log_every: int = 1,
-    verbose: bool = True,
-    trace_dir: str | None = None,
-    trace_steps: int = 5,
-) -> dict[str, Any]:
-    """Trains the model and returns ``losses`` (per step), ``steps_per_sec`` (excluding the first,
-    compiling step), ``compile_s`` (the first step's wall time) and the settings used. With
-    ``trace_dir``, ``trace_steps`` more steps run after the timed ones under ``jax.profiler``,
-    whose trace goes there (benchmarks/bench_train_step.py --profile reads its GPU timeline)."""
+):
+    """The model and optimizer state and the jitted step ``train_step(state, key) -> (state, loss)``
+    (not yet compiled). ``implementation``: the plug-in's (jax_softmax.flax.dot_product_attention)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if d_model % heads:
@@ -150,7 +147,7 @@ def train(
         d_model=d_model,
         layers=layers,
         heads=heads,
-        attention_fn=_attention_fn(use_plugin),
+        attention_fn=_attention_fn(use_plugin, implementation),
         dtype=DTYPES[dtype],
         dropout=dropout,
         rngs=nnx.Rngs(params=seed, dropout=seed + 1),
@@ -176,15 +173,33 @@ def train(
             optimizer.update(grads)
         return nnx.state((model, optimizer)), loss
 
+    return train_step, state
+
+
+def train(
+    *,
+    steps: int = 60,
+    log_every: int = 1,
+    verbose: bool = True,
+    trace_dir: str | None = None,
+    trace_steps: int = 5,
+    **config,
+) -> dict[str, Any]:
+    """Trains the model (``config``: make_trainer's keywords) and returns ``losses`` (per step),
+    ``steps_per_sec`` (excluding the first, compiling step), ``compile_s`` (the first step's wall
+    time) and the settings used. With ``trace_dir``, ``trace_steps`` more steps run after the timed
+    ones under ``jax.profiler``, whose trace goes there (benchmarks/bench_train_step.py --profile
+    reads its GPU timeline)."""
+    defaults = {k: p.default for k, p in inspect.signature(make_trainer).parameters.items()}
+    config = {**defaults, **config}
+    train_step, state = make_trainer(**config)
+    seed, use_plugin, implementation = config["seed"], config["use_plugin"], config["implementation"]
     data_key = jax.random.key(seed + 2)
     losses_dev = []
-    plugin = "jax_softmax" if use_plugin else "flax default"
+    plugin = "flax default" if not use_plugin else "jax_softmax" + (f" ({implementation})" if implementation else "")
     if verbose:
-        print(
-            f"backend={jax.default_backend()} attention={plugin} dtype={dtype} steps={steps} "
-            f"seq_len={seq_len} batch={batch} d_model={d_model} layers={layers} heads={heads} vocab={vocab}",
-            flush=True,
-        )
+        settings = " ".join(f"{k}={config[k]}" for k in ("dtype", "seq_len", "batch", "d_model", "layers", "heads", "vocab"))
+        print(f"backend={jax.default_backend()} attention={plugin} steps={steps} {settings}", flush=True)
     t0 = time.perf_counter()
     t_first = None
     for i in range(steps):
@@ -219,10 +234,7 @@ def train(
         "compile_s": compile_s,
         "attention": plugin,
         "backend": jax.default_backend(),
-        "config": dict(
-            steps=steps, seq_len=seq_len, batch=batch, d_model=d_model, layers=layers, heads=heads,
-            vocab=vocab, dtype=dtype, lr=lr, dropout=dropout, seed=seed,
-        ),
+        "config": {"steps": steps, **{k: v for k, v in config.items() if k not in ("use_plugin", "implementation")}},
     }
 
 
@@ -241,6 +253,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=1, help="print the loss every N steps")
     p.add_argument("--no-plugin", action="store_true", help="Flax's default attention instead of jax_softmax")
+    p.add_argument("--implementation", choices=["jax_softmax", "cudnn"], default=None,
+                   help="force the plug-in's path (default: cuDNN's flash attention where it applies)")
     return p.parse_args(argv)
 
 
@@ -255,6 +269,7 @@ def main(argv=None) -> dict[str, Any]:
         heads=a.heads,
         vocab=a.vocab,
         use_plugin=not a.no_plugin,
+        implementation=a.implementation,
         dtype=a.dtype,
         lr=a.lr,
         dropout=a.dropout,

@@ -6,6 +6,7 @@ import importlib.util
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("flax")
@@ -76,32 +77,38 @@ def test_traced_steps(train_lm, tmp_path):
 
 
 def test_train_step_bench_profile(tmp_path):
-    """bench_train_step.py --profile at a tiny size: both variants timed twice (--repeats 2), each
-    point holding every run, their median and best, its timeline (empty without a GPU), the knobs
-    of the run in the meta."""
+    """bench_train_step.py --profile at a tiny size: both models, dropout on and off, every variant
+    that applies timed twice (--repeats 2): each point holds every run, their median and best, the
+    speedup over Flax and a timeline (empty without a GPU); cuDNN, where it does not apply (no
+    CUDA GPU), is skipped with the reason."""
     import json
+
+    from conftest import gpu_available
 
     spec = importlib.util.spec_from_file_location("bench_train_step", BENCH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.main(["--out", str(tmp_path), "--tag", "t", "--seq-lens", "16", "--tokens", "32",
-                 "--steps", "3", "--d-model", "16", "--layers", "1", "--heads", "2", "--profile",
-                 "--trace-steps", "2", "--repeats", "2"])
+                 "--steps", "2", "--d-model", "16", "--layers", "1", "--heads", "2", "--profile",
+                 "--trace-steps", "2", "--repeats", "2", "--dtype", "float32"])
     data = json.loads((tmp_path / "t.json").read_text())
-    (point,) = data["points"]
-    assert point["seq_len"] == 16 and point["batch"] == 2
-    assert point["flax_default_steps_per_s"] > 0 and point["jax_softmax_steps_per_s"] > 0
-    for key in ("flax_default", "jax_softmax"):
-        runs = point[key + "_runs"]
-        assert len(runs) == 2 and min(runs) > 0
-        assert point[key + "_steps_per_s"] == pytest.approx(sum(runs) / 2)  # the median of two
-        assert point[key + "_best_steps_per_s"] == max(runs)
-    assert point["speedup"] == pytest.approx(point["jax_softmax_steps_per_s"] / point["flax_default_steps_per_s"])
-    assert point["speedup_best"] == pytest.approx(
-        point["jax_softmax_best_steps_per_s"] / point["flax_default_best_steps_per_s"])
-    assert isinstance(point["flax_default_timeline"], dict)
-    assert isinstance(point["jax_softmax_timeline"], dict)
+    points = {(p["model"], p["dropout"]): p for p in data["points"]}
+    assert sorted(points) == [("linen", 0.0), ("linen", 0.1), ("lm", 0.0), ("lm", 0.1)]
+    for (model, dropout), point in points.items():
+        assert point["seq_len"] == 16 and point["batch"] == 2
+        variants = point["variants"]
+        assert list(variants) == (["flax", "plugin"] if dropout else ["flax", "plugin", "jax_softmax", "cudnn"])
+        for name, v in variants.items():
+            if "skipped" in v:
+                assert name == "cudnn" and not gpu_available() and "not a CUDA GPU" in v["skipped"]
+                continue
+            assert len(v["runs"]) == 2 and min(v["runs"]) > 0
+            assert v["steps_per_s"] == pytest.approx(sum(v["runs"]) / 2)  # the median of two
+            assert v["best_steps_per_s"] == max(v["runs"])
+            assert v["speedup"] == pytest.approx(v["steps_per_s"] / variants["flax"]["steps_per_s"])
+            assert isinstance(v["timeline"], dict) and np.isfinite(v["final_loss"])
     assert isinstance(data["meta"]["jax_softmax_env"], dict)
+    assert (tmp_path / "t.png").exists()
 
 
 def test_train_step_bench_ab_run(tmp_path):
@@ -122,8 +129,9 @@ def test_train_step_bench_ab_run(tmp_path):
            "JAX_SOFTMAX_GIT_REV": "abc1234"}
     hlo = tmp_path / "hlo"
     r = subprocess.run([sys.executable, str(BENCH), "--out", str(tmp_path), "--tag", "t", "--repeats", "1",
+                        "--models", "lm", "--dropouts", "0", "--variants", "flax", "jax_softmax",
                         "--seq-lens", "16", "--tokens", "32", "--steps", "3", "--d-model", "16",
-                        "--layers", "1", "--heads", "2", "--dump-hlo", str(hlo)],
+                        "--layers", "1", "--heads", "2", "--dtype", "float32", "--dump-hlo", str(hlo)],
                        capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads((tmp_path / "t.json").read_text())
@@ -131,12 +139,12 @@ def test_train_step_bench_ab_run(tmp_path):
     assert point["seq_len"] == 16 and point["batch"] == 2
     assert os.path.samefile(data["meta"]["jax_softmax_path"], os.path.join(site, "jax_softmax"))
     assert data["meta"]["git"] == "abc1234"
-    assert point["flax_default_steps_per_s"] > 0 and point["jax_softmax_steps_per_s"] > 0
-    assert point["flax_default_runs"] == [point["flax_default_steps_per_s"]]
-    assert point["speedup"] == pytest.approx(point["jax_softmax_steps_per_s"] / point["flax_default_steps_per_s"])
-    for variant in ("flax_default", "jax_softmax"):
-        (text,) = [f.read_text() for f in (hlo / f"t_S16_{variant}").glob("*train_step*after_optimizations.txt")]
-        assert ("jax_softmax" in text) == (variant == "jax_softmax")
+    flax, ours = point["variants"]["flax"], point["variants"]["jax_softmax"]
+    assert flax["runs"] == [flax["steps_per_s"]] and ours["steps_per_s"] > 0
+    assert ours["speedup"] == pytest.approx(ours["steps_per_s"] / flax["steps_per_s"])
+    for variant in ("flax", "jax_softmax"):
+        (text,) = [f.read_text() for f in (hlo / f"t_lm_S16_p0_{variant}").glob("*train_step*after_optimizations.txt")]
+        assert ('custom_call_target="jax_softmax' in text) == (variant == "jax_softmax")
 
 
 def test_train_step_bench_dump_hlo_needs_own_process(tmp_path, monkeypatch):
@@ -154,5 +162,6 @@ def test_train_step_bench_dump_hlo_needs_own_process(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="process of its own"):
         module.main(["--out", str(tmp_path), "--tag", "t", "--repeats", "1", "--seq-lens", "16",
                      "--tokens", "32", "--steps", "2", "--d-model", "16", "--layers", "1",
-                     "--heads", "2", "--dump-hlo", str(tmp_path / "hlo")])
+                     "--heads", "2", "--models", "lm", "--dropouts", "0", "--variants", "flax",
+                     "--dump-hlo", str(tmp_path / "hlo")])
     assert not (tmp_path / "hlo").exists()

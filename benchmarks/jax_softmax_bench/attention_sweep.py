@@ -23,15 +23,20 @@ QUICK_SEQS = [128, 1024]
 ATTN_MODES = ("fwd", "fwdbwd")
 ATTN_PROVIDERS = ("jax_softmax", "xla")
 ATTN_VARIANTS = {
-    # name: (bias, mask kind, causal)
-    "none": (False, None, False),
-    "pad_mask": (False, "pad", False),      # mask (B,1,1,S)
-    "full_mask": (False, "full", False),    # mask (1,1,S,S)
-    "causal": (False, None, True),
-    "bias": (True, None, False),            # bias (1,H,S,S)
-    "bias_pad_mask": (True, "pad", False),
-    "bias_causal": (True, None, True),
-    "bias_full_mask": (True, "full", False),
+    # name: (bias, mask kind, causal, dropout rate)
+    "none": (False, None, False, 0.0),
+    "pad_mask": (False, "pad", False, 0.0),      # mask (B,1,1,S)
+    "full_mask": (False, "full", False, 0.0),    # mask (1,1,S,S)
+    "causal": (False, None, True, 0.0),
+    "bias": (True, None, False, 0.0),            # bias (1,H,S,S)
+    "bias_pad_mask": (True, "pad", False, 0.0),
+    "bias_causal": (True, None, True, 0.0),
+    "bias_full_mask": (True, "full", False, 0.0),
+    # attention dropout 0.1 (fused: jax_softmax's Philox bits; XLA: Flax's bernoulli and multiply).
+    # The backward reads the scores again instead of y: the same bytes.
+    "dropout": (False, None, False, 0.1),
+    "causal_dropout": (False, None, True, 0.1),
+    "pad_mask_dropout": (False, "pad", False, 0.1),
 }
 DEFAULT_ATTN_VARIANTS = ("none", "pad_mask", "full_mask", "causal", "bias")
 # What each mode must move (the meta's bytes_model), and how many passes over the scores that is
@@ -112,7 +117,7 @@ def attention_inputs(dtype, variant, b, h, s, seed):
     """(scores, bias or None, mask or None, causal, dy) of one point, drawn from `seed`."""
     jax, jnp = import_jax()
     dt = jnp_dtype(dtype)
-    use_bias, mask_kind, causal = ATTN_VARIANTS[variant]
+    use_bias, mask_kind, causal, _ = ATTN_VARIANTS[variant]
     k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
     scores = (4.0 * jax.random.normal(k1, (b, h, s, s), jnp.float32)).astype(dt)
     bias = jax.random.normal(k2, (1, h, s, s), jnp.float32).astype(dt) if use_bias else None
@@ -161,8 +166,11 @@ def measure_attention_point(fn, dtype, mode, variant, b, h, s, cfg, seed):
             (mask.size if mask is not None else 0)
     must_move = PASSES[mode] * nbytes + extra
 
+    rate = ATTN_VARIANTS[variant][3]
+    drop = dict(dropout_rate=rate, dropout_rng=jax.random.key(seed)) if rate > 0 else {}
+
     def fwd(sc, bi, ma):
-        return fn(sc, scale=scale, bias=bi, mask=ma, is_causal=causal)
+        return fn(sc, scale=scale, bias=bi, mask=ma, is_causal=causal, **drop)
 
     m = cfg["chain"]  # one distinct input set per chained call (bias, mask and dy copied too)
     sets = []
@@ -182,7 +190,7 @@ def measure_attention_point(fn, dtype, mode, variant, b, h, s, cfg, seed):
     r = check_rows(b * h * s, s)
     rec, first = time_jax_point(call, sets, cfg, r)
     rec.update(bytes=must_move, arg_sets=m, chain_k=cfg["chain"])
-    if cfg["check"]:
+    if cfg["check"] and rate == 0:  # with dropout: tests/test_dropout.py checks the values
         y64, _ = attention_reference_rows(scores, bias, mask, causal, scale, r)
         dx64 = None if mode == "fwd" else scale * np_softmax_bwd(y64, jax_rows_host(dy, r))
         rec.update(output_errors(mode, first, y64, dx64))

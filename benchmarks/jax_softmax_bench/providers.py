@@ -80,8 +80,10 @@ def resolve_api(standin: bool):
     return api, "jax_softmax", False
 
 
-def xla_attention_softmax(scores, *, scale=1.0, bias=None, mask=None, is_causal=False):
-    """The plain XLA expression that jax_softmax.attention_softmax replaces."""
+def xla_attention_softmax(scores, *, scale=1.0, bias=None, mask=None, is_causal=False,
+                          dropout_rate=0.0, dropout_rng=None):
+    """The plain XLA expression that jax_softmax.attention_softmax replaces (dropout as Flax's
+    attention applies it: a jax.random.bernoulli draw and a multiply)."""
     jax, jnp = import_jax()
     from jax import lax
     s = scores.astype(jnp.float32) * scale
@@ -95,7 +97,12 @@ def xla_attention_softmax(scores, *, scale=1.0, bias=None, mask=None, is_causal=
         q = lax.broadcasted_iota(jnp.int32, (S_q, S_k), 0)
         k = lax.broadcasted_iota(jnp.int32, (S_q, S_k), 1)
         s = jnp.where(k <= q, s, big_neg)
-    return jax.nn.softmax(s, axis=-1).astype(scores.dtype)
+    y = jax.nn.softmax(s, axis=-1).astype(scores.dtype)
+    if dropout_rate > 0.0:
+        keep_prob = 1.0 - dropout_rate
+        keep = jax.random.bernoulli(dropout_rng, keep_prob, y.shape)
+        y = y * (keep.astype(y.dtype) / jnp.asarray(keep_prob, y.dtype))
+    return y
 
 
 def available_providers(requested, log) -> list:
