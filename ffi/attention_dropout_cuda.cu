@@ -59,12 +59,9 @@ ffi::Error LaunchDropout(const DropoutRows& dp, cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(T);
   const RowParams& p = dp.rows;
   if (p.rows == 0 || p.cols == 0) return ffi::Error::Success();
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess)
-    return Internal(std::string("cudaGetDevice: ") + cudaGetErrorString(e));
-  auto dev = GetDeviceInfo(device);
-  if (dev.has_error()) return dev.error();
-  const LaunchCtx ctx{p, stream, device, *dev, dev->cc_major >= 9 && DependentLaunchEnabled()};
+  auto current = GetCurrentDevice();
+  if (current.has_error()) return current.error();
+  const LaunchCtx ctx{p, stream, current->device, current->dev, current->dependent};
 
   const bool rows_below_2_31 = p.rows < (int64_t{1} << 31);
   DropoutKernelParams d;

@@ -267,6 +267,23 @@ struct LaunchCtx {
   bool dependent;  // programmatic dependent launch (DependentLaunchEnabled, sm_90+)
 };
 
+// The current device and its properties (read once per device), for a LaunchCtx.
+struct CurrentDevice {
+  int device = 0;
+  DeviceInfo dev;
+  bool dependent = false;  // DependentLaunchEnabled on an sm_90+ GPU
+};
+inline ffi::ErrorOr<CurrentDevice> GetCurrentDevice() {
+  CurrentDevice d;
+  if (cudaError_t e = cudaGetDevice(&d.device); e != cudaSuccess)
+    return ffi::Unexpected(Internal(std::string("cudaGetDevice: ") + cudaGetErrorString(e)));
+  auto dev = GetDeviceInfo(d.device);
+  if (dev.has_error()) return ffi::Unexpected(dev.error());
+  d.dev = *dev;
+  d.dependent = d.dev.cc_major >= 9 && DependentLaunchEnabled();
+  return d;
+}
+
 // nullopt: the short-row or staged tiers do not take the call (no tile or ring fits, or
 // StageGeneralRows declines; the caller uses the register tiers); otherwise the launch's outcome.
 using Launched = std::optional<ffi::Error>;

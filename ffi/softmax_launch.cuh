@@ -286,17 +286,15 @@ ffi::Error LaunchSoftmax(const RowParams& p, cudaStream_t stream) {
   using T = typename CudaStorage<Tag>::type;
   constexpr int kVec = 16 / sizeof(T);
   if (p.rows == 0 || p.cols == 0) return ffi::Error::Success();
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess)
-    return Internal(std::string("cudaGetDevice: ") + cudaGetErrorString(e));
-  auto dev = GetDeviceInfo(device);
-  if (dev.has_error()) return dev.error();
+  auto current = GetCurrentDevice();
+  if (current.has_error()) return current.error();
+  const DeviceInfo& dev = current->dev;
   RowParams params = p;
-  params.prefetch = PrefetchEnabled(*dev);
-  params.order = OperandReuseOrder(p, kBwd ? 3 : 2, sizeof(T), *dev);
+  params.prefetch = PrefetchEnabled(dev);
+  params.order = OperandReuseOrder(p, kBwd ? 3 : 2, sizeof(T), dev);
   params.skip_masked = !kBwd && SharedMaskRow(p);
   params.unmasked = !kBwd && !p.mask.data;
-  const LaunchCtx ctx{params, stream, device, *dev, dev->cc_major >= 9 && DependentLaunchEnabled()};
+  const LaunchCtx ctx{params, stream, current->device, dev, current->dependent};
   // XLA aligns buffers; the check costs nothing and depends on addresses, never on data.
   const bool ptrs_aligned = Aligned16(p.in) && Aligned16(p.out) &&
                             (!p.grad_in || Aligned16(p.grad_in)) &&

@@ -283,6 +283,15 @@ def main():
                 lambda a: jax_softmax.attention_softmax(a, scale=0.5, bias=bias, mask=mask), s
             )
             vjp(jnp.ones_like(y))[0].block_until_ready()
+        if every_op:
+            # Attention dropout (ffi/dropout_rows.cuh): the register kernel of the row's width, or
+            # the streaming one (long or odd rows), with a padding mask and causal rows.
+            s = jnp.asarray(rng.standard_normal((2, 3, 5, cols)), dtype)
+            pad = jnp.arange(cols) < jnp.array([cols // 2 + 3, cols])[:, None, None, None]
+            y, vjp = jax.vjp(lambda a: jax_softmax.attention_softmax(
+                a, scale=0.5, mask=pad, is_causal=True, dropout_rate=0.2,
+                dropout_rng=jax.random.key(0)), s)
+            vjp(jnp.ones_like(y))[0].block_until_ready()
         print(f"ok {rows}x{cols} {np.dtype(dtype).name}", flush=True)
 
 
