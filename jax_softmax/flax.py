@@ -42,9 +42,10 @@ with ``implementation="cudnn"``: a CUDA GPU of compute capability 8.0 or newer, 
 bfloat16, rank-4 inputs, a head dim that is a multiple of 8 and at most 256 (128 before Hopper),
 no dropout, no sowing, no custom einsum, precision or ``force_fp32_for_softmax``, a mask or bias
 whose last two axes are (q_length, kv_length) and then even lengths, and ``is_causal`` only for
-q_length == kv_length), :func:`dot_product_attention` takes it by default: a flash-attention kernel
-never writes the ``[..., heads, q, kv]`` weights, which no softmax kernel can beat. Elsewhere it
-takes jax_softmax's fused softmax. ``implementation="jax_softmax"`` or ``"cudnn"`` forces either
+q_length == kv_length) and kv_length is at least ``CUDNN_MIN_KV_LENGTH`` (512, where it was measured
+to win), :func:`dot_product_attention` takes it by default: a flash-attention kernel never writes
+the ``[..., heads, q, kv]`` weights, which no softmax kernel can beat. Elsewhere (and where JAX's
+own checks refuse the call while tracing it) it takes jax_softmax's fused softmax. ``implementation="jax_softmax"`` or ``"cudnn"`` forces either
 (``"cudnn"`` raises a ``ValueError`` naming the reason where it does not apply). On the cuDNN path a
 fully masked query row attends uniformly to its keys (as Flax's default) instead of giving zeros.
 
@@ -166,6 +167,11 @@ def _promote(promote_fn, arrays, dtype):
 
 
 IMPLEMENTATIONS = (None, "jax_softmax", "cudnn")
+# The default takes cuDNN from this kv length on: the range where it was measured to win (issue
+# 88's H200 table, the NNX example LM's training step without dropout, S = 512 ... 4096: cuDNN
+# 1.20-1.83x over Flax's default, jax_softmax's kernels 1.08-1.31x). Shorter rows keep jax_softmax's
+# kernels until measured.
+CUDNN_MIN_KV_LENGTH = 512
 
 
 def _cuda_compute_capability() -> tuple[int, int] | None:
@@ -386,8 +392,8 @@ def dot_product_attention(
         ``attn_weights_value_einsum``; mutually exclusive with ``precision`` and
         ``einsum_dot_general``.
       attn_weights_value_einsum: custom einsum for ``weights @ v``.
-      implementation: None (default) takes cuDNN's flash attention where it applies (see the
-        module docstring) and jax_softmax's fused softmax elsewhere; ``"jax_softmax"`` or
+      implementation: None (default) takes cuDNN's flash attention where it applies and
+        kv_length >= 512 (see the module docstring), jax_softmax's fused softmax elsewhere; ``"jax_softmax"`` or
         ``"cudnn"`` forces one (``"cudnn"`` raises ``ValueError`` where it does not apply).
 
     Returns:
@@ -417,15 +423,21 @@ def dot_product_attention(
             custom=bool(precision or einsum_dot_general or qk_attn_weights_einsum
                         or force_fp32_for_softmax),
             compute_capability=_cuda_compute_capability())
-        if reason is None:
+        if implementation == "cudnn" and reason is not None:
+            raise ValueError(f"implementation='cudnn' does not apply here: {reason}")
+        if reason is None and (implementation == "cudnn" or key.shape[-3] >= CUDNN_MIN_KV_LENGTH):
             if cudnn_bias is not None:
                 cudnn_bias = cudnn_bias.astype(dtype)
-            return jax.nn.dot_product_attention(
-                query, key, value, bias=cudnn_bias, mask=cudnn_mask,
-                scale=1.0 / math.sqrt(query.shape[-1]), is_causal=is_causal,
-                implementation="cudnn")
-        if implementation == "cudnn":
-            raise ValueError(f"implementation='cudnn' does not apply here: {reason}")
+            try:
+                return jax.nn.dot_product_attention(
+                    query, key, value, bias=cudnn_bias, mask=cudnn_mask,
+                    scale=1.0 / math.sqrt(query.shape[-1]), is_causal=is_causal,
+                    implementation="cudnn")
+            except (NotImplementedError, RuntimeError, ValueError):
+                # JAX's own checks refused the call while tracing it (a cuDNN version, a shape
+                # rule this module does not know): the default then takes jax_softmax's kernels.
+                if implementation == "cudnn":
+                    raise
 
     attn_weights = dot_product_attention_weights(
         query,

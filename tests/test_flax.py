@@ -603,13 +603,13 @@ def test_implementation_keyword():
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU (cuDNN)")
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "mask"])
 def test_cudnn_route_on_gpu(masked):
-    B_, S_, N_, D_ = 2, 128, 4, 64
+    B_, S_, N_, D_ = 1, jsf.CUDNN_MIN_KV_LENGTH, 4, 64
     q, k, v = (_bshd((B_, S_, N_, D_), jnp.bfloat16, s) for s in range(3))
     mask = None
     kw = dict(is_causal=True)
     if masked:
         mask = np.tril(np.ones((S_, S_), bool))[None, None].repeat(B_, 0)
-        mask[1, :, :, 100:] = False  # padded keys of batch 1
+        mask[0, :, :, 400:] = False  # padded keys
         kw = dict(mask=jnp.asarray(mask))
 
     def loss(q, k, v, impl):
@@ -626,7 +626,11 @@ def test_cudnn_route_on_gpu(masked):
     for a, b, c in zip(outs[None], outs["cudnn"], outs["jax_softmax"]):
         np.testing.assert_array_equal(a, b)  # the default is the cuDNN program
         np.testing.assert_allclose(a, c, rtol=5e-2, atol=5e-2 * np.abs(c).max())
-    # with dropout the default takes jax_softmax's fused dropout
+    # shorter rows, and dropout, take jax_softmax's kernels by default
+    short = (a[:, :64] for a in (q, k, v))
+    kw_short = dict(is_causal=True)
+    hlo = jax.jit(lambda q, k, v: jsf.dot_product_attention(q, k, v, **kw_short)).lower(*short).compile().as_text()
+    assert 'custom_call_target="jax_softmax_fwd"' in hlo and "fmha" not in hlo
     drop = jax.jit(lambda q, k, v: jsf.dot_product_attention(
         q, k, v, dropout_rng=jax.random.key(0), dropout_rate=0.1, deterministic=False, **kw))
     hlo = drop.lower(q, k, v).compile().as_text()
