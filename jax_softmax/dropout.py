@@ -11,10 +11,12 @@ key, never y or a mask tensor.
 batching rule below stacks vmapped keys that way). The bits are those of ffi/philox.h, computed
 in jnp by _philox.py.
 
-Lowering: the FFI targets on the CPU and on CUDA GPUs, where those extensions are built (the
-CUDA kernels: ffi/dropout_rows.cuh); elsewhere (ROCm, TPU, or a build without them) the jnp
-reference of _philox.py, with the same bits, not fused. No custom_partitioning yet: under a
-sharded jit these calls run replicated.
+Lowering: the FFI targets on the platforms of KERNEL_PLATFORMS where the extension is built;
+elsewhere the jnp reference of _philox.py, with the same bits, not fused. The CUDA extension builds
+and registers the same targets (ffi/dropout_rows.cuh, ffi/attention_dropout_cuda.cu), but they have
+not yet run on a GPU: CUDA joins KERNEL_PLATFORMS once tests/test_dropout.py passes there (until
+then CUDA lowers the reference). No custom_partitioning yet: under a sharded jit these calls run
+replicated.
 """
 
 from __future__ import annotations
@@ -63,11 +65,13 @@ def _bwd_abstract(x, *_, **__):
 attn_dropout_fwd_p.def_abstract_eval(_fwd_abstract)
 attn_dropout_bwd_p.def_abstract_eval(_bwd_abstract)
 
-# Platforms without a fused dropout kernel (ROCm, TPU, a build without CUDA) lower the jnp
-# reference: the same bits, as separate XLA ops. The CPU and CUDA lower to their FFI targets.
+# The platforms whose fused kernels the primitives lower to (see the module docstring: "cuda"
+# once the CUDA kernels have passed the GPU suite). The others lower the jnp reference: the same
+# bits, as separate XLA ops.
+KERNEL_PLATFORMS = ("cpu",)
 mlir.register_lowering(attn_dropout_fwd_p, mlir.lower_fun(_philox.forward, multiple_results=True))
 mlir.register_lowering(attn_dropout_bwd_p, mlir.lower_fun(_philox.backward, multiple_results=False))
-for _platform in ("cpu", "cuda"):
+for _platform in KERNEL_PLATFORMS:
     if _ffi.has_platform(_platform):
         mlir.register_lowering(attn_dropout_fwd_p, jax.ffi.ffi_lowering(FWD_TARGET), platform=_platform)
         mlir.register_lowering(attn_dropout_bwd_p, jax.ffi.ffi_lowering(BWD_TARGET), platform=_platform)

@@ -47,7 +47,9 @@ to win), :func:`dot_product_attention` takes it by default: a flash-attention ke
 the ``[..., heads, q, kv]`` weights, which no softmax kernel can beat. Elsewhere (and where JAX's
 own checks refuse the call while tracing it) it takes jax_softmax's fused softmax. ``implementation="jax_softmax"`` or ``"cudnn"`` forces either
 (``"cudnn"`` raises a ``ValueError`` naming the reason where it does not apply). On the cuDNN path a
-fully masked query row attends uniformly to its keys (as Flax's default) instead of giving zeros.
+fully masked query row attends uniformly to its keys (as Flax's default) instead of giving zeros,
+and cuDNN's partitioning rules apply (they refuse a sharded sequence axis: pass
+``implementation="jax_softmax"`` under such a mesh).
 
 Behaviour matches Flax's: the same dtype promotion, bias addition, dropout rate and
 ``broadcast_dropout``, ``force_fp32_for_softmax``, ``precision``/``einsum_dot_general``/custom
