@@ -42,14 +42,15 @@ with ``implementation="cudnn"``: a CUDA GPU of compute capability 8.0 or newer, 
 bfloat16, rank-4 inputs, a head dim that is a multiple of 8 and at most 256 (128 before Hopper),
 no dropout, no sowing, no custom einsum, precision or ``force_fp32_for_softmax``, a mask or bias
 whose last two axes are (q_length, kv_length) and then even lengths, and ``is_causal`` only for
-q_length == kv_length) and kv_length is at least ``CUDNN_MIN_KV_LENGTH`` (512, where it was measured
-to win), :func:`dot_product_attention` takes it by default: a flash-attention kernel never writes
-the ``[..., heads, q, kv]`` weights, which no softmax kernel can beat. Elsewhere (and where JAX's
-own checks refuse the call while tracing it) it takes jax_softmax's fused softmax. ``implementation="jax_softmax"`` or ``"cudnn"`` forces either
-(``"cudnn"`` raises a ``ValueError`` naming the reason where it does not apply). On the cuDNN path a
-fully masked query row attends uniformly to its keys (as Flax's default) instead of giving zeros,
-and cuDNN's partitioning rules apply (they refuse a sharded sequence axis: pass
-``implementation="jax_softmax"`` under such a mesh).
+q_length == kv_length) and kv_length is at least ``CUDNN_MIN_KV_LENGTH`` (512, where it was
+measured to win), :func:`dot_product_attention` takes it by default: a flash-attention kernel never
+writes the ``[..., heads, q, kv]`` weights, which no softmax kernel can beat. Elsewhere (and where
+JAX's own checks refuse the call while tracing it) it takes jax_softmax's fused softmax.
+``implementation="jax_softmax"`` or ``"cudnn"`` forces either (``"cudnn"`` raises a ``ValueError``
+naming the reason where it does not apply). On the cuDNN path a fully masked query row attends
+uniformly to its keys (as Flax's default) instead of giving zeros, and cuDNN's partitioning rules
+apply (they refuse a sharded sequence axis: pass ``implementation="jax_softmax"`` under such a
+mesh).
 
 Behaviour matches Flax's: the same dtype promotion, bias addition, dropout rate and
 ``broadcast_dropout``, ``force_fp32_for_softmax``, ``precision``/``einsum_dot_general``/custom
@@ -395,8 +396,9 @@ def dot_product_attention(
         ``einsum_dot_general``.
       attn_weights_value_einsum: custom einsum for ``weights @ v``.
       implementation: None (default) takes cuDNN's flash attention where it applies and
-        kv_length >= 512 (see the module docstring), jax_softmax's fused softmax elsewhere; ``"jax_softmax"`` or
-        ``"cudnn"`` forces one (``"cudnn"`` raises ``ValueError`` where it does not apply).
+        kv_length >= 512 (see the module docstring), jax_softmax's fused softmax elsewhere;
+        ``"jax_softmax"`` or ``"cudnn"`` forces one (``"cudnn"`` raises ``ValueError`` where it
+        does not apply).
 
     Returns:
       Output of shape ``[batch..., q_length, num_heads, v_depth_per_head]``.

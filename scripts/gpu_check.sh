@@ -11,8 +11,8 @@
 #   buffers and on the register kernels alone (TEST_PART=extra), then the long-key tests alone
 #   (about 380 s for the suite on the H200); logs $OUT/pytest_*.log.
 # bench: the row-length sweep (BENCH_ARGS passes it options); attention: the (B, H, S, S) sweep
-#   (ATTN_ARGS; split it with --dtypes / --modes / --variants); train: one training step of
-#   examples/train_lm.py with and without the plug-in (TRAIN_ARGS).
+#   (ATTN_ARGS; split it with --dtypes / --modes / --variants); train: the training-step bench
+#   (TRAIN_ARGS).
 # ab: scripts/profile_cases.py's cases timed under each variant of AB_VARIANTS (words of
 #   comma-separated VAR=value settings, default "JAX_SOFTMAX_STAGED=1 JAX_SOFTMAX_STAGED=0").
 # abbase: the same cases timed on another build of the package, rounds alternating base / this
@@ -256,10 +256,11 @@ if want attention; then
   "$PY" -m jax_softmax bench attention --out "$OUT/bench" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attention.log" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
-# train: one training step of examples/train_lm.py with and without the plug-in
-# (benchmarks/bench_train_step.py; TRAIN_ARGS passes it options, e.g. "--seq-lens 512 1024
-# --profile" for each step's GPU timeline; three runs of each variant: 218 s for the four default
-# lengths with --profile on the H200, session 48).
+# train: the training step of the example LM and of a Linen decoder stack, attention dropout 0.1
+# and 0, Flax's default against the plug-in, jax_softmax's kernels and cuDNN
+# (benchmarks/bench_train_step.py; TRAIN_ARGS passes it options, e.g. "--models lm --seq-lens 512
+# 1024 --profile" for each step's GPU timeline). Not yet timed in full on a GPU: narrow it to fit a
+# call.
 if want train; then
   "$PY" "$REPO/benchmarks/bench_train_step.py" --out "$OUT/train" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train_step.log" | tail -20
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
