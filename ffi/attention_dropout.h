@@ -23,21 +23,16 @@
 
 namespace jax_softmax {
 
-struct DropoutRows {
-  RowParams rows;           // in: x; grad_in: dy (backward); out: out or dx; bias, mask, causal
-  DropoutParams dropout;
-  void* lse = nullptr;      // forward: written; backward: read (accumulator type, one per row)
-  double grad_scale = 1.0;  // backward: dx = grad_scale * dz
-};
-
 inline ffi::DataType DropoutAccType(ffi::DataType dtype) {
   return dtype == ffi::DataType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
 }
 
 // Validates the key, lse and rate of one call (after FillRowParams) and fills dp.dropout, dp.lse.
-inline ffi::Error FillDropout(const ffi::AnyBuffer& x, const ffi::AnyBuffer& key, void* lse,
-                              ffi::DataType lse_type, ffi::Span<const int64_t> lse_dims,
-                              double rate, bool broadcast, DropoutRows& dp) {
+inline ffi::Error FillDropout(const ffi::AnyBuffer& x, const ffi::AnyBuffer& key,
+                              const ffi::AnyBuffer& lse, double rate, bool broadcast,
+                              DropoutRows& dp) {
+  const ffi::DataType lse_type = lse.element_type();
+  const auto lse_dims = lse.dimensions();
   const auto kd = key.dimensions();
   if (key.element_type() != ffi::DataType::U32 || kd.size() != 2 || kd[1] != 2 || kd[0] < 1) {
     return InvalidArgument("the dropout key must be uint32 of shape (K, 2), got shape " +
@@ -61,14 +56,14 @@ inline ffi::Error FillDropout(const ffi::AnyBuffer& x, const ffi::AnyBuffer& key
     return InvalidArgument("the dropout rate must be in [0, 1), got " + std::to_string(rate));
   }
   DropoutParams& d = dp.dropout;
+  const bool rows_below_2_31 = rows < (int64_t{1} << 31);
   d.keys = static_cast<const uint32_t*>(key.untyped_data());
-  d.num_keys = kd[0];
-  d.rows_per_key = rows > 0 ? rows / kd[0] : 1;
-  d.query_len = broadcast ? (xd.size() >= 2 ? xd[xd.size() - 2] : 1) : 0;
+  d.rows_per_key = RowDivisor(rows > 0 ? rows / kd[0] : 1, rows_below_2_31);
+  d.query_len = RowDivisor(broadcast ? (xd.size() >= 2 ? xd[xd.size() - 2] : 1) : 0, rows_below_2_31);
   const double t = std::nearbyint(rate * 65536.0);
   d.threshold = static_cast<uint32_t>(t < 65535.0 ? t : 65535.0);
   d.multiplier = 1.0 / (1.0 - rate);
-  dp.lse = lse;
+  dp.lse = lse.untyped_data();
   return ffi::Error::Success();
 }
 
@@ -122,8 +117,7 @@ inline ffi::Error FillDropoutForward(const ffi::AnyBuffer& x, const ffi::AnyBuff
       err.failure())
     return err;
   dp.rows.scale = scale;
-  return FillDropout(x, key, lse.untyped_data(), lse.element_type(), lse.dimensions(), rate,
-                     broadcast, dp);
+  return FillDropout(x, key, lse, rate, broadcast, dp);
 }
 
 // Fills dp for a backward call (lse is only read).
@@ -139,8 +133,7 @@ inline ffi::Error FillDropoutBackward(const ffi::AnyBuffer& x, const ffi::AnyBuf
     return err;
   dp.rows.scale = scale;
   dp.grad_scale = grad_scale;
-  return FillDropout(x, key, lse.untyped_data(), lse.element_type(),
-                     lse.dimensions(), rate, broadcast, dp);
+  return FillDropout(x, key, lse, rate, broadcast, dp);
 }
 
 }  // namespace jax_softmax

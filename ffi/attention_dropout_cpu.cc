@@ -39,12 +39,12 @@ namespace {
 // 32x32 -> 64-bit products become vector multiplies), their words kept in `words`, then the
 // thresholds. Column c's 16 bits are word c / 2's low (even c) or high (odd c) half.
 template <typename A>
-JS_INLINE void DropoutFactors(const DropoutParams& d, uint64_t index, uint32_t k0, uint32_t k1,
+JS_INLINE void DropoutFactors(const DropoutParams& d, const DropoutKey& key,
                               int64_t c0, int64_t len, A mult, A* f, uint32_t* words) {
   const int64_t groups = (len + 7) / 8;
   const uint32_t g0 = static_cast<uint32_t>(c0 / 8);
   for (int64_t g = 0; g < groups; ++g) {
-    const Philox4 bits = DropoutBits(index, g0 + static_cast<uint32_t>(g), k0, k1);
+    const Philox4 bits = DropoutBits(key, g0 + static_cast<uint32_t>(g));
     for (int w = 0; w < 4; ++w) words[4 * g + w] = bits.v[w];
   }
   const uint32_t t = d.threshold;
@@ -105,14 +105,12 @@ JS_INLINE void DropoutForwardRows(const DropoutRows& dp, int64_t r0, int64_t r1)
       }
       s += ExpSum(z, m, width, e);
     }
-    uint32_t k0, k1;
-    uint64_t index;
-    dp.dropout.RowKey(row, k0, k1, index);
+    const DropoutKey key = dp.dropout.KeyOf(row);
     if (not_finite) {
       lse = std::numeric_limits<A>::quiet_NaN();
       for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
         const int64_t len = std::min(kChunk, n - c0);
-        DropoutFactors(dp.dropout, index, k0, k1, c0, len, mult, f, words);
+        DropoutFactors(dp.dropout, key, c0, len, mult, f, words);
         for (int64_t i = 0; i < len; ++i) {
           const bool valid = !in.mask || in.mask[c0 + i];
           out[c0 + i] = valid && f[i] != A(0) ? nan : zero;
@@ -135,7 +133,7 @@ JS_INLINE void DropoutForwardRows(const DropoutRows& dp, int64_t r0, int64_t r1)
         LoadLogits<Tag>(x, in, c0, len, scale, z);
         for (int64_t i = 0; i < len; ++i) e[i] = Exp(z[i] - m);
       }
-      DropoutFactors(dp.dropout, index, k0, k1, c0, len, mult, f, words);
+      DropoutFactors(dp.dropout, key, c0, len, mult, f, words);
       S* oc = out + c0;
       for (int64_t i = 0; i < len; ++i) oc[i] = D::Store((e[i] * inv_s) * f[i]);
     }
@@ -169,9 +167,7 @@ JS_INLINE void DropoutBackwardRows(const DropoutRows& dp, int64_t r0, int64_t r1
     for (int64_t j = n; j < cols; ++j) dx[j] = zero;
     if (n == 0) continue;
     const bool one_chunk = n <= kChunk;
-    uint32_t k0, k1;
-    uint64_t index;
-    dp.dropout.RowKey(row, k0, k1, index);
+    const DropoutKey key = dp.dropout.KeyOf(row);
     const uint8_t* mask = in.mask;
 
     // y and g of [c0, c0 + len); selects, not products, keep inf/NaN cotangents at dropped or
@@ -179,7 +175,7 @@ JS_INLINE void DropoutBackwardRows(const DropoutRows& dp, int64_t r0, int64_t r1
     auto load = [&](int64_t c0, int64_t len) JS_LAMBDA_INLINE {
       LoadLogits<Tag>(x, in, c0, len, scale, y);
       for (int64_t i = 0; i < len; ++i) y[i] = Exp(y[i] - lse);
-      DropoutFactors(dp.dropout, index, k0, k1, c0, len, mult, f, words);
+      DropoutFactors(dp.dropout, key, c0, len, mult, f, words);
       const S* dyc = dy + c0;
       for (int64_t i = 0; i < len; ++i) g[i] = f[i] != A(0) ? D::Load(dyc[i]) * f[i] : A(0);
       if (mask) {

@@ -16,37 +16,35 @@ namespace jax_softmax {
 namespace {
 
 // Which kernel takes a row of W vectors (kVec columns each):
-//   W <= P x 1024: the register kernel on the fewest threads G (a power of two, 1-1024) that hold
-//     the row at P vectors a thread (DropoutPacks: 4, the 16-bit backward 2): lane groups of G <= 32
-//     lanes in 128-thread CTAs, blocks of G threads above. Several vectors per thread keep as many
-//     16-byte loads of x (and dy) in flight per thread from the shortest rows on.
+//   W <= 2 x 1024: the register kernel on the fewest threads G (a power of two, 1-1024) that hold
+//     the row at kDropoutPacks = 2 vectors a thread (dropout_rows.cuh says why two): lane groups of
+//     G <= 32 lanes in 128-thread CTAs, blocks of G threads above.
 //   longer rows, and rows that are not whole aligned vectors: the streaming kernel (x read twice).
 constexpr int kMaxRowThreads = 1024;
 
 template <typename T, int kVec, int kGroup, bool kBwd>
-ffi::Error LaunchRegisterRows(const DropoutKernelParams& d, const LaunchCtx& c) {
+ffi::Error LaunchRegisterRows(const DropoutRows& d, const LaunchCtx& c) {
   constexpr int kBlock = BlockThreads(kGroup);
   constexpr int kRowsPerBlock = kBlock / kGroup;
-  const int64_t needed = (d.p.rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int64_t needed = (d.rows.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   const int grid = static_cast<int>(std::min<int64_t>(needed, INT_MAX));
   return Launch(KernelLaunch(grid, kBlock, 0, c.stream, 1, c.dependent),
-                dropout_rows_kernel<T, kVec, kGroup, DropoutPacks<T, kBwd>(), kBwd>, "dropout row kernel",
-                d);
+                dropout_rows_kernel<T, kVec, kGroup, kDropoutPacks, kBwd>, "dropout row kernel", d);
 }
 
 template <typename T, int kVec, bool kBwd>
-ffi::Error LaunchStream(const DropoutKernelParams& d, const LaunchCtx& c) {
+ffi::Error LaunchStream(const DropoutRows& d, const LaunchCtx& c) {
   constexpr auto kernel = dropout_stream_kernel<T, kVec, kBwd>;
   auto per_sm = BlocksPerSm<kernel, 512>(c.device, 512);
   if (per_sm.has_error()) return per_sm.error();
-  const int grid = PersistentGrid(d.p.rows, int64_t(*per_sm) * c.dev.sm_count);
+  const int grid = PersistentGrid(d.rows.rows, int64_t(*per_sm) * c.dev.sm_count);
   return Launch(KernelLaunch(grid, 512, 0, c.stream, 1, c.dependent), kernel,
                 "dropout streaming kernel", d);
 }
 
 // The register kernel of the fewest threads G >= min_threads (a power of two up to 1024).
 template <typename T, int kVec, bool kBwd, int kGroup = 1>
-ffi::Error LaunchRowsOfWidth(const DropoutKernelParams& d, const LaunchCtx& c, int64_t min_threads) {
+ffi::Error LaunchRowsOfWidth(const DropoutRows& d, const LaunchCtx& c, int64_t min_threads) {
   if constexpr (kGroup < kMaxRowThreads) {
     if (kGroup < min_threads) return LaunchRowsOfWidth<T, kVec, kBwd, 2 * kGroup>(d, c, min_threads);
   }
@@ -63,27 +61,12 @@ ffi::Error LaunchDropout(const DropoutRows& dp, cudaStream_t stream) {
   if (current.has_error()) return current.error();
   const LaunchCtx ctx{p, stream, current->device, current->dev, current->dependent};
 
-  const bool rows_below_2_31 = p.rows < (int64_t{1} << 31);
-  DropoutKernelParams d;
-  d.p = p;
-  d.keys = dp.dropout.keys;
-  d.rows_per_key = RowDivisor(dp.dropout.rows_per_key, rows_below_2_31);
-  d.query_len = RowDivisor(dp.dropout.query_len, rows_below_2_31);
-  d.threshold = dp.dropout.threshold;
-  d.multiplier = dp.dropout.multiplier;
-  d.lse = dp.lse;
-  d.grad_scale = dp.grad_scale;
-
   // XLA aligns buffers; the check depends on addresses, never on data.
-  const bool vectors = p.cols % kVec == 0 && Aligned16(p.in) && Aligned16(p.out) &&
-                       (!p.grad_in || Aligned16(p.grad_in)) &&
-                       (!p.bias.data || Aligned16(p.bias.data)) &&
-                       (!p.mask.data || Aligned16(p.mask.data));
-  if (!vectors) return LaunchStream<T, 1, kBwd>(d, ctx);
-  constexpr int kPacks = DropoutPacks<T, kBwd>();
+  const bool vectors = p.cols % kVec == 0 && BuffersAligned16(p);
+  if (!vectors) return LaunchStream<T, 1, kBwd>(dp, ctx);
   const int64_t width = p.cols / kVec;
-  if (width > int64_t{kPacks} * kMaxRowThreads) return LaunchStream<T, kVec, kBwd>(d, ctx);
-  return LaunchRowsOfWidth<T, kVec, kBwd>(d, ctx, (width + kPacks - 1) / kPacks);
+  if (width > int64_t{kDropoutPacks} * kMaxRowThreads) return LaunchStream<T, kVec, kBwd>(dp, ctx);
+  return LaunchRowsOfWidth<T, kVec, kBwd>(dp, ctx, (width + kDropoutPacks - 1) / kDropoutPacks);
 }
 
 ffi::Error DropoutForwardCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer bias,

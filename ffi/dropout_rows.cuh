@@ -23,40 +23,12 @@
 
 namespace jax_softmax {
 
-// What the kernels take. p describes the rows (in: x, grad_in: dy, out: out or dx).
-struct DropoutKernelParams {
-  RowParams p;
-  const uint32_t* keys = nullptr;  // (K, 2) key words
-  RowDivisor rows_per_key;         // row -> key index
-  RowDivisor query_len;            // broadcast dropout: the counter's row index modulo Sq; d == 0: off
-  uint32_t threshold = 0;          // kept iff the 16-bit uniform >= threshold
-  double multiplier = 1.0;         // 1 / (1 - rate)
-  void* lse = nullptr;             // accumulator type, one per row
-  double grad_scale = 1.0;         // backward
-};
-
-// A row's Philox key and counter row index (philox.h's contract).
-struct RowKey {
-  uint32_t k0, k1;
-  uint64_t index;
-};
-
-__device__ __forceinline__ RowKey row_key(const DropoutKernelParams& d, int64_t row) {
-  const int64_t k = d.rows_per_key.quotient(row);
-  int64_t r = row - k * d.rows_per_key.d;
-  if (d.query_len.d > 0) r -= d.query_len.quotient(r) * d.query_len.d;
-  return RowKey{d.keys[2 * k], d.keys[2 * k + 1], static_cast<uint64_t>(r)};
-}
-
-// Vectors per thread of the register kernel and of a streaming chunk: two. 16 bytes of x (and of
-// dy) in flight twice per thread, with 1024 or more threads an SM, are 32 KiB and more per SM:
-// above what the H200's DRAM needs in flight (bandwidth x latency / SMs, ~25 KiB). Four vectors
-// spilled at the 64 registers that 1024 threads an SM leave (ptxas sm_90a: 16-bit forward 52-100
-// bytes, float32 68-72, the 16-bit backward at four 270-410 bytes).
-template <typename T, bool kBwd>
-constexpr int DropoutPacks() {
-  return 2;
-}
+// Vectors per thread of the register kernel and of a streaming chunk of 16-byte vectors: two.
+// 16 bytes of x (and of dy) in flight twice per thread, with 1024 or more threads an SM, are 32 KiB
+// and more per SM: above what the H200's DRAM needs in flight (bandwidth x latency / SMs, ~25
+// KiB). Four vectors spilled at the 64 registers that 1024 threads an SM leave (ptxas sm_90a:
+// 16-bit forward 52-100 bytes, float32 68-72, the 16-bit backward at four 270-410 bytes).
+constexpr int kDropoutPacks = 2;
 
 // Word i (0-3) of a Philox output, i known only at run time: selects, not an indexed array (which
 // would live in local memory).
@@ -68,9 +40,9 @@ __device__ __forceinline__ uint32_t philox_word(const Philox4& b, int i) {
 // columns starts a Philox call (its uniforms are words 0-3, fixed); narrower ones take their part
 // of the call of their group of 8.
 template <int kVec>
-__device__ __forceinline__ uint32_t keep_bits(const RowKey& key, int c, uint32_t threshold) {
+__device__ __forceinline__ uint32_t keep_bits(const DropoutKey& key, int c, uint32_t threshold) {
   static_assert(kVec <= 8 && 8 % kVec == 0, "a vector lies inside one group of 8 columns");
-  const Philox4 b = DropoutBits(key.index, c >> 3, key.k0, key.k1);
+  const Philox4 b = DropoutBits(key, c >> 3);
   const int first = kVec == 8 ? 0 : (c & 7);  // the vector's first uniform in the call
   uint32_t bits = 0;
 #pragma unroll
@@ -95,7 +67,7 @@ __device__ __forceinline__ uint32_t keep_bits(const RowKey& key, int c, uint32_t
 // registers: ptxas sm_90a.)
 template <int kPacks, bool kWithDy, typename Loader, typename A, int kVec = Loader::kVecWidth>
 __device__ __forceinline__ bool load_part(const Loader& loader, const typename Loader::Elem* dy,
-                                          int first, int stride, const RowKey& key,
+                                          int first, int stride, const DropoutKey& key,
                                           uint32_t threshold, A (&v)[kPacks][kVec],
                                           A (&g)[kWithDy ? kPacks : 1][kVec],
                                           typename Loader::Bytes (&valid)[kPacks],
@@ -211,7 +183,7 @@ __device__ __forceinline__ void store_dx(const Loader& loader, typename Loader::
 // vectors per thread; pack k of lane l covers columns (k * kGroup + l) * kVec.
 template <typename T, int kVec, int kGroup, int kPacks, bool kBwd>
 __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThreads(kGroup)))
-    dropout_rows_kernel(const DropoutKernelParams d) {
+    dropout_rows_kernel(const DropoutRows d) {
   using A = acc_t<T>;
   using Loader = RowLoader<T, kVec, /*kBwd=*/false, Access::kGeneral>;
   using Bytes = typename Loader::Bytes;
@@ -222,24 +194,24 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   wait_prior_grids_release_next();
   __shared__ S slots[2][32];
 
-  const RowParams& p = d.p;
+  const RowParams& p = d.rows;
   const int lane = threadIdx.x % kGroup, group = threadIdx.x / kGroup;
   const int first = lane * kVec;
-  const A mult = static_cast<A>(d.multiplier);
+  const A mult = static_cast<A>(d.dropout.multiplier);
   uint32_t use = 0;
   for (int64_t row0 = int64_t(blockIdx.x) * kRowsPerBlock; row0 < p.rows;
        row0 += int64_t(gridDim.x) * kRowsPerBlock, ++use) {
     const int64_t row = row0 + group;
     const bool row_ok = row < p.rows;
     const Loader loader(p, row, row_ok);
-    const RowKey key = row_ok ? row_key(d, row) : RowKey{0, 0, 0};
+    const DropoutKey key = row_ok ? d.dropout.KeyOf(row) : DropoutKey{0, 0, 0};
     const T* dy = kBwd ? static_cast<const T*>(p.grad_in) + row * p.cols : nullptr;
     A v[kPacks][kVec];
     A g[kBwd ? kPacks : 1][kVec];
     Bytes valid[kPacks];
     uint32_t keep[kPacks];
     const bool any =
-        load_part<kPacks, kBwd>(loader, dy, first, kStride, key, d.threshold, v, g, valid, keep);
+        load_part<kPacks, kBwd>(loader, dy, first, kStride, key, d.dropout.threshold, v, g, valid, keep);
     T* dst = loader.out_row(p, row);
 
     if constexpr (!kBwd) {
@@ -294,25 +266,25 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
 // statistics (forward: running (max, sum) merged per chunk; backward: sum(y g)), a second for the
 // outputs. Any row length and any alignment (kVec == 1 reads element by element).
 template <typename T, int kVec, bool kBwd>
-__global__ void __launch_bounds__(512, 2) dropout_stream_kernel(const DropoutKernelParams d) {
+__global__ void __launch_bounds__(512, 2) dropout_stream_kernel(const DropoutRows d) {
   using A = acc_t<T>;
   using Loader = RowLoader<T, kVec, /*kBwd=*/false, Access::kGeneral>;
   using Bytes = typename Loader::Bytes;
   using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;
   constexpr int kBlock = 512;
-  constexpr int kPacks = kVec == 1 ? 4 : DropoutPacks<T, kBwd>();
+  constexpr int kPacks = kVec == 1 ? 4 : kDropoutPacks;
   constexpr int kStride = kBlock * kVec;
   constexpr int kChunk = kStride * kPacks;
   wait_prior_grids_release_next();
   __shared__ S slots[2][32];
 
-  const RowParams& p = d.p;
-  const A mult = static_cast<A>(d.multiplier);
+  const RowParams& p = d.rows;
+  const A mult = static_cast<A>(d.dropout.multiplier);
   const int first = threadIdx.x * kVec;
   uint32_t use = 0;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x, ++use) {
     const Loader loader(p, row, true);
-    const RowKey key = row_key(d, row);
+    const DropoutKey key = d.dropout.KeyOf(row);
     const T* dy = kBwd ? static_cast<const T*>(p.grad_in) + row * p.cols : nullptr;
     T* dst = loader.out_row(p, row);
     const int cols = static_cast<int>(p.cols);
@@ -322,7 +294,7 @@ __global__ void __launch_bounds__(512, 2) dropout_stream_kernel(const DropoutKer
     uint32_t keep[kPacks];
     // Columns past the causal limit are not valid: not read, written as 0.
     const auto part = [&](int c0) {
-      return load_part<kPacks, kBwd>(loader, dy, c0 + first, kStride, key, d.threshold, v, g,
+      return load_part<kPacks, kBwd>(loader, dy, c0 + first, kStride, key, d.dropout.threshold, v, g,
                                      valid, keep);
     };
     if constexpr (!kBwd) {

@@ -91,6 +91,11 @@ inline ffi::ErrorOr<DeviceInfo> GetDeviceInfo(int device) {
 
 // Whether a buffer starts on a 16-byte boundary (the vector kernels need it; XLA aligns buffers).
 inline bool Aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+// Whether every buffer of a call does (depends on addresses, never on data).
+inline bool BuffersAligned16(const RowParams& p) {
+  return Aligned16(p.in) && Aligned16(p.out) && (!p.grad_in || Aligned16(p.grad_in)) &&
+         (!p.bias.data || Aligned16(p.bias.data)) && (!p.mask.data || Aligned16(p.mask.data));
+}
 
 inline ffi::Error CheckLaunch(const char* what) {
   const cudaError_t e = cudaGetLastError();

@@ -68,31 +68,42 @@ JS_HOST_DEVICE uint32_t DropoutUniform16(const Philox4& bits, int j) {
   return (j & 1) ? (w >> 16) : (w & 0xffffu);
 }
 
-// What one call's dropout needs besides the rows (the host fills it; see the contract above).
+// A row's key words and the counter's row index.
+struct DropoutKey {
+  uint32_t k0, k1;
+  uint64_t index;
+};
+
+// What one call's dropout needs besides the rows (the host fills it, FillDropout; see the
+// contract above). The divisions by a per-call constant are RowDivisors: one multiply-high per
+// row where the call has fewer than 2^31 rows, on the CPU and the GPU alike.
 struct DropoutParams {
-  const uint32_t* keys = nullptr;  // (num_keys, 2) words
-  int64_t num_keys = 1;
-  int64_t rows_per_key = 0;        // rows / num_keys
-  int64_t query_len = 0;           // broadcast dropout: Sq; 0: a mask of its own per row
+  const uint32_t* keys = nullptr;  // (K, 2) words
+  RowDivisor rows_per_key;         // rows / K: row -> key index
+  RowDivisor query_len{0, false};  // broadcast dropout: Sq, the row index taken modulo it; d 0: off
   uint32_t threshold = 0;          // t: kept iff u16 >= t
   double multiplier = 1.0;         // 1 / (1 - rate)
 
-  // The key words (k0, k1) and the counter's row index of `row`.
-  JS_HOST_DEVICE void RowKey(int64_t row, uint32_t& k0, uint32_t& k1, uint64_t& index) const {
-    const int64_t k = row / rows_per_key;
-    int64_t r = row - k * rows_per_key;
-    if (query_len > 0) r %= query_len;
-    k0 = keys[2 * k];
-    k1 = keys[2 * k + 1];
-    index = static_cast<uint64_t>(r);
+  JS_HOST_DEVICE DropoutKey KeyOf(int64_t row) const {
+    const int64_t k = rows_per_key.quotient(row);
+    int64_t r = row - k * rows_per_key.d;
+    if (query_len.d > 0) r -= query_len.quotient(r) * query_len.d;
+    return DropoutKey{keys[2 * k], keys[2 * k + 1], static_cast<uint64_t>(r)};
   }
 };
 
-// One Philox call: the bits of columns [8 * group, 8 * group + 8) of the row with counter row
-// index `index`.
-JS_HOST_DEVICE Philox4 DropoutBits(uint64_t index, int64_t group, uint32_t k0, uint32_t k1) {
-  return Philox4x32_10(static_cast<uint32_t>(group), static_cast<uint32_t>(index),
-                       static_cast<uint32_t>(index >> 32), 0u, k0, k1);
+// What one attention-dropout call describes, the CPU kernels' argument and the CUDA kernels'.
+struct DropoutRows {
+  RowParams rows;           // in: x; grad_in: dy (backward); out: out or dx; bias, mask, causal
+  DropoutParams dropout;
+  void* lse = nullptr;      // forward: written; backward: read (accumulator type, one per row)
+  double grad_scale = 1.0;  // backward: dx = grad_scale * dz
+};
+
+// One Philox call: the bits of columns [8 * group, 8 * group + 8) of the row of `key`.
+JS_HOST_DEVICE Philox4 DropoutBits(const DropoutKey& key, int64_t group) {
+  return Philox4x32_10(static_cast<uint32_t>(group), static_cast<uint32_t>(key.index),
+                       static_cast<uint32_t>(key.index >> 32), 0u, key.k0, key.k1);
 }
 
 }  // namespace jax_softmax

@@ -296,10 +296,7 @@ ffi::Error LaunchSoftmax(const RowParams& p, cudaStream_t stream) {
   params.unmasked = !kBwd && !p.mask.data;
   const LaunchCtx ctx{params, stream, current->device, dev, current->dependent};
   // XLA aligns buffers; the check costs nothing and depends on addresses, never on data.
-  const bool ptrs_aligned = Aligned16(p.in) && Aligned16(p.out) &&
-                            (!p.grad_in || Aligned16(p.grad_in)) &&
-                            (!p.bias.data || Aligned16(p.bias.data)) &&
-                            (!p.mask.data || Aligned16(p.mask.data));
+  const bool ptrs_aligned = BuffersAligned16(p);
   const bool whole_vectors = p.cols % kVec == 0;
   // Plain: no bias, mask or causal limit (the bias is a forward-only operand). Some staged tiers
   // keep 16-bit plain forward rows as loaded, with -inf outside the row (kRawRows), which needs a

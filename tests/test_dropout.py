@@ -460,7 +460,8 @@ def test_nonfinite_logits(backend, device):
 
 
 def test_reference_lowering_matches_kernel(rng):
-    # The lowering of platforms without a fused kernel (ROCm, TPU) against the CPU kernel.
+    # The lowering of platforms without a fused kernel (ROCm, TPU, CUDA until it joins
+    # dropout.KERNEL_PLATFORMS) against the CPU kernel.
     shape, bias_shape = (2, 3, 5, 21), (1, 3, 5, 21)
     s = rng.standard_normal(shape).astype(np.float32)
     b = rng.standard_normal(bias_shape).astype(np.float32)
