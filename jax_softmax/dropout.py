@@ -11,12 +11,10 @@ key, never y or a mask tensor.
 batching rule below stacks vmapped keys that way). The bits are those of ffi/philox.h, computed
 in jnp by _philox.py.
 
-Lowering: the FFI targets on the platforms of KERNEL_PLATFORMS where the extension is built;
-elsewhere the jnp reference of _philox.py, with the same bits, not fused. The CUDA extension builds
-and registers the same targets (ffi/dropout_rows.cuh, ffi/attention_dropout_cuda.cu), but they have
-not yet run on a GPU: CUDA joins KERNEL_PLATFORMS once tests/test_dropout.py passes there (until
-then CUDA lowers the reference). No custom_partitioning yet: under a sharded jit these calls run
-replicated.
+Lowering: the FFI targets on the platforms of KERNEL_PLATFORMS where the extension is built
+(ffi/attention_dropout_cpu.cc; ffi/attention_dropout_cuda.cu with ffi/dropout_rows.cuh);
+elsewhere the jnp reference of _philox.py, with the same bits, not fused. No custom_partitioning
+yet: under a sharded jit these calls run replicated.
 """
 
 from __future__ import annotations
@@ -65,10 +63,9 @@ def _bwd_abstract(x, *_, **__):
 attn_dropout_fwd_p.def_abstract_eval(_fwd_abstract)
 attn_dropout_bwd_p.def_abstract_eval(_bwd_abstract)
 
-# The platforms whose fused kernels the primitives lower to (see the module docstring: "cuda"
-# once the CUDA kernels have passed the GPU suite). The others lower the jnp reference: the same
-# bits, as separate XLA ops.
-KERNEL_PLATFORMS = ("cpu",)
+# The platforms whose fused kernels the primitives lower to; the others lower the jnp reference:
+# the same bits, as separate XLA ops.
+KERNEL_PLATFORMS = ("cpu", "cuda")
 mlir.register_lowering(attn_dropout_fwd_p, mlir.lower_fun(_philox.forward, multiple_results=True))
 mlir.register_lowering(attn_dropout_bwd_p, mlir.lower_fun(_philox.backward, multiple_results=False))
 for _platform in KERNEL_PLATFORMS:

@@ -66,14 +66,15 @@ def _xla_bwd(y, g, mask=None):
     return jnp.where(mask, y * (g - jnp.sum(y * g, -1, keepdims=True)), 0).astype(y.dtype)
 
 
-def _attention_case(kind, s, dtype=jnp.bfloat16):
+def _attention_case(kind, s, dtype=jnp.bfloat16, dropout=0.0):
     """(B, H, s, s) scores of the benchmark's shape (jax_softmax_bench's attention_shape: 16
     heads, fewer where one head's scores pass the tensor size) in bfloat16 (float32 for the
     attn32_ and attnbwd32_ cases) with a padding mask (B, 1, 1, s) that drops a random 10% of the
     keys ("pad") or, as the benchmark's, all keys past a length drawn per batch element from
     [s/2, s] ("padlen"), a full mask (1, 1, s, s), a per-head bias, the causal rule or none of
     them (scale only); the XLA side is the benchmark's own expression
-    (jax_softmax_bench.providers.xla_attention_softmax)."""
+    (jax_softmax_bench.providers.xla_attention_softmax). With `dropout`, attention dropout at that
+    rate on both sides (the attndrop_ cases: fused Philox bits against Flax's bernoulli draw)."""
     b, h = attention_sweep.attention_shape(s, TENSOR_BYTES // MIB, jnp.dtype(dtype).name, 16)
     rng = np.random.default_rng(1)
     scores = jnp.asarray(rng.standard_normal((b, h, s, s)).astype(np.float32), dtype)
@@ -86,10 +87,12 @@ def _attention_case(kind, s, dtype=jnp.bfloat16):
     name, make = operand
     args = [scores] + ([make()] if make else [])
 
+    drop = dict(dropout_rate=dropout, dropout_rng=jax.random.key(0)) if dropout else {}
+
     def bind(fn):
         def call(x, *extra):
             kw = {name: extra[0]} if name else {"is_causal": kind == "causal"}
-            return fn(x, scale=0.125, **kw)
+            return fn(x, scale=0.125, **kw, **drop)
         return call
 
     return (bind(jax_softmax.attention_softmax), bind(providers.xla_attention_softmax), args,
@@ -187,6 +190,7 @@ for _kind in ("none", "pad", "padlen", "full", "bias", "causal"):
     for _s in (128, 256, 512, 1024, 2048, 4096, 8192):
         CASES[f"attn_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_case(k, s))
         CASES[f"attn32_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_case(k, s, jnp.float32))
+        CASES[f"attndrop_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_case(k, s, dropout=0.1))
         if _kind != "bias":
             CASES[f"attnbwd_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_bwd_case(k, s))
             CASES[f"attnbwd32_{_kind}_{_s}"] = (

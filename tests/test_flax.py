@@ -623,8 +623,14 @@ def test_cudnn_route_on_gpu(masked):
         assert ("cudnn" in hlo and "fmha" in hlo) == (impl != "jax_softmax"), impl
         (_, y), grads = f(q, k, v)
         outs[impl] = [np.asarray(a, np.float32) for a in (y, *grads)]
-    for a, b, c in zip(outs[None], outs["cudnn"], outs["jax_softmax"]):
-        np.testing.assert_array_equal(a, b)  # the default is the cuDNN program
+    for i, (a, b, c) in enumerate(zip(outs[None], outs["cudnn"], outs["jax_softmax"])):
+        # The default is the cuDNN program: the same output; gradients to cuDNN's run-to-run
+        # spread (its backward is not bitwise reproducible: on the H200 two runs differed by
+        # 1e-10 in one element of dk's 131072).
+        if i == 0:
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
         np.testing.assert_allclose(a, c, rtol=5e-2, atol=5e-2 * np.abs(c).max())
     # shorter rows, and dropout, take jax_softmax's kernels by default
     short = (a[:, :64] for a in (q, k, v))
