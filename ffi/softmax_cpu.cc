@@ -63,8 +63,78 @@ float* KeptRowBuffer(int64_t n) {
   return buffer.get();
 }
 
+// Rows of exactly W columns (a multiple of kLanes, at most kShortRowMax) without bias, mask or
+// causal limit: the one-chunk path of ForwardRows below with the width known at compile time, so
+// that every loop is a fixed run of full vectors (no remainder, no padding, no per-row operand
+// lookups), kShortRowGroup rows at a time, each step for all of them before the next (their
+// max, exp and sum chains overlap). The same operations in the same order: the same bits.
+// Measured single-thread (AVX-512, Zen 4 VM; ns per row, generic -> this): float32 N = 32
+// 37 -> 21, 64 57 -> 37, 128 87 -> 68; bfloat16 N = 32 48 -> 25, 64 70 -> 42, 128 108 -> 77,
+// 256 172 -> 143. Groups of 1 / 2 / 4 / 8 rows: bfloat16 N = 64 60 / 48 / 42 / 42, float32 N = 64
+// 40 / 38 / 37 / 58. Not past 256: at 512 float32 went 282 -> 332, at 1024 538 -> 808.
+constexpr int64_t kShortRowMax = 256;
+constexpr int kShortRowGroup = 4;
+
+template <typename Tag, int W, int R>
+JS_INLINE void ShortPlainRowGroup(const RowParams& p, int64_t row) {
+  using D = Dtype<Tag>;
+  using S = typename D::Storage;
+  using A = typename D::Acc;
+  constexpr A kInf = std::numeric_limits<A>::infinity();
+  const A scale = static_cast<A>(p.scale);
+  alignas(64) A z[R][W];
+  alignas(64) A e[R][W];
+  A m[R], s[R];
+  for (int k = 0; k < R; ++k) {
+    const S* x = static_cast<const S*>(p.in) + (row + k) * W;
+    for (int i = 0; i < W; ++i) z[k][i] = scale * D::Load(x[i]);
+  }
+  for (int k = 0; k < R; ++k) m[k] = MaxOf(z[k], W);
+  // (A row whose max is NaN, +inf or -inf gets NaN below; its exps are not used.)
+  for (int k = 0; k < R; ++k) s[k] = ExpSum(z[k], m[k], W, e[k]);
+  for (int k = 0; k < R; ++k) {
+    S* y = static_cast<S*>(p.out) + (row + k) * W;
+    if (!(m[k] < kInf) || m[k] == -kInf) {  // a NaN or +inf logit, or all -inf: NaN everywhere
+      const S nan = D::Store(std::numeric_limits<A>::quiet_NaN());
+      for (int i = 0; i < W; ++i) y[i] = nan;
+    } else if (p.log) {
+      const A log_s = std::log(s[k]);
+      for (int i = 0; i < W; ++i) y[i] = D::Store((z[k][i] - m[k]) - log_s);
+    } else {
+      const A inv_s = A(1) / s[k];
+      for (int i = 0; i < W; ++i) y[i] = D::Store(e[k][i] * inv_s);
+    }
+  }
+}
+
+template <typename Tag, int W>
+JS_INLINE void ShortPlainRows(const RowParams& p, int64_t r0, int64_t r1) {
+  int64_t row = r0;
+  for (; row + kShortRowGroup <= r1; row += kShortRowGroup)
+    ShortPlainRowGroup<Tag, W, kShortRowGroup>(p, row);
+  for (; row < r1; ++row) ShortPlainRowGroup<Tag, W, 1>(p, row);
+}
+
+// The ShortPlainRows instance for cols W = kLanes * k (k = 1, 2, 4, ..., kShortRowMax / kLanes);
+// false where none applies.
+template <typename Tag, int W = kLanes>
+JS_INLINE bool RunShortPlainRows(const RowParams& p, int64_t r0, int64_t r1) {
+  if (p.cols == W) {
+    ShortPlainRows<Tag, W>(p, r0, r1);
+    return true;
+  }
+  if constexpr (2 * W <= kShortRowMax) {
+    return RunShortPlainRows<Tag, 2 * W>(p, r0, r1);
+  }
+  return false;
+}
+
 template <typename Tag>
 JS_INLINE void ForwardRows(const RowParams& p, int64_t r0, int64_t r1) {
+  if (!p.bias.data && !p.mask.data && p.causal.d <= 0 && p.cols <= kShortRowMax &&
+      RunShortPlainRows<Tag>(p, r0, r1)) {
+    return;
+  }
   using D = Dtype<Tag>;
   using S = typename D::Storage;
   using A = typename D::Acc;

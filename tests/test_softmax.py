@@ -41,7 +41,8 @@ def randn(rng, shape, dtype, scale=3.0):
 # --- values ---------------------------------------------------------------------------------------
 @dtypes
 @funcs
-@pytest.mark.parametrize("shape", [(1, 1), (5,), (3, 7), (2, 3, 33), (4, 256), (2, 1000)], ids=str)
+@pytest.mark.parametrize(
+    "shape", [(1, 1), (5,), (3, 7), (6, 16), (2, 3, 33), (5, 128), (4, 256), (2, 1000)], ids=str)
 def test_values_vs_numpy(backend, device, rng, dtype, fname, shape):
     f, _, log = FUNCS[fname]
     x = randn(rng, shape, dtype)
@@ -106,11 +107,11 @@ def special_rows(dtype):
 # Rows of 4 columns, and the same rows repeated to 1001, 8193 and 24576 columns, which take other
 # kernels on the GPU (bfloat16: staged 32-lane rows and a staged block that keep x as loaded;
 # float16 the 32-lane rows only; both 16-bit types a reread block at 24576, which reads x from
-# shared memory in each pass).
+# shared memory in each pass); 32 and 256 unmasked take the CPU's fixed-width rows.
 @dtypes
 @funcs
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("n", [4, 1001, 8193, 24576])
+@pytest.mark.parametrize("n", [4, 32, 256, 1001, 8193, 24576])
 def test_special_values_like_jax_nn(backend, device, dtype, fname, masked, n):
     f, ref_f, _ = FUNCS[fname]
     x = np.tile(special_rows(dtype), (1, -(-n // 4)))[:, :n]
