@@ -99,11 +99,12 @@ def _attention_case(kind, s, dtype=jnp.bfloat16, dropout=0.0):
             2 * scores.nbytes)
 
 
-def _attention_bwd_case(kind, s, dtype=jnp.bfloat16):
+def _attention_bwd_case(kind, s, dtype=jnp.bfloat16, dropout=0.0):
     """The backward of an _attention_case (no bias: its backward rows are plain ones), alone:
     jax.vjp's function for the scores (its residuals, y and the mask, are inputs) applied to dy,
-    as the benchmark's bwd mode does; must move: read y and dy, write dscores."""
-    ours, xla, args, nbytes = _attention_case(kind, s, dtype)
+    as the benchmark's bwd mode does; must move: read y and dy, write dscores (with dropout ours
+    reads the scores instead of y)."""
+    ours, xla, args, nbytes = _attention_case(kind, s, dtype, dropout)
     dy = jnp.asarray(np.random.default_rng(2).standard_normal(args[0].shape).astype(np.float32),
                      dtype)
 
@@ -191,6 +192,8 @@ for _kind in ("none", "pad", "padlen", "full", "bias", "causal"):
         CASES[f"attn_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_case(k, s))
         CASES[f"attn32_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_case(k, s, jnp.float32))
         CASES[f"attndrop_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_case(k, s, dropout=0.1))
+        CASES[f"attndropbwd_{_kind}_{_s}"] = (
+            lambda k=_kind, s=_s: _attention_bwd_case(k, s, dropout=0.1))
         if _kind != "bias":
             CASES[f"attnbwd_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_bwd_case(k, s))
             CASES[f"attnbwd32_{_kind}_{_s}"] = (
