@@ -60,58 +60,94 @@ def multiplier(rate: float) -> float:
     return 1.0 / (1.0 - rate)
 
 
-def uniforms16(keys, shape, *, broadcast: bool):
+def global_rows(shape, global_shape, offsets):
+    """The dense row index, in an array of `global_shape`, of each row of its block of `shape`
+    whose first element lies at `offsets` (one per axis but the last; ints or traced integers, as
+    a shard's jax.lax.axis_index * its size): a uint32 array of the block's rows."""
+    lead, global_lead = tuple(shape[:-1]), tuple(global_shape[:-1])
+    if math.prod(global_lead) >= 2**32:
+        raise ValueError(f"a sharded dropout call takes fewer than 2**32 rows, got {global_shape}")
+    r = jnp.zeros(lead, _U32)
+    stride = 1
+    for a in reversed(range(len(lead))):
+        idx = jnp.arange(lead[a], dtype=_U32) + jnp.asarray(offsets[a]).astype(_U32)
+        r = r + (idx * _U32(stride)).reshape((lead[a],) + (1,) * (len(lead) - a - 1))
+        stride *= global_lead[a]
+    return r.reshape(-1)
+
+
+def uniforms16(keys, shape, *, broadcast: bool, global_shape=None, offsets=None):
     """The 16-bit uniforms (uint32 array of `shape`) of every element of the dense (rows, cols)
-    view of `shape`, for a (K, 2) uint32 key operand (K dividing the rows)."""
+    view of `shape`, for a (K, 2) uint32 key operand (K dividing the rows). With `global_shape`
+    and `offsets` (a shard's block of a larger array, see global_rows), the bits of the block's
+    elements in the whole array: a row's index, key and query position are its global ones."""
     cols = shape[-1] if len(shape) else 1
-    rows = math.prod(shape[:-1])
+    whole = tuple(shape) if global_shape is None else tuple(global_shape)
+    rows = math.prod(whole[:-1])
     keys = jnp.asarray(keys, _U32).reshape(-1, 2)
     num_keys = keys.shape[0]
     if rows % num_keys:
         raise ValueError(f"{num_keys} keys do not divide {rows} rows")
     per_key = rows // num_keys
-    r = np.arange(rows, dtype=np.int64)
-    which = r // per_key
-    index = r % per_key
-    if broadcast:
-        index = index % (shape[-2] if len(shape) >= 2 else 1)
+    query_len = whole[-2] if len(whole) >= 2 else 1
     groups = (cols + 7) // 8
     g = jnp.arange(groups, dtype=_U32)[None, :]
-    lo = jnp.asarray((index & 0xFFFFFFFF).astype(np.uint32))[:, None]
-    hi = jnp.asarray((index >> 32).astype(np.uint32))[:, None]
+    if global_shape is None:
+        r = np.arange(rows, dtype=np.int64)
+        which = r // per_key
+        index = r % per_key
+        if broadcast:
+            index = index % query_len
+        lo = jnp.asarray((index & 0xFFFFFFFF).astype(np.uint32))[:, None]
+        hi = jnp.asarray((index >> 32).astype(np.uint32))[:, None]
+    else:
+        r = global_rows(shape, global_shape, offsets)  # < 2**32: the index's high word is 0
+        which = (r // _U32(per_key)).astype(jnp.int32)
+        index = r % _U32(per_key)
+        if broadcast:
+            index = index % _U32(query_len)
+        lo, hi = index[:, None], jnp.zeros((1, 1), _U32)
     k0, k1 = keys[which, 0][:, None], keys[which, 1][:, None]
     words = philox4x32_10((g, lo, hi, _U32(0)), (k0, k1))
     w = jnp.stack(words, axis=-1)  # (rows, groups, 4)
     u = jnp.stack([w & _U32(0xFFFF), w >> _U32(16)], axis=-1)  # (rows, groups, 4, 2)
-    return u.reshape(rows, groups * 8)[:, :cols].reshape(shape)
+    return u.reshape(-1, groups * 8)[:, :cols].reshape(shape)
 
 
-def keep_mask(keys, shape, rate: float, *, broadcast: bool):
-    """Boolean array of `shape`: which elements dropout keeps."""
-    return uniforms16(keys, shape, broadcast=broadcast) >= _U32(threshold(rate))
+def keep_mask(keys, shape, rate: float, *, broadcast: bool, global_shape=None, offsets=None):
+    """Boolean array of `shape`: which elements dropout keeps (of a shard's block: uniforms16)."""
+    u = uniforms16(keys, shape, broadcast=broadcast, global_shape=global_shape, offsets=offsets)
+    return u >= _U32(threshold(rate))
 
 
-def _logits(x, bias, mask, *, scale, has_bias, has_mask, causal):
+def _logits(x, bias, mask, *, scale, has_bias, has_mask, causal, offsets=None):
     acc = _reference.acc_dtype(x.dtype)
     z = x.astype(acc) * jnp.asarray(scale, acc)
     if has_bias:
         z = z + bias.astype(acc)
-    valid = _reference.valid_positions(x.shape, mask, has_mask, causal)
+    # A shard's causal triangle starts at its first query (whole rows: keys start at 0).
+    q_offset = offsets[-1] if offsets is not None and x.ndim >= 2 else 0
+    valid = _reference.valid_positions(x.shape, mask, has_mask, causal, q_offset=q_offset)
     if valid is None:
         valid = jnp.ones(x.shape, bool)
     return z, valid
 
 
-def _factor(keys, shape, acc, rate, broadcast):
-    keep = keep_mask(keys, shape, rate, broadcast=broadcast)
+def _factor(keys, shape, acc, rate, broadcast, global_shape, offsets):
+    keep = keep_mask(keys, shape, rate, broadcast=broadcast, global_shape=global_shape,
+                     offsets=offsets)
     return keep, np.asarray(multiplier(rate), np.float64).astype(acc)
 
 
-def forward(x, bias, mask, keys, *, scale, has_bias, has_mask, causal, rate, broadcast):
+def forward(x, bias, mask, keys, *, scale, has_bias, has_mask, causal, rate, broadcast,
+            global_shape=None, offsets=None):
     """(out, lse): out = softmax(z) * keep / (1 - rate) at valid positions, 0 elsewhere; lse the
     row's log-sum-exp over valid positions (-inf and zero outputs where a row has no valid
-    position or only -inf logits), in the accumulator dtype."""
-    z, valid = _logits(x, bias, mask, scale=scale, has_bias=has_bias, has_mask=has_mask, causal=causal)
+    position or only -inf logits), in the accumulator dtype. With `global_shape` and `offsets`,
+    x is a shard's block of whole rows (see uniforms16): the same values as that block of the
+    whole array's."""
+    z, valid = _logits(x, bias, mask, scale=scale, has_bias=has_bias, has_mask=has_mask,
+                       causal=causal, offsets=offsets)
     acc = z.dtype
     zv = jnp.where(valid, z, -jnp.inf)
     m = jnp.max(zv, axis=-1, keepdims=True)
@@ -121,23 +157,23 @@ def forward(x, bias, mask, keys, *, scale, has_bias, has_mask, causal, rate, bro
     s = jnp.sum(e, axis=-1, keepdims=True)
     lse = jnp.where(dead, -jnp.inf, m + jnp.log(jnp.where(dead, 1, s)))
     y = e / jnp.where(dead, 1, s)
-    keep, mult = _factor(keys, x.shape, acc, rate, broadcast)
+    keep, mult = _factor(keys, x.shape, acc, rate, broadcast, global_shape, offsets)
     out = jnp.where(keep, y * mult, 0)
     return out.astype(x.dtype), lse[..., 0]
 
 
 def backward(x, bias, mask, keys, lse, dy, *, scale, has_bias, has_mask, causal, rate, broadcast,
-             grad_scale):
+             grad_scale, global_shape=None, offsets=None):
     """grad_scale * dz: y = exp(z - lse) recomputed, g = dy * keep / (1 - rate),
     dz = y * (g - sum(y g)); zero at invalid positions and on rows with lse = -inf. grad_scale is
-    `scale` for the scores' cotangent, 1 for the bias's."""
+    `scale` for the scores' cotangent, 1 for the bias's. `global_shape`, `offsets`: as forward."""
     z, valid = _logits(x, bias, mask, scale=scale, has_bias=has_bias, has_mask=has_mask,
-                       causal=causal)
+                       causal=causal, offsets=offsets)
     acc = z.dtype
     lse = lse.astype(acc)[..., None]
     live = valid & (lse != -jnp.inf)
     y = jnp.where(live, jnp.exp(z - jnp.where(live, lse, 0)), 0)
-    keep, mult = _factor(keys, x.shape, acc, rate, broadcast)
+    keep, mult = _factor(keys, x.shape, acc, rate, broadcast, global_shape, offsets)
     g = jnp.where(keep & live, dy.astype(acc) * mult, 0)
     s = jnp.sum(y * g, axis=-1, keepdims=True)
     dz = jnp.where(live, y * (g - s), 0)

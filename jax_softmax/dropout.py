@@ -11,10 +11,11 @@ key, never y or a mask tensor.
 batching rule below stacks vmapped keys that way). The bits are those of ffi/philox.h, computed
 in jnp by _philox.py.
 
-Lowering: the FFI targets on the platforms of KERNEL_PLATFORMS where the extension is built
+Lowering: each primitive lowers through its partitioning rules (dropout_sharding.py) to a kernel
+primitive (``kernel_dropout_fwd_p``, ``kernel_dropout_bwd_p``) per shard, which lowers to the FFI
+targets on the platforms of KERNEL_PLATFORMS where the extension is built
 (ffi/attention_dropout_cpu.cc; ffi/attention_dropout_cuda.cu with ffi/dropout_rows.cuh);
-elsewhere the jnp reference of _philox.py, with the same bits, not fused. No custom_partitioning
-yet: under a sharded jit these calls run replicated.
+elsewhere to the jnp reference of _philox.py, with the same bits, not fused.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from jax_softmax import _ffi, _philox, _reference
+from jax._src import dispatch  # prim_requires_devices_during_lowering: no public name
+
+from jax_softmax import _ffi, _philox, _reference, dropout_sharding
 from jax_softmax.primitives import bias_cotangent, dummy_operands
 
 FWD_TARGET = "jax_softmax_attn_dropout_fwd"
@@ -37,6 +40,10 @@ PHILOX_TARGET = "jax_softmax_philox"
 attn_dropout_fwd_p = Primitive("jax_softmax_attn_dropout_fwd")
 attn_dropout_fwd_p.multiple_results = True
 attn_dropout_bwd_p = Primitive("jax_softmax_attn_dropout_bwd")
+# What one shard (or one device) runs: abstract evaluation and lowering only.
+kernel_dropout_fwd_p = Primitive("jax_softmax_attn_dropout_fwd_kernel")
+kernel_dropout_fwd_p.multiple_results = True
+kernel_dropout_bwd_p = Primitive("jax_softmax_attn_dropout_bwd_kernel")
 
 
 def _fwd_impl(*args, **params):
@@ -60,18 +67,26 @@ def _bwd_abstract(x, *_, **__):
     return jax.core.ShapedArray(x.shape, x.dtype)
 
 
-attn_dropout_fwd_p.def_abstract_eval(_fwd_abstract)
-attn_dropout_bwd_p.def_abstract_eval(_bwd_abstract)
+for _p in (attn_dropout_fwd_p, kernel_dropout_fwd_p):
+    _p.def_abstract_eval(_fwd_abstract)
+for _p in (attn_dropout_bwd_p, kernel_dropout_bwd_p):
+    _p.def_abstract_eval(_bwd_abstract)
 
-# The platforms whose fused kernels the primitives lower to; the others lower the jnp reference:
-# the same bits, as separate XLA ops.
+# The platforms whose fused kernels the kernel primitives lower to; the others lower the jnp
+# reference: the same bits, as separate XLA ops.
 KERNEL_PLATFORMS = ("cpu", "cuda")
-mlir.register_lowering(attn_dropout_fwd_p, mlir.lower_fun(_philox.forward, multiple_results=True))
-mlir.register_lowering(attn_dropout_bwd_p, mlir.lower_fun(_philox.backward, multiple_results=False))
+mlir.register_lowering(kernel_dropout_fwd_p, mlir.lower_fun(_philox.forward, multiple_results=True))
+mlir.register_lowering(kernel_dropout_bwd_p, mlir.lower_fun(_philox.backward, multiple_results=False))
 for _platform in KERNEL_PLATFORMS:
     if _ffi.has_platform(_platform):
-        mlir.register_lowering(attn_dropout_fwd_p, jax.ffi.ffi_lowering(FWD_TARGET), platform=_platform)
-        mlir.register_lowering(attn_dropout_bwd_p, jax.ffi.ffi_lowering(BWD_TARGET), platform=_platform)
+        mlir.register_lowering(kernel_dropout_fwd_p, jax.ffi.ffi_lowering(FWD_TARGET), platform=_platform)
+        mlir.register_lowering(kernel_dropout_bwd_p, jax.ffi.ffi_lowering(BWD_TARGET), platform=_platform)
+mlir.register_lowering(
+    attn_dropout_fwd_p, mlir.lower_fun(dropout_sharding.partitioned_fwd, multiple_results=True))
+mlir.register_lowering(
+    attn_dropout_bwd_p, mlir.lower_fun(dropout_sharding.partitioned_bwd, multiple_results=False))
+# custom_partitioning needs the device assignment while lowering (primitives.py says why).
+dispatch.prim_requires_devices_during_lowering.update((attn_dropout_fwd_p, attn_dropout_bwd_p))
 
 
 # --- batching --------------------------------------------------------------------------------------

@@ -279,6 +279,82 @@ def test_attention_gradients(layout, variant):
         assert count_custom_calls(hlo, FWD_TARGET) == 1 and count_custom_calls(hlo, BWD_TARGET) >= 1
 
 
+# --- attention dropout ---------------------------------------------------------------------------
+DROPOUT_TARGETS = ("jax_softmax_attn_dropout_fwd", "jax_softmax_attn_dropout_bwd")
+
+
+def _unsharded(a):
+    return None if a is None else np.asarray(a)
+
+
+@pytest.mark.parametrize("variant", ["plain", "bias+mask+causal"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_attention_dropout(layout, variant):
+    """The dropout bits depend on each element's place in the whole array: a sharded call gives
+    the unsharded call's mask (exactly) and values, forward and backward; the key axis is gathered
+    (only where it was split), the other axes keep their sharding with no collective."""
+    opts = ATTENTION_VARIANTS[variant]
+    x, bias, mask = inputs(rng_for("d" + layout + variant))
+    bias = bias if opts.get("bias") else None
+    mask = mask if opts.get("mask") else None
+    scale, causal = opts.get("scale", 1.0), opts.get("is_causal", False)
+    weights = rng_for("dw" + layout).standard_normal(SHAPE).astype(np.float32)
+    mesh, spec, (xs, ws) = place(layout, x, weights)
+    key = jax.random.key(7)
+
+    def attend(s, b):
+        return jax_softmax.attention_softmax(s, scale=scale, bias=b, mask=mask, is_causal=causal,
+                                             dropout_rate=0.25, dropout_rng=key)
+
+    def loss(s, b, w):
+        return jnp.sum(attend(s, b) * w)
+
+    argnums = (0, 1) if bias is not None else (0,)
+    fwd, grad = jax.jit(attend), jax.jit(jax.grad(loss, argnums=argnums))
+    y, got = fwd(xs, bias), grad(xs, bias, ws)
+    y_ref, want = fwd(x, bias), grad(x, bias, weights)  # one device: the fused kernels
+    np.testing.assert_array_equal(np.asarray(y) == 0, np.asarray(y_ref) == 0)
+    assert_close(y, np.asarray(y_ref, np.float64), np.float32, what=f"{layout} {variant}")
+    for g, w in zip(got, want):
+        assert_close(g, np.asarray(w, np.float64), np.float32, GRAD_TOL)
+    if not key_sharded(spec):  # (a key-sharded result may come back split again: a slice)
+        assert y.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4), y.sharding
+        assert got[0].sharding.is_equivalent_to(NamedSharding(mesh, spec), 4), got[0].sharding
+    hlo = grad.lower(xs, bias, ws).compile().as_text()
+    found = collectives(hlo)
+    allowed = {"all-gather"} if key_sharded(spec) else set()
+    if bias is not None:
+        allowed.add("all-reduce")  # the bias gradient summed over the batch
+    assert all(not v for k, v in found.items() if k not in allowed), found
+    rows_split = any(e is not None for e in (tuple(spec) + (None,) * 4)[:3])
+    if not rows_split:  # whole rows on every device: the fused kernels
+        for target in DROPOUT_TARGETS:
+            assert count_custom_calls(hlo, target) >= 1, target
+
+
+def test_attention_dropout_broadcast_and_vmap():
+    """broadcast_dropout (one mask over batch and heads) and a vmap over keys, sharded over the
+    batch and heads: the unsharded call's values."""
+    x, _, _ = inputs(rng_for("dbv"))
+    mesh, spec, (xs,) = place("batch+heads", x)
+    keys = jax.random.split(jax.random.key(3), 2)
+
+    def attend(s, k, broadcast):
+        return jax_softmax.attention_softmax(s, dropout_rate=0.5, dropout_rng=k,
+                                             broadcast_dropout=broadcast)
+
+    fn = jax.jit(lambda s: attend(s, keys[0], True))
+    y, y_ref = fn(xs), fn(x)
+    np.testing.assert_array_equal(np.asarray(y) == 0, np.asarray(y_ref) == 0)
+    assert_close(y, np.asarray(y_ref, np.float64), np.float32)
+    # one mask for every batch entry and head
+    np.testing.assert_array_equal(np.asarray(y)[0] == 0, np.asarray(y)[-1] == 0)
+    vm = jax.jit(jax.vmap(lambda s, k: attend(s, k, False), in_axes=(None, 0)))
+    v, v_ref = vm(xs, keys), vm(x, keys)
+    np.testing.assert_array_equal(np.asarray(v) == 0, np.asarray(v_ref) == 0)
+    assert_close(v, np.asarray(v_ref, np.float64), np.float32)
+
+
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 @pytest.mark.parametrize("layout", ["batch+heads", "keys over both"])
 def test_softmax_gradients(layout, log):
