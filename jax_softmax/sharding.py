@@ -125,6 +125,8 @@ def _infer_from_operands(*args):
     """GSPMD: the result is sharded as the first operand (the scores, or y in the backward)."""
     mesh, arg_shapes, _ = args[-3:]
     sharding = arg_shapes[0].sharding
+    if sharding is None:  # asked before the operand's sharding is known: replicated
+        return NamedSharding(mesh, PartitionSpec())
     spec = _full_spec(sharding, len(arg_shapes[0].shape))
     return sharding if spec is None else NamedSharding(mesh, PartitionSpec(*spec))
 

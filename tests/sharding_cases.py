@@ -402,6 +402,19 @@ def test_vmap_over_heads_sharded():
     check_collectives(fn.lower(xs).compile().as_text(), "batch+heads")
 
 
+def test_vmap_over_an_unsharded_operand():
+    """vmap over a replicated operand of sharded scores: GSPMD asks the partitioning rules before
+    it knows the stacked scores' sharding (None); the rules must still answer with a sharding (an
+    exception there aborted the process)."""
+    x, _, _ = inputs(rng_for("vmap unsharded"))
+    mesh, spec, (xs,) = place("batch+heads", x)
+    c = jnp.arange(1.0, 4.0)
+    fn = jax.jit(jax.vmap(lambda a, k: jax_softmax.softmax(a * k), in_axes=(None, 0)))
+    y = fn(xs, c)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(fn(x, c)))
+    assert_close(y, np.stack([np_softmax(x * k) for k in (1.0, 2.0, 3.0)]), np.float32)
+
+
 @pytest.mark.parametrize("layout", ["batch+heads", "batch+keys"])
 def test_inside_shard_map(layout):
     """Inside shard_map the primitives see one shard's block and add no collective: with the key
