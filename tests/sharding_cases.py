@@ -148,14 +148,19 @@ ATTENTION_VARIANTS = {
 }
 
 
+def variant_inputs(seed: str, variant: str):
+    """(x, bias or None, mask or None, scale, causal) of an ATTENTION_VARIANTS entry."""
+    opts = ATTENTION_VARIANTS[variant]
+    x, bias, mask = inputs(rng_for(seed))
+    bias = bias if opts.get("bias") else None
+    mask = mask if opts.get("mask") else None
+    return x, bias, mask, opts.get("scale", 1.0), opts.get("is_causal", False)
+
+
 @pytest.mark.parametrize("variant", list(ATTENTION_VARIANTS))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_attention_forward(layout, variant):
-    opts = ATTENTION_VARIANTS[variant]
-    x, bias, mask = inputs(rng_for(layout + variant))
-    bias = bias if opts.get("bias") else None
-    mask = mask if opts.get("mask") else None
-    scale, causal = opts.get("scale", 1.0), opts.get("is_causal", False)
+    x, bias, mask, scale, causal = variant_inputs(layout + variant, variant)
     mesh, spec, (xs,) = place(layout, x)
     fn = jax.jit(
         lambda s, b, m: jax_softmax.attention_softmax(s, scale=scale, bias=b, mask=m, is_causal=causal)
@@ -253,11 +258,7 @@ def test_mask_sharded_like_the_scores_stays_sharded(layout):
 @pytest.mark.parametrize("variant", ["plain", "bias+mask+causal"])
 @pytest.mark.parametrize("layout", ["batch", "heads", "query", "keys", "batch+keys", "query+keys"])
 def test_attention_gradients(layout, variant):
-    opts = ATTENTION_VARIANTS[variant]
-    x, bias, mask = inputs(rng_for("g" + layout + variant))
-    bias = bias if opts.get("bias") else None
-    mask = mask if opts.get("mask") else None
-    scale, causal = opts.get("scale", 1.0), opts.get("is_causal", False)
+    x, bias, mask, scale, causal = variant_inputs("g" + layout + variant, variant)
     weights = rng_for("w" + layout).standard_normal(SHAPE).astype(np.float32)
     mesh, spec, (xs, ws) = place(layout, x, weights)
 
@@ -293,11 +294,7 @@ def test_attention_dropout(layout, variant):
     """The dropout bits depend on each element's place in the whole array: a sharded call gives
     the unsharded call's mask (exactly) and values, forward and backward; the key axis is gathered
     (only where it was split), the other axes keep their sharding with no collective."""
-    opts = ATTENTION_VARIANTS[variant]
-    x, bias, mask = inputs(rng_for("d" + layout + variant))
-    bias = bias if opts.get("bias") else None
-    mask = mask if opts.get("mask") else None
-    scale, causal = opts.get("scale", 1.0), opts.get("is_causal", False)
+    x, bias, mask, scale, causal = variant_inputs("d" + layout + variant, variant)
     weights = rng_for("dw" + layout).standard_normal(SHAPE).astype(np.float32)
     mesh, spec, (xs, ws) = place(layout, x, weights)
     key = jax.random.key(7)
