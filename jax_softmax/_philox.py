@@ -7,8 +7,8 @@ are >= t = min(65535, round(rate * 65536)). Everything here is uint32 arithmetic
 products are built from 16-bit halves), so it runs with or without jax_enable_x64.
 
 Used by the tests, by the Flax plug-in's sowing path, and as the lowering of the dropout
-primitives on platforms without a fused dropout kernel (dropout.KERNEL_PLATFORMS lists those with
-one).
+primitives on platforms without a fused dropout kernel (all but the CPU and CUDA) and on shards
+of split rows (dropout_sharding.py).
 """
 
 from __future__ import annotations

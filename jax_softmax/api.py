@@ -246,9 +246,8 @@ def attention_softmax(scores, *, scale=1.0, bias=None, mask=None, is_causal: boo
     never on the device, threads or tiling (ffi/philox.h has the full contract). Under
     ``jax.vmap`` with one key the mapped entries get different masks (the mapped axis counts as
     the leading row axis); with a batch of keys each entry's mask is that of its own key. The
-    bits differ from ``jax.random.bernoulli``'s. On the CPU the dropout is fused into the kernels;
-    elsewhere (CUDA included, until its kernels have run the GPU suite) the same bits are computed
-    by XLA ops. With
+    bits differ from ``jax.random.bernoulli``'s. On the CPU and on CUDA GPUs the dropout is fused
+    into the kernels (the same bits on both); elsewhere they are computed by XLA ops. With
     dropout, a row whose valid logits are all ``-inf`` gives zeros (as a fully masked row), and
     forward-mode and second-order differentiation are not supported.
 

@@ -13,7 +13,7 @@ in jnp by _philox.py.
 
 Lowering: each primitive lowers through its partitioning rules (dropout_sharding.py) to a kernel
 primitive (``kernel_dropout_fwd_p``, ``kernel_dropout_bwd_p``) per shard, which lowers to the FFI
-targets on the platforms of KERNEL_PLATFORMS where the extension is built
+targets on the CPU and on CUDA GPUs where those extensions are built
 (ffi/attention_dropout_cpu.cc; ffi/attention_dropout_cuda.cu with ffi/dropout_rows.cuh);
 elsewhere to the jnp reference of _philox.py, with the same bits, not fused.
 """
@@ -72,12 +72,11 @@ for _p in (attn_dropout_fwd_p, kernel_dropout_fwd_p):
 for _p in (attn_dropout_bwd_p, kernel_dropout_bwd_p):
     _p.def_abstract_eval(_bwd_abstract)
 
-# The platforms whose fused kernels the kernel primitives lower to; the others lower the jnp
-# reference: the same bits, as separate XLA ops.
-KERNEL_PLATFORMS = ("cpu", "cuda")
+# Platforms without a fused dropout kernel (ROCm, TPU, a build without CUDA) lower the jnp
+# reference: the same bits, as separate XLA ops. The CPU and CUDA lower to their FFI targets.
 mlir.register_lowering(kernel_dropout_fwd_p, mlir.lower_fun(_philox.forward, multiple_results=True))
 mlir.register_lowering(kernel_dropout_bwd_p, mlir.lower_fun(_philox.backward, multiple_results=False))
-for _platform in KERNEL_PLATFORMS:
+for _platform in ("cpu", "cuda"):
     if _ffi.has_platform(_platform):
         mlir.register_lowering(kernel_dropout_fwd_p, jax.ffi.ffi_lowering(FWD_TARGET), platform=_platform)
         mlir.register_lowering(kernel_dropout_bwd_p, jax.ffi.ffi_lowering(BWD_TARGET), platform=_platform)

@@ -640,7 +640,4 @@ def test_cudnn_route_on_gpu(masked):
     drop = jax.jit(lambda q, k, v: jsf.dot_product_attention(
         q, k, v, dropout_rng=jax.random.key(0), dropout_rate=0.1, deterministic=False, **kw))
     hlo = drop.lower(q, k, v).compile().as_text()
-    from jax_softmax import dropout as jsd
-
-    fused = "cuda" in jsd.KERNEL_PLATFORMS
-    assert ('custom_call_target="jax_softmax_attn_dropout_fwd"' in hlo) == fused and "fmha" not in hlo
+    assert 'custom_call_target="jax_softmax_attn_dropout_fwd"' in hlo and "fmha" not in hlo
