@@ -27,10 +27,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_softmax import _philox
 from jax_softmax.sharding import (
+    _first_sharding,
     _follow,
     _full_spec,
     _mesh_axes,
+    _operand_factors,
     _per_shard,
+    _propagate_user_sharding,
     _replicated,
     _shapes_of,
     _shard_offset,
@@ -58,8 +61,7 @@ def _sharding_rule(num_results: int):
             elif k == 4:  # the backward's lse
                 mappings.append(factors[:-1])
             else:
-                mappings.append(tuple(
-                    f if n == m else f"o{k}_{i}" for i, (f, n, m) in enumerate(zip(factors, shape, first))))
+                mappings.append(_operand_factors(factors, shape, first, k))
         results = (factors,) + ((factors[:-1],) if num_results == 2 else ())
         return SdyShardingRule(tuple(mappings), results, need_replication_factors=(_KEY_FACTOR,))
 
@@ -99,14 +101,6 @@ def _result_shardings(mesh, spec, num_results: int):
     return [out, NamedSharding(mesh, PartitionSpec(*spec[:-1]))]  # a list: custom_partitioning's type
 
 
-def _propagate_user_sharding(*args):
-    """GSPMD, propagating backwards from a user of the result(s): keep the user's sharding."""
-    _, user_shape = args[-2:]
-    if isinstance(user_shape, (list, tuple)):
-        return [u.sharding for u in user_shape]
-    return user_shape.sharding
-
-
 def _partitioned(kernel, reference, param_names: tuple[str, ...], num_operands: int, num_results: int):
     """The custom_partitioning op of one dropout kernel primitive, called as
     ``op(*operands, *params)``. `kernel` is the kernel primitive's getter, `reference` the
@@ -121,11 +115,8 @@ def _partitioned(kernel, reference, param_names: tuple[str, ...], num_operands: 
     def infer(*args):
         mesh, arg_shapes, _ = args[-3:]
         plan = _specs(mesh, arg_shapes)
-        if plan is None:
-            # No mesh to name (GSPMD asks before it knows the scores' sharding too: then None).
-            sharding = arg_shapes[0].sharding
-            if sharding is None:
-                sharding = NamedSharding(mesh, PartitionSpec())
+        if plan is None:  # no mesh to name, or a sharding GSPMD does not know yet
+            sharding = _first_sharding(mesh, arg_shapes)
             return sharding if num_results == 1 else [sharding] * 2
         return _result_shardings(mesh, plan[0], num_results)
 

@@ -104,6 +104,12 @@ def _shapes_of(types):
     return [tuple(ir.RankedTensorType(t).shape) for t in types]
 
 
+def _operand_factors(factors, shape, like, k: int) -> tuple[str, ...]:
+    """Shardy factors of operand k of `shape` beside the operand of `like` shape with `factors`:
+    the same factor on a full-size axis, one of its own (left unsharded) on a broadcast one."""
+    return tuple(f if n == m else f"o{k}_{i}" for i, (f, n, m) in enumerate(zip(factors, shape, like)))
+
+
 def _sharding_rule(*args):
     """Shardy rule: every operand maps its full-size axes to the first operand's factors and its
     size-1 (broadcast) axes to factors of their own, which stay unsharded; the result is sharded
@@ -115,25 +121,30 @@ def _sharding_rule(*args):
     factors = [f"d{i}" for i in range(len(first))]
     mappings = [" ".join(factors)]
     for k, shape in enumerate(shapes[1:]):
-        mappings.append(
-            " ".join(f if n == m else f"o{k}_{i}" for i, (f, n, m) in enumerate(zip(factors, shape, first)))
-        )
+        mappings.append(" ".join(_operand_factors(factors, shape, first, k)))
     return ", ".join(mappings) + " -> " + " ".join(factors)
+
+
+def _first_sharding(mesh, arg_shapes):
+    """The first operand's sharding; replicated where GSPMD asks before it knows it (None: a vmap
+    over a replicated operand of sharded scores; answering None aborted the process)."""
+    sharding = arg_shapes[0].sharding
+    return NamedSharding(mesh, PartitionSpec()) if sharding is None else sharding
 
 
 def _infer_from_operands(*args):
     """GSPMD: the result is sharded as the first operand (the scores, or y in the backward)."""
     mesh, arg_shapes, _ = args[-3:]
-    sharding = arg_shapes[0].sharding
-    if sharding is None:  # asked before the operand's sharding is known: replicated
-        return NamedSharding(mesh, PartitionSpec())
+    sharding = _first_sharding(mesh, arg_shapes)
     spec = _full_spec(sharding, len(arg_shapes[0].shape))
     return sharding if spec is None else NamedSharding(mesh, PartitionSpec(*spec))
 
 
 def _propagate_user_sharding(*args):
-    """GSPMD, propagating backwards from a user of the result: keep the user's sharding."""
+    """GSPMD, propagating backwards from the user(s) of the result(s): keep their shardings."""
     _, user_shape = args[-2:]
+    if isinstance(user_shape, (list, tuple)):
+        return [u.sharding for u in user_shape]
     return user_shape.sharding
 
 
