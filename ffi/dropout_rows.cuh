@@ -36,23 +36,45 @@ __device__ __forceinline__ uint32_t philox_word(const Philox4& b, int i) {
   return i == 0 ? b.v[0] : i == 1 ? b.v[1] : i == 2 ? b.v[2] : b.v[3];
 }
 
-// Bit e set iff column c + e of the row is kept (c a multiple of kVec). A vector of 8 or more
-// columns starts a Philox call (its uniforms are words 0-3, fixed); narrower ones take their part
-// of the call of their group of 8.
+// The keep test of one vector of kVec columns: its Philox words as drawn, two 16-bit uniforms each
+// (column e's is word e / 2's low half for even e, high half for odd e; a one-column vector's word
+// is shifted so that its uniform is the high half). The tests take thr = t << 16: a high half is
+// >= t iff the whole word is >= thr (the low half cannot tip it), a low half iff the word shifted
+// up is. So a column costs a compare (and a shift) where it is used; packing the tests into a bit
+// word at the draw and taking them apart at the store cost 3-4 instructions per element more
+// (the SASS kept them in predicates and moved them through a register).
 template <int kVec>
-__device__ __forceinline__ uint32_t keep_bits(const DropoutKey& key, int c, uint32_t threshold) {
+struct KeepWords {
   static_assert(kVec <= 8 && 8 % kVec == 0, "a vector lies inside one group of 8 columns");
-  const Philox4 b = DropoutBits(key, c >> 3);
-  const int first = kVec == 8 ? 0 : (c & 7);  // the vector's first uniform in the call
-  uint32_t bits = 0;
-#pragma unroll
-  for (int e = 0; e < kVec; ++e) {
-    const int j = first + e;
-    const uint32_t word = kVec == 8 ? b.v[e >> 1] : philox_word(b, j >> 1);
-    const uint32_t u = (j & 1) ? word >> 16 : word & 0xffffu;
-    bits |= uint32_t(u >= threshold) << e;
+  static constexpr int kWords = kVec > 1 ? kVec / 2 : 1;
+  uint32_t w[kWords];
+
+  __device__ __forceinline__ bool kept(int e, uint32_t thr) const {
+    if constexpr (kVec == 1) return w[0] >= thr;
+    else return ((e & 1) ? w[e >> 1] : w[e >> 1] << 16) >= thr;
   }
-  return bits;
+};
+
+// The keep words of the vector at column c of the row of `key` (c a multiple of kVec): a vector of
+// 8 columns is one Philox call, narrower ones take their part of the call of their group of 8.
+template <int kVec>
+__device__ __forceinline__ KeepWords<kVec> keep_words(const DropoutKey& key, int c) {
+  const Philox4 b = DropoutBits(key, c >> 3);
+  KeepWords<kVec> k;
+  if constexpr (kVec == 8) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) k.w[i] = b.v[i];
+  } else if constexpr (kVec == 4) {
+    const bool upper = (c & 4) != 0;
+    k.w[0] = upper ? b.v[2] : b.v[0];
+    k.w[1] = upper ? b.v[3] : b.v[1];
+  } else if constexpr (kVec == 2) {
+    k.w[0] = philox_word(b, (c & 7) >> 1);
+  } else {
+    const uint32_t w = philox_word(b, (c & 7) >> 1);
+    k.w[0] = (c & 1) ? w : w << 16;
+  }
+  return k;
 }
 
 // --- per-vector pieces shared by the two kernels ---------------------------------------------------
@@ -62,16 +84,16 @@ __device__ __forceinline__ uint32_t keep_bits(const DropoutKey& key, int c, uint
 // (Philox needs only the row and column), so that its ~80 instructions per call overlap the memory
 // latency and its temporaries are dead before the values live. Then z = scale * x + bias, -inf
 // where a position does not take part, and g = dy. valid[k]: the positions of vector k that take
-// part; keep[k]: bit e set iff column e of vector k is kept. Returns whether any position takes
+// part; keep[k]: its keep words. Returns whether any position takes
 // part. (Fetched ahead, the bias of 32 16-bit values made the forward spill 56-92 bytes at 64
 // registers: ptxas sm_90a.)
 template <int kPacks, bool kWithDy, typename Loader, typename A, int kVec = Loader::kVecWidth>
 __device__ __forceinline__ bool load_part(const Loader& loader, const typename Loader::Elem* dy,
                                           int first, int stride, const DropoutKey& key,
-                                          uint32_t threshold, A (&v)[kPacks][kVec],
+                                          A (&v)[kPacks][kVec],
                                           A (&g)[kWithDy ? kPacks : 1][kVec],
                                           typename Loader::Bytes (&valid)[kPacks],
-                                          uint32_t (&keep)[kPacks]) {
+                                          KeepWords<kVec> (&keep)[kPacks]) {
   using T = typename Loader::Elem;
   constexpr bool kBiasAhead = kPacks * kVec * (kWithDy ? 2 : 1) <= 16;
   T xs[kPacks][kVec], gs[kWithDy ? kPacks : 1][kVec], bs[kBiasAhead ? kPacks : 1][kVec];
@@ -93,7 +115,7 @@ __device__ __forceinline__ bool load_part(const Loader& loader, const typename L
     if constexpr (kBiasAhead) loader.fetch_bias(first + k * stride, bs[k]);
   }
 #pragma unroll
-  for (int k = 0; k < kPacks; ++k) keep[k] = keep_bits<kVec>(key, first + k * stride, threshold);
+  for (int k = 0; k < kPacks; ++k) keep[k] = keep_words<kVec>(key, first + k * stride);
   bool any = false;
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) {
@@ -112,10 +134,11 @@ __device__ __forceinline__ bool load_part(const Loader& loader, const typename L
 // exp(z - shift) and fm the factor that turns it into softmax / (1 - rate).
 template <typename Loader, typename A, int kVec>
 __device__ __forceinline__ void store_dropped(const Loader& loader, typename Loader::Elem* dst,
-                                              int c, const A (&e_v)[kVec], A fm, uint32_t keep) {
+                                              int c, const A (&e_v)[kVec], A fm,
+                                              const KeepWords<kVec>& keep, uint32_t thr) {
   A o[kVec];
 #pragma unroll
-  for (int e = 0; e < kVec; ++e) o[e] = (keep >> e & 1u) ? e_v[e] * fm : A(0);
+  for (int e = 0; e < kVec; ++e) o[e] = keep.kept(e, thr) ? e_v[e] * fm : A(0);
   loader.store(dst, c, o);
 }
 
@@ -123,12 +146,12 @@ __device__ __forceinline__ void store_dropped(const Loader& loader, typename Loa
 // kept positions, 0 elsewhere (as the CPU kernel and the jnp reference).
 template <typename Loader, typename A, int kVec = Loader::kVecWidth>
 __device__ __forceinline__ void store_nan_row(const Loader& loader, typename Loader::Elem* dst,
-                                              int c, uint32_t keep) {
+                                              int c, const KeepWords<kVec>& keep, uint32_t thr) {
   const typename Loader::Bytes valid = loader.valid_bytes(c);  // the mask read again: a rare row
   A o[kVec];
 #pragma unroll
   for (int e = 0; e < kVec; ++e)
-    o[e] = (keep >> e & 1u) && Loader::takes_part(valid, e) ? A(NAN) : A(0);
+    o[e] = keep.kept(e, thr) && Loader::takes_part(valid, e) ? A(NAN) : A(0);
   loader.store(dst, c, o);
 }
 
@@ -152,14 +175,15 @@ __device__ __forceinline__ A row_lse(A m, A s) {
 // : 0 at the valid positions, 0 at the others (selects, so that inf or NaN in dy at a dropped or
 // masked position stays out). Returns this vector's sum of y g.
 template <typename Loader, typename A, int kVec>
-__device__ __forceinline__ A backward_terms(typename Loader::Bytes valid, uint32_t keep, A lse,
+__device__ __forceinline__ A backward_terms(typename Loader::Bytes valid,
+                                            const KeepWords<kVec>& keep, uint32_t thr, A lse,
                                             A mult, A (&y)[kVec], A (&g)[kVec]) {
   A dot = A(0);
 #pragma unroll
   for (int e = 0; e < kVec; ++e) {
     const bool ok = Loader::takes_part(valid, e);
     y[e] = ok ? exp_acc(y[e] - lse) : A(0);
-    g[e] = ok && (keep >> e & 1u) ? g[e] * mult : A(0);
+    g[e] = ok && keep.kept(e, thr) ? g[e] * mult : A(0);
     dot += y[e] * g[e];
   }
   return dot;
@@ -198,6 +222,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
   const int lane = threadIdx.x % kGroup, group = threadIdx.x / kGroup;
   const int first = lane * kVec;
   const A mult = static_cast<A>(d.dropout.multiplier);
+  const uint32_t thr = d.dropout.threshold << 16;
   uint32_t use = 0;
   for (int64_t row0 = int64_t(blockIdx.x) * kRowsPerBlock; row0 < p.rows;
        row0 += int64_t(gridDim.x) * kRowsPerBlock, ++use) {
@@ -209,9 +234,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
     A v[kPacks][kVec];
     A g[kBwd ? kPacks : 1][kVec];
     Bytes valid[kPacks];
-    uint32_t keep[kPacks];
-    const bool any =
-        load_part<kPacks, kBwd>(loader, dy, first, kStride, key, d.dropout.threshold, v, g, valid, keep);
+    KeepWords<kVec> keep[kPacks];
+    const bool any = load_part<kPacks, kBwd>(loader, dy, first, kStride, key, v, g, valid, keep);
     T* dst = loader.out_row(p, row);
 
     if constexpr (!kBwd) {
@@ -229,13 +253,13 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
       if (st.sum > A(0)) {
         const A fm = st.factor * mult;
 #pragma unroll
-        for (int k = 0; k < kPacks; ++k) store_dropped(loader, dst, first + k * kStride, v[k], fm, keep[k]);
+        for (int k = 0; k < kPacks; ++k) store_dropped(loader, dst, first + k * kStride, v[k], fm, keep[k], thr);
       } else if (st.sum == A(0)) {  // nothing valid is finite
 #pragma unroll
         for (int k = 0; k < kPacks; ++k) store_zeros<Loader, A>(loader, dst, first + k * kStride);
       } else {  // a NaN row
 #pragma unroll
-        for (int k = 0; k < kPacks; ++k) store_nan_row<Loader, A>(loader, dst, first + k * kStride, keep[k]);
+        for (int k = 0; k < kPacks; ++k) store_nan_row<Loader, A>(loader, dst, first + k * kStride, keep[k], thr);
       }
     } else {
       const A lse = row_ok ? static_cast<const A*>(d.lse)[row] : A(0);
@@ -247,7 +271,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
       A partial = A(0);
 #pragma unroll
       for (int k = 0; k < kPacks; ++k)
-        partial += backward_terms<Loader>(valid[k], keep[k], lse, mult, v[k], g[k]);
+        partial += backward_terms<Loader>(valid[k], keep[k], thr, lse, mult, v[k], g[k]);
       A dot;
       if constexpr (kGroup <= 32)
         dot = group_allreduce<kGroup>(Sum<A>{partial}).s;
@@ -280,6 +304,7 @@ __global__ void __launch_bounds__(512, 2) dropout_stream_kernel(const DropoutRow
 
   const RowParams& p = d.rows;
   const A mult = static_cast<A>(d.dropout.multiplier);
+  const uint32_t thr = d.dropout.threshold << 16;
   const int first = threadIdx.x * kVec;
   uint32_t use = 0;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x, ++use) {
@@ -291,11 +316,10 @@ __global__ void __launch_bounds__(512, 2) dropout_stream_kernel(const DropoutRow
     A v[kPacks][kVec];
     A g[kBwd ? kPacks : 1][kVec];
     Bytes valid[kPacks];
-    uint32_t keep[kPacks];
+    KeepWords<kVec> keep[kPacks];
     // Columns past the causal limit are not valid: not read, written as 0.
     const auto part = [&](int c0) {
-      return load_part<kPacks, kBwd>(loader, dy, c0 + first, kStride, key, d.dropout.threshold, v, g,
-                                     valid, keep);
+      return load_part<kPacks, kBwd>(loader, dy, c0 + first, kStride, key, v, g, valid, keep);
     };
     if constexpr (!kBwd) {
       const int end = loader.limit + 1;
@@ -319,12 +343,12 @@ __global__ void __launch_bounds__(512, 2) dropout_stream_kernel(const DropoutRow
           if (!live) {
             store_zeros<Loader, A>(loader, dst, c);
           } else if (nan_row) {
-            store_nan_row<Loader, A>(loader, dst, c, keep[k]);
+            store_nan_row<Loader, A>(loader, dst, c, keep[k], thr);
           } else {
             A e_v[kVec];
 #pragma unroll
             for (int e = 0; e < kVec; ++e) e_v[e] = exp_acc(v[k][e] - total.m);
-            store_dropped(loader, dst, c, e_v, fm, keep[k]);
+            store_dropped(loader, dst, c, e_v, fm, keep[k], thr);
           }
         }
       }
@@ -336,7 +360,7 @@ __global__ void __launch_bounds__(512, 2) dropout_stream_kernel(const DropoutRow
         part(c0);
         A dot = A(0);
 #pragma unroll
-        for (int k = 0; k < kPacks; ++k) dot += backward_terms<Loader>(valid[k], keep[k], lse, mult, v[k], g[k]);
+        for (int k = 0; k < kPacks; ++k) dot += backward_terms<Loader>(valid[k], keep[k], thr, lse, mult, v[k], g[k]);
         return dot;
       };
       A partial = A(0);

@@ -39,23 +39,21 @@ struct Philox4 {
   uint32_t v[4];
 };
 
-JS_HOST_DEVICE uint32_t MulHi32(uint32_t a, uint32_t b) {
-  return static_cast<uint32_t>((static_cast<uint64_t>(a) * b) >> 32);
-}
-
 // Philox-4x32-10 of counter (c0, c1, c2, c3) under key (k0, k1).
 JS_HOST_DEVICE Philox4 Philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
                                      uint32_t k0, uint32_t k1) {
   constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
   constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
   for (int round = 0; round < 10; ++round) {
-    const uint32_t hi0 = MulHi32(kM0, c0), lo0 = kM0 * c0;
-    const uint32_t hi1 = MulHi32(kM1, c2), lo1 = kM1 * c2;
-    const uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    // Each product as one 64-bit value: one IMAD.WIDE.U32 gives both words (a multiply-high and
+    // a separate low multiply compiled to two IMADs: 39 IMADs per call instead of 19, sm_90a).
+    const uint64_t p0 = static_cast<uint64_t>(kM0) * c0, p1 = static_cast<uint64_t>(kM1) * c2;
+    const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1 ^ k0;
+    const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3 ^ k1;
     c0 = n0;
-    c1 = lo1;
+    c1 = static_cast<uint32_t>(p1);
     c2 = n2;
-    c3 = lo0;
+    c3 = static_cast<uint32_t>(p0);
     k0 += kW0;
     k1 += kW1;
   }
