@@ -1,7 +1,8 @@
 // Attention softmax with dropout fused in, forward and backward (attention_dropout.h states the
-// contract, philox.h the bits). The rows are general-access rows of the softmax kernels (scale,
-// broadcast bias and mask, causal limit: RowLoader<.., Access::kGeneral>), and the reductions are
-// theirs (group_maxsum, fwd_stats, block_allreduce); what differs is the epilogue:
+// contract, philox.h the bits). The rows are read by the softmax kernels' loaders (scale,
+// broadcast bias and mask, causal limit: RowLoader<.., Access::kGeneral>; rows with none of them:
+// Access::kPlain), and the reductions are theirs (group_maxsum, fwd_stats, block_allreduce); what
+// differs is the epilogue:
 //   forward:  out = exp(z - max) / sum * keep / (1 - rate), and the row's log-sum-exp;
 //   backward: y = exp(z - lse) from x, g = keep ? dy / (1 - rate) : 0, dx = grad_scale *
 //             y * (g - sum(y g)); x and dy are read, never y or a mask tensor.
@@ -23,12 +24,27 @@
 
 namespace jax_softmax {
 
-// Vectors per thread of the register kernel and of a streaming chunk of 16-byte vectors: two.
-// 16 bytes of x (and of dy) in flight twice per thread, with 1024 or more threads an SM, are 32 KiB
-// and more per SM: above what the H200's DRAM needs in flight (bandwidth x latency / SMs, ~25
-// KiB). Four vectors spilled at the 64 registers that 1024 threads an SM leave (ptxas sm_90a:
-// 16-bit forward 52-100 bytes, float32 68-72, the 16-bit backward at four 270-410 bytes).
-constexpr int kDropoutPacks = 2;
+// Vectors per thread of the register kernel (and of a streaming chunk of 16-byte vectors): two,
+// but four for forward rows without a bias, mask or causal limit. 16 bytes of x (and of dy) in
+// flight twice per thread, with 1024 or more threads an SM, are 32 KiB and more per SM: above what
+// the H200's DRAM needs in flight (bandwidth x latency / SMs, ~25 KiB). At four, a thread holds
+// 128 registers (512 threads an SM, the same bytes in flight) and the row's setup, key and
+// reductions are paid once per 32 16-bit values instead of 16. Measured (H100, session 85,
+// bfloat16 B*H*S*S of 256 MiB, us per call, two vectors -> four): plain forward S = 512 194 -> 189,
+// 2048 206 -> 190, 4096 219 -> 192; causal forward 221 -> 219; but a forward with a bias 265 -> 376
+// (its bias is no longer fetched ahead, kBiasAhead), the plain backward 261 -> 275 and the causal
+// one 251 -> 273. (Four at 64 registers spilled: 16-bit forward 52-100 bytes, the 16-bit backward
+// 270-410.)
+constexpr int DropoutPacks(bool bwd, Access access) { return !bwd && access == Access::kPlain ? 4 : 2; }
+constexpr int kStreamPacks = 2;
+
+// CTAs per SM that the register kernel's launch bounds ask for: 1024 threads an SM at two vectors
+// a thread (64 registers), 512 at four (128).
+constexpr int DropoutMinBlocksPerSm(int block, int packs) {
+  return packs <= 2 ? MinBlocksPerSm(block) : block >= 512 ? 1 : 512 / block;
+}
+// The widest register kernel: 1024 threads at two vectors, 512 at four (both 2048 vectors).
+constexpr int DropoutMaxRowThreads(int packs) { return packs <= 2 ? 1024 : 512; }
 
 // Word i (0-3) of a Philox output, i known only at run time: selects, not an indexed array (which
 // would live in local memory).
@@ -77,6 +93,15 @@ __device__ __forceinline__ KeepWords<kVec> keep_words(const DropoutKey& key, int
   return k;
 }
 
+// The positions of the vector at column c that take part in the row: plain rows (no bias, mask
+// or causal limit) all of a vector up to the row's end (whole vectors), general rows as their mask
+// and limit say (the mask read again).
+template <typename Loader>
+__device__ __forceinline__ typename Loader::Bytes valid_at(const Loader& loader, int c) {
+  if constexpr (Loader::kPlain) return c <= loader.limit ? Loader::kAllBytes : 0;
+  else return loader.valid_bytes(c);
+}
+
 // --- per-vector pieces shared by the two kernels ---------------------------------------------------
 // One thread's part of a row: kPacks vectors at window offsets first + k * stride. Every load is
 // issued before any is used: x, dy (kWithDy), the mask bytes and (where the values and cotangents
@@ -95,39 +120,73 @@ __device__ __forceinline__ bool load_part(const Loader& loader, const typename L
                                           typename Loader::Bytes (&valid)[kPacks],
                                           KeepWords<kVec> (&keep)[kPacks]) {
   using T = typename Loader::Elem;
-  constexpr bool kBiasAhead = kPacks * kVec * (kWithDy ? 2 : 1) <= 16;
-  T xs[kPacks][kVec], gs[kWithDy ? kPacks : 1][kVec], bs[kBiasAhead ? kPacks : 1][kVec];
-  typename Loader::Bytes mask[kPacks];
+  if constexpr (Loader::kPlain) {
+    // No bias, mask or causal limit: every position of a vector up to the row's end takes part
+    // (z = scale * x), the vectors past it (a lane group wider than the row) hold -inf.
+    T xs[kPacks][kVec], gs[kWithDy ? kPacks : 1][kVec];
 #pragma unroll
-  for (int k = 0; k < kPacks; ++k) loader.fetch_x(first + k * stride, xs[k]);
-  if constexpr (kWithDy) {
-    // dy past the limit is not read: no valid position lies beyond it.
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int c = first + k * stride;
-      zero_vec(gs[k]);
-      if (c <= loader.limit) load_vec<kVec>(dy + c, gs[k]);
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < kPacks; ++k) {
-    mask[k] = loader.fetch_mask(first + k * stride);
-    if constexpr (kBiasAhead) loader.fetch_bias(first + k * stride, bs[k]);
-  }
-#pragma unroll
-  for (int k = 0; k < kPacks; ++k) keep[k] = keep_words<kVec>(key, first + k * stride);
-  bool any = false;
-#pragma unroll
-  for (int k = 0; k < kPacks; ++k) {
-    const int w = first + k * stride;
-    valid[k] = loader.limit_bytes(w, mask[k]);
-    any |= loader.template load_fwd<kBiasAhead>(w, xs[k], mask[k], bs[kBiasAhead ? k : 0], v[k]);
+    for (int k = 0; k < kPacks; ++k) loader.fetch_x(first + k * stride, xs[k]);
     if constexpr (kWithDy) {
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) g[k][e] = to_acc(gs[k][e]);
+      for (int k = 0; k < kPacks; ++k) {
+        zero_vec(gs[k]);
+        if (first + k * stride <= loader.limit) load_vec<kVec>(dy + first + k * stride, gs[k]);
+      }
     }
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) keep[k] = keep_words<kVec>(key, first + k * stride);
+    bool any = false;
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const bool inside = first + k * stride <= loader.limit;
+      valid[k] = inside ? Loader::kAllBytes : 0;
+      any |= inside;
+      loader.plain_values(xs[k], v[k]);
+      if (!inside) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[k][e] = neg_inf<A>();
+      }
+      if constexpr (kWithDy) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) g[k][e] = to_acc(gs[k][e]);
+      }
+    }
+    return any;
+  } else {
+    constexpr bool kBiasAhead = kPacks * kVec * (kWithDy ? 2 : 1) <= 16;
+    T xs[kPacks][kVec], gs[kWithDy ? kPacks : 1][kVec], bs[kBiasAhead ? kPacks : 1][kVec];
+    typename Loader::Bytes mask[kPacks];
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) loader.fetch_x(first + k * stride, xs[k]);
+    if constexpr (kWithDy) {
+      // dy past the limit is not read: no valid position lies beyond it.
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) {
+        const int c = first + k * stride;
+        zero_vec(gs[k]);
+        if (c <= loader.limit) load_vec<kVec>(dy + c, gs[k]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      mask[k] = loader.fetch_mask(first + k * stride);
+      if constexpr (kBiasAhead) loader.fetch_bias(first + k * stride, bs[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) keep[k] = keep_words<kVec>(key, first + k * stride);
+    bool any = false;
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int w = first + k * stride;
+      valid[k] = loader.limit_bytes(w, mask[k]);
+      any |= loader.template load_fwd<kBiasAhead>(w, xs[k], mask[k], bs[kBiasAhead ? k : 0], v[k]);
+      if constexpr (kWithDy) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) g[k][e] = to_acc(gs[k][e]);
+      }
+    }
+    return any;
   }
-  return any;
 }
 
 // The outputs of one vector at column c of a row whose statistics are finite: e_v holds
@@ -147,7 +206,7 @@ __device__ __forceinline__ void store_dropped(const Loader& loader, typename Loa
 template <typename Loader, typename A, int kVec = Loader::kVecWidth>
 __device__ __forceinline__ void store_nan_row(const Loader& loader, typename Loader::Elem* dst,
                                               int c, const KeepWords<kVec>& keep, uint32_t thr) {
-  const typename Loader::Bytes valid = loader.valid_bytes(c);  // the mask read again: a rare row
+  const typename Loader::Bytes valid = valid_at(loader, c);  // the mask read again: a rare row
   A o[kVec];
 #pragma unroll
   for (int e = 0; e < kVec; ++e)
@@ -194,7 +253,7 @@ __device__ __forceinline__ A backward_terms(typename Loader::Bytes valid,
 template <typename Loader, typename A, int kVec>
 __device__ __forceinline__ void store_dx(const Loader& loader, typename Loader::Elem* dst, int c,
                                          const A (&y)[kVec], const A (&g)[kVec], A dot, A gscale) {
-  const typename Loader::Bytes ok = isfinite(dot) ? Loader::kAllBytes : loader.valid_bytes(c);
+  const typename Loader::Bytes ok = isfinite(dot) ? Loader::kAllBytes : valid_at(loader, c);
   A o[kVec];
 #pragma unroll
   for (int e = 0; e < kVec; ++e)
@@ -205,11 +264,11 @@ __device__ __forceinline__ void store_dx(const Loader& loader, typename Loader::
 // --- register rows ---------------------------------------------------------------------------------
 // kGroup threads per row (lane groups share 128-thread CTAs; blocks take one row per CTA), kPacks
 // vectors per thread; pack k of lane l covers columns (k * kGroup + l) * kVec.
-template <typename T, int kVec, int kGroup, int kPacks, bool kBwd>
-__global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThreads(kGroup)))
+template <typename T, int kVec, int kGroup, int kPacks, bool kBwd, Access kAccess>
+__global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(BlockThreads(kGroup), kPacks))
     dropout_rows_kernel(const DropoutRows d) {
   using A = acc_t<T>;
-  using Loader = RowLoader<T, kVec, /*kBwd=*/false, Access::kGeneral>;
+  using Loader = RowLoader<T, kVec, /*kBwd=*/false, kAccess>;
   using Bytes = typename Loader::Bytes;
   using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;
   constexpr int kBlock = BlockThreads(kGroup);
@@ -289,14 +348,14 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), MinBlocksPerSm(BlockThre
 // One row per CTA of kBlock threads, in chunks of kBlock * kPacks vectors: a first sweep for the
 // statistics (forward: running (max, sum) merged per chunk; backward: sum(y g)), a second for the
 // outputs. Any row length and any alignment (kVec == 1 reads element by element).
-template <typename T, int kVec, bool kBwd>
+template <typename T, int kVec, bool kBwd, Access kAccess>
 __global__ void __launch_bounds__(512, 2) dropout_stream_kernel(const DropoutRows d) {
   using A = acc_t<T>;
-  using Loader = RowLoader<T, kVec, /*kBwd=*/false, Access::kGeneral>;
+  using Loader = RowLoader<T, kVec, /*kBwd=*/false, kAccess>;
   using Bytes = typename Loader::Bytes;
   using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;
   constexpr int kBlock = 512;
-  constexpr int kPacks = kVec == 1 ? 4 : kDropoutPacks;
+  constexpr int kPacks = kVec == 1 ? 4 : kStreamPacks;
   constexpr int kStride = kBlock * kVec;
   constexpr int kChunk = kStride * kPacks;
   wait_prior_grids_release_next();
