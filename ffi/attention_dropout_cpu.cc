@@ -81,7 +81,7 @@ JS_INLINE void DropoutForwardRows(const DropoutRows& dp, int64_t r0, int64_t r1)
       lse = -kInf;
       continue;
     }
-    const int64_t n = p.causal_limit(row) + 1;
+    const int64_t n = dp.dropout.Limit(row, p.causal_limit(row)) + 1;
     for (int64_t j = n; j < cols; ++j) out[j] = zero;
     const bool one_chunk = n <= kChunk;
 
@@ -163,7 +163,8 @@ JS_INLINE void DropoutBackwardRows(const DropoutRows& dp, int64_t r0, int64_t r1
     S* dx = static_cast<S*>(p.out) + row * cols;
     const A lse = static_cast<const A*>(dp.lse)[row];
     RowInputs<S> in;
-    const int64_t n = ResolveRow(p, row, in) && lse != -kInf ? p.causal_limit(row) + 1 : 0;
+    const int64_t n =
+        ResolveRow(p, row, in) && lse != -kInf ? dp.dropout.Limit(row, p.causal_limit(row)) + 1 : 0;
     for (int64_t j = n; j < cols; ++j) dx[j] = zero;
     if (n == 0) continue;
     const bool one_chunk = n <= kChunk;
@@ -228,12 +229,13 @@ ffi::Error Run(ffi::ThreadPool& pool, DropoutRows& dp, ffi::DataType dtype, bool
 }
 
 ffi::Error DropoutFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer bias,
-                          ffi::AnyBuffer mask, ffi::AnyBuffer key, ffi::Result<ffi::AnyBuffer> out,
-                          ffi::Result<ffi::AnyBuffer> lse, double scale, bool has_bias,
-                          bool has_mask, bool causal, double rate, bool broadcast) {
+                          ffi::AnyBuffer mask, ffi::AnyBuffer key, ffi::AnyBuffer place,
+                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                          double scale, bool has_bias, bool has_mask, bool causal, double rate,
+                          bool broadcast) {
   DropoutRows dp;
-  if (auto err = FillDropoutForward(x, bias, mask, key, *out, *lse, scale, has_bias, has_mask,
-                                    causal, rate, broadcast, dp);
+  if (auto err = FillDropoutForward(x, bias, mask, key, place, *out, *lse, scale, has_bias,
+                                    has_mask, causal, rate, broadcast, dp);
       err.failure())
     return err;
   return Run(pool, dp, x.element_type(), true);
@@ -241,12 +243,12 @@ ffi::Error DropoutFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 
 ffi::Error DropoutBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer bias,
                           ffi::AnyBuffer mask, ffi::AnyBuffer key, ffi::AnyBuffer lse,
-                          ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx, double scale,
-                          double grad_scale, bool has_bias, bool has_mask, bool causal,
-                          double rate, bool broadcast) {
+                          ffi::AnyBuffer dy, ffi::AnyBuffer place, ffi::Result<ffi::AnyBuffer> dx,
+                          double scale, double grad_scale, bool has_bias, bool has_mask,
+                          bool causal, double rate, bool broadcast) {
   DropoutRows dp;
-  if (auto err = FillDropoutBackward(x, bias, mask, key, lse, dy, *dx, scale, grad_scale, has_bias,
-                                     has_mask, causal, rate, broadcast, dp);
+  if (auto err = FillDropoutBackward(x, bias, mask, key, place, lse, dy, *dx, scale, grad_scale,
+                                     has_bias, has_mask, causal, rate, broadcast, dp);
       err.failure())
     return err;
   return Run(pool, dp, x.element_type(), false);

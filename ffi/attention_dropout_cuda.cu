@@ -76,19 +76,19 @@ ffi::Error LaunchDropout(const DropoutRows& dp, cudaStream_t stream) {
 
   // XLA aligns buffers; the check depends on addresses, never on data.
   const bool vectors = p.cols % kVec == 0 && BuffersAligned16(p);
-  const bool plain = !p.bias.data && !p.mask.data && p.causal.d == 0;
+  const bool plain = !p.bias.data && !p.mask.data && p.causal.d == 0 && !dp.dropout.place_causal;
   return plain ? LaunchRows<T, kVec, kBwd, Access::kPlain>(dp, ctx, vectors)
                : LaunchRows<T, kVec, kBwd, Access::kGeneral>(dp, ctx, vectors);
 }
 
 ffi::Error DropoutForwardCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer bias,
-                              ffi::AnyBuffer mask, ffi::AnyBuffer key,
+                              ffi::AnyBuffer mask, ffi::AnyBuffer key, ffi::AnyBuffer place,
                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                               double scale, bool has_bias, bool has_mask, bool causal, double rate,
                               bool broadcast) {
   DropoutRows dp;
-  if (auto err = FillDropoutForward(x, bias, mask, key, *out, *lse, scale, has_bias, has_mask,
-                                    causal, rate, broadcast, dp);
+  if (auto err = FillDropoutForward(x, bias, mask, key, place, *out, *lse, scale, has_bias,
+                                    has_mask, causal, rate, broadcast, dp);
       err.failure())
     return err;
   return DispatchFloat(x.element_type(), [&](auto tag) {
@@ -98,12 +98,13 @@ ffi::Error DropoutForwardCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuf
 
 ffi::Error DropoutBackwardCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer bias,
                                ffi::AnyBuffer mask, ffi::AnyBuffer key, ffi::AnyBuffer lse,
-                               ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx, double scale,
-                               double grad_scale, bool has_bias, bool has_mask, bool causal,
-                               double rate, bool broadcast) {
+                               ffi::AnyBuffer dy, ffi::AnyBuffer place,
+                               ffi::Result<ffi::AnyBuffer> dx, double scale, double grad_scale,
+                               bool has_bias, bool has_mask, bool causal, double rate,
+                               bool broadcast) {
   DropoutRows dp;
-  if (auto err = FillDropoutBackward(x, bias, mask, key, lse, dy, *dx, scale, grad_scale, has_bias,
-                                     has_mask, causal, rate, broadcast, dp);
+  if (auto err = FillDropoutBackward(x, bias, mask, key, place, lse, dy, *dx, scale, grad_scale,
+                                     has_bias, has_mask, causal, rate, broadcast, dp);
       err.failure())
     return err;
   return DispatchFloat(x.element_type(), [&](auto tag) {

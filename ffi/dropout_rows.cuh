@@ -287,7 +287,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(Bl
        row0 += int64_t(gridDim.x) * kRowsPerBlock, ++use) {
     const int64_t row = row0 + group;
     const bool row_ok = row < p.rows;
-    const Loader loader(p, row, row_ok);
+    Loader loader(p, row, row_ok);
+    if (row_ok) loader.limit = static_cast<int>(d.dropout.Limit(row, loader.limit));
     const DropoutKey key = row_ok ? d.dropout.KeyOf(row) : DropoutKey{0, 0, 0};
     const T* dy = kBwd ? static_cast<const T*>(p.grad_in) + row * p.cols : nullptr;
     A v[kPacks][kVec];
@@ -367,7 +368,8 @@ __global__ void __launch_bounds__(512, 2) dropout_stream_kernel(const DropoutRow
   const int first = threadIdx.x * kVec;
   uint32_t use = 0;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x, ++use) {
-    const Loader loader(p, row, true);
+    Loader loader(p, row, true);
+    loader.limit = static_cast<int>(d.dropout.Limit(row, loader.limit));
     const DropoutKey key = d.dropout.KeyOf(row);
     const T* dy = kBwd ? static_cast<const T*>(p.grad_in) + row * p.cols : nullptr;
     T* dst = loader.out_row(p, row);

@@ -75,18 +75,41 @@ struct DropoutKey {
 // What one call's dropout needs besides the rows (the host fills it, FillDropout; see the
 // contract above). The divisions by a per-call constant are RowDivisors: one multiply-high per
 // row where the call has fewer than 2^31 rows, on the CPU and the GPU alike.
+//
+// A shard of a larger call (dropout_sharding.py: its batch, head or query axes split) numbers its
+// rows as the whole array does through a place table, (rows, 3) uint32, one entry per local row:
+// its key index, its row index in the counter and its query position in the whole array (whose
+// causal limit is then that position: the key axis is never split). The table is computed on the
+// device (from jax.lax.axis_index) and read by the kernels: no host logic depends on it.
 struct DropoutParams {
   const uint32_t* keys = nullptr;  // (K, 2) words
+  int64_t num_keys = 1;            // K
   RowDivisor rows_per_key;         // rows / K: row -> key index
   RowDivisor query_len{0, false};  // broadcast dropout: Sq, the row index taken modulo it; d 0: off
   uint32_t threshold = 0;          // t: kept iff u16 >= t
   double multiplier = 1.0;         // 1 / (1 - rate)
+  const uint32_t* place = nullptr;  // a shard's place table, or null: the rows are the whole call
+  bool place_causal = false;        // the causal limit is the table's query position
 
   JS_HOST_DEVICE DropoutKey KeyOf(int64_t row) const {
+    if (place) {
+      const uint32_t* e = place + 3 * row;
+      // Clamped: a table entry never indexes past the keys, whatever it holds.
+      const int64_t k = e[0] < num_keys ? e[0] : num_keys - 1;
+      return DropoutKey{keys[2 * k], keys[2 * k + 1], e[1]};
+    }
     const int64_t k = rows_per_key.quotient(row);
     int64_t r = row - k * rows_per_key.d;
     if (query_len.d > 0) r -= query_len.quotient(r) * query_len.d;
     return DropoutKey{keys[2 * k], keys[2 * k + 1], static_cast<uint64_t>(r)};
+  }
+
+  // The last column of `row` to take part, given the row's own limit (its end, or the local
+  // causal limit): a placed causal row stops at its query position in the whole array.
+  JS_HOST_DEVICE int64_t Limit(int64_t row, int64_t limit) const {
+    if (!place_causal) return limit;
+    const int64_t q = place[3 * row + 2];
+    return q < limit ? q : limit;
   }
 };
 

@@ -7,8 +7,9 @@ are >= t = min(65535, round(rate * 65536)). Everything here is uint32 arithmetic
 products are built from 16-bit halves), so it runs with or without jax_enable_x64.
 
 Used by the tests, by the Flax plug-in's sowing path, and as the lowering of the dropout
-primitives on platforms without a fused dropout kernel (all but the CPU and CUDA) and on shards
-of split rows (dropout_sharding.py).
+primitives on platforms without a fused dropout kernel (all but the CPU and CUDA). place_table
+gives a shard of split rows (dropout_sharding.py) its rows' places in the whole array, which the
+kernels and these formulas take as an operand.
 """
 
 from __future__ import annotations
@@ -76,23 +77,49 @@ def global_rows(shape, global_shape, offsets):
     return r.reshape(-1)
 
 
-def uniforms16(keys, shape, *, broadcast: bool, global_shape=None, offsets=None):
-    """The 16-bit uniforms (uint32 array of `shape`) of every element of the dense (rows, cols)
-    view of `shape`, for a (K, 2) uint32 key operand (K dividing the rows). With `global_shape`
-    and `offsets` (a shard's block of a larger array, see global_rows), the bits of the block's
-    elements in the whole array: a row's index, key and query position are its global ones."""
-    cols = shape[-1] if len(shape) else 1
-    whole = tuple(shape) if global_shape is None else tuple(global_shape)
-    rows = math.prod(whole[:-1])
-    keys = jnp.asarray(keys, _U32).reshape(-1, 2)
-    num_keys = keys.shape[0]
+def place_table(shape, global_shape, offsets, num_keys: int, *, broadcast: bool):
+    """The place table of a block of `shape` at `offsets` in an array of `global_shape`
+    (ffi/philox.h, DropoutParams): (rows, 3) uint32, per row of the block its key index, its
+    row index in the Philox counter and its query position, all in the whole array."""
+    r = global_rows(shape, global_shape, offsets)
+    rows = math.prod(tuple(global_shape[:-1]))
     if rows % num_keys:
         raise ValueError(f"{num_keys} keys do not divide {rows} rows")
     per_key = rows // num_keys
-    query_len = whole[-2] if len(whole) >= 2 else 1
+    query_len = global_shape[-2] if len(global_shape) >= 2 else 1
+    index = r % _U32(per_key)
+    if broadcast:
+        index = index % _U32(query_len)
+    return jnp.stack([r // _U32(per_key), index, r % _U32(query_len)], axis=-1)
+
+
+def no_place():
+    """The empty place table: the rows are the whole call's."""
+    return jnp.zeros((0, 3), _U32)
+
+
+def _placed(place):
+    """The place table, or None where it is empty (static: shapes are)."""
+    return None if place is None or place.shape[0] == 0 else place
+
+
+def uniforms16(keys, shape, *, broadcast: bool, place=None):
+    """The 16-bit uniforms (uint32 array of `shape`) of every element of the dense (rows, cols)
+    view of `shape`, for a (K, 2) uint32 key operand (K dividing the rows). With a place table
+    (place_table: a shard's block of a larger array), the bits of the block's elements in the
+    whole array: a row's key and index are the table's."""
+    cols = shape[-1] if len(shape) else 1
+    rows = math.prod(tuple(shape[:-1]))
+    keys = jnp.asarray(keys, _U32).reshape(-1, 2)
+    num_keys = keys.shape[0]
     groups = (cols + 7) // 8
     g = jnp.arange(groups, dtype=_U32)[None, :]
-    if global_shape is None:
+    place = _placed(place)
+    if place is None:
+        if rows % num_keys:
+            raise ValueError(f"{num_keys} keys do not divide {rows} rows")
+        per_key = rows // num_keys
+        query_len = shape[-2] if len(shape) >= 2 else 1
         r = np.arange(rows, dtype=np.int64)
         which = r // per_key
         index = r % per_key
@@ -100,13 +127,9 @@ def uniforms16(keys, shape, *, broadcast: bool, global_shape=None, offsets=None)
             index = index % query_len
         lo = jnp.asarray((index & 0xFFFFFFFF).astype(np.uint32))[:, None]
         hi = jnp.asarray((index >> 32).astype(np.uint32))[:, None]
-    else:
-        r = global_rows(shape, global_shape, offsets)  # < 2**32: the index's high word is 0
-        which = (r // _U32(per_key)).astype(jnp.int32)
-        index = r % _U32(per_key)
-        if broadcast:
-            index = index % _U32(query_len)
-        lo, hi = index[:, None], jnp.zeros((1, 1), _U32)
+    else:  # a table entry never indexes past the keys (clamped, as the kernels do)
+        which = jnp.minimum(place[:, 0], _U32(num_keys - 1)).astype(jnp.int32)
+        lo, hi = place[:, 1][:, None], jnp.zeros((1, 1), _U32)
     k0, k1 = keys[which, 0][:, None], keys[which, 1][:, None]
     words = philox4x32_10((g, lo, hi, _U32(0)), (k0, k1))
     w = jnp.stack(words, axis=-1)  # (rows, groups, 4)
@@ -114,40 +137,41 @@ def uniforms16(keys, shape, *, broadcast: bool, global_shape=None, offsets=None)
     return u.reshape(-1, groups * 8)[:, :cols].reshape(shape)
 
 
-def keep_mask(keys, shape, rate: float, *, broadcast: bool, global_shape=None, offsets=None):
+def keep_mask(keys, shape, rate: float, *, broadcast: bool, place=None):
     """Boolean array of `shape`: which elements dropout keeps (of a shard's block: uniforms16)."""
-    u = uniforms16(keys, shape, broadcast=broadcast, global_shape=global_shape, offsets=offsets)
+    u = uniforms16(keys, shape, broadcast=broadcast, place=place)
     return u >= _U32(threshold(rate))
 
 
-def _logits(x, bias, mask, *, scale, has_bias, has_mask, causal, offsets=None):
+def _logits(x, bias, mask, place, *, scale, has_bias, has_mask, causal):
     acc = _reference.acc_dtype(x.dtype)
     z = x.astype(acc) * jnp.asarray(scale, acc)
     if has_bias:
         z = z + bias.astype(acc)
-    # A shard's causal triangle starts at its first query (whole rows: keys start at 0).
-    q_offset = offsets[-1] if offsets is not None and x.ndim >= 2 else 0
-    valid = _reference.valid_positions(x.shape, mask, has_mask, causal, q_offset=q_offset)
+    place = _placed(place)
+    # A placed (shard's) causal row stops at its query position in the whole array.
+    valid = _reference.valid_positions(x.shape, mask, has_mask, causal and place is None)
     if valid is None:
         valid = jnp.ones(x.shape, bool)
+    if causal and place is not None:
+        q = place[:, 2].reshape(x.shape[:-1] + (1,))
+        valid = valid & (jnp.arange(x.shape[-1], dtype=_U32) <= q)
     return z, valid
 
 
-def _factor(keys, shape, acc, rate, broadcast, global_shape, offsets):
-    keep = keep_mask(keys, shape, rate, broadcast=broadcast, global_shape=global_shape,
-                     offsets=offsets)
+def _factor(keys, shape, acc, rate, broadcast, place):
+    keep = keep_mask(keys, shape, rate, broadcast=broadcast, place=place)
     return keep, np.asarray(multiplier(rate), np.float64).astype(acc)
 
 
-def forward(x, bias, mask, keys, *, scale, has_bias, has_mask, causal, rate, broadcast,
-            global_shape=None, offsets=None):
+def forward(x, bias, mask, keys, place=None, *, scale, has_bias, has_mask, causal, rate,
+            broadcast):
     """(out, lse): out = softmax(z) * keep / (1 - rate) at valid positions, 0 elsewhere; lse the
     row's log-sum-exp over valid positions (-inf and zero outputs where a row has no valid
-    position or only -inf logits), in the accumulator dtype. With `global_shape` and `offsets`,
-    x is a shard's block of whole rows (see uniforms16): the same values as that block of the
-    whole array's."""
-    z, valid = _logits(x, bias, mask, scale=scale, has_bias=has_bias, has_mask=has_mask,
-                       causal=causal, offsets=offsets)
+    position or only -inf logits), in the accumulator dtype. With a place table, x is a shard's
+    block of whole rows (see uniforms16): the same values as that block of the whole array's."""
+    z, valid = _logits(x, bias, mask, place, scale=scale, has_bias=has_bias, has_mask=has_mask,
+                       causal=causal)
     acc = z.dtype
     zv = jnp.where(valid, z, -jnp.inf)
     m = jnp.max(zv, axis=-1, keepdims=True)
@@ -157,23 +181,23 @@ def forward(x, bias, mask, keys, *, scale, has_bias, has_mask, causal, rate, bro
     s = jnp.sum(e, axis=-1, keepdims=True)
     lse = jnp.where(dead, -jnp.inf, m + jnp.log(jnp.where(dead, 1, s)))
     y = e / jnp.where(dead, 1, s)
-    keep, mult = _factor(keys, x.shape, acc, rate, broadcast, global_shape, offsets)
+    keep, mult = _factor(keys, x.shape, acc, rate, broadcast, place)
     out = jnp.where(keep, y * mult, 0)
     return out.astype(x.dtype), lse[..., 0]
 
 
-def backward(x, bias, mask, keys, lse, dy, *, scale, has_bias, has_mask, causal, rate, broadcast,
-             grad_scale, global_shape=None, offsets=None):
+def backward(x, bias, mask, keys, lse, dy, place=None, *, scale, has_bias, has_mask, causal, rate,
+             broadcast, grad_scale):
     """grad_scale * dz: y = exp(z - lse) recomputed, g = dy * keep / (1 - rate),
     dz = y * (g - sum(y g)); zero at invalid positions and on rows with lse = -inf. grad_scale is
-    `scale` for the scores' cotangent, 1 for the bias's. `global_shape`, `offsets`: as forward."""
-    z, valid = _logits(x, bias, mask, scale=scale, has_bias=has_bias, has_mask=has_mask,
-                       causal=causal, offsets=offsets)
+    `scale` for the scores' cotangent, 1 for the bias's. `place`: as forward."""
+    z, valid = _logits(x, bias, mask, place, scale=scale, has_bias=has_bias, has_mask=has_mask,
+                       causal=causal)
     acc = z.dtype
     lse = lse.astype(acc)[..., None]
     live = valid & (lse != -jnp.inf)
     y = jnp.where(live, jnp.exp(z - jnp.where(live, lse, 0)), 0)
-    keep, mult = _factor(keys, x.shape, acc, rate, broadcast, global_shape, offsets)
+    keep, mult = _factor(keys, x.shape, acc, rate, broadcast, place)
     g = jnp.where(keep & live, dy.astype(acc) * mult, 0)
     s = jnp.sum(y * g, axis=-1, keepdims=True)
     dz = jnp.where(live, y * (g - s), 0)

@@ -12,7 +12,8 @@ batching rule below stacks vmapped keys that way). The bits are those of ffi/phi
 in jnp by _philox.py.
 
 Lowering: each primitive lowers through its partitioning rules (dropout_sharding.py) to a kernel
-primitive (``kernel_dropout_fwd_p``, ``kernel_dropout_bwd_p``) per shard, which lowers to the FFI
+primitive (``kernel_dropout_fwd_p``, ``kernel_dropout_bwd_p``: the operands and the shard's
+place table) per shard, which lowers to the FFI
 targets on the CPU and on CUDA GPUs where those extensions are built
 (ffi/attention_dropout_cpu.cc; ffi/attention_dropout_cuda.cu with ffi/dropout_rows.cuh);
 elsewhere to the jnp reference of _philox.py, with the same bits, not fused.
@@ -40,7 +41,8 @@ PHILOX_TARGET = "jax_softmax_philox"
 attn_dropout_fwd_p = Primitive("jax_softmax_attn_dropout_fwd")
 attn_dropout_fwd_p.multiple_results = True
 attn_dropout_bwd_p = Primitive("jax_softmax_attn_dropout_bwd")
-# What one shard (or one device) runs: abstract evaluation and lowering only.
+# What one shard (or one device) runs: abstract evaluation and lowering only. Their last operand
+# is the shard's place table (_philox.place_table; empty where the rows are the whole call's).
 kernel_dropout_fwd_p = Primitive("jax_softmax_attn_dropout_fwd_kernel")
 kernel_dropout_fwd_p.multiple_results = True
 kernel_dropout_bwd_p = Primitive("jax_softmax_attn_dropout_bwd_kernel")
@@ -58,7 +60,7 @@ attn_dropout_fwd_p.def_impl(_fwd_impl)
 attn_dropout_bwd_p.def_impl(_bwd_impl)
 
 
-def _fwd_abstract(x, bias, mask, key, **_):
+def _fwd_abstract(x, bias, mask, key, *_, **__):
     lse_dtype = _reference.acc_dtype(x.dtype)
     return (jax.core.ShapedArray(x.shape, x.dtype), jax.core.ShapedArray(x.shape[:-1], lse_dtype))
 

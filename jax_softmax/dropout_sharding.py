@@ -7,9 +7,10 @@ the dense row index, the column), so a shard must know where its rows lie. The r
   operands with it whole (the partitioner gathers a key-sharded input along that axis only);
 * every other axis keeps its sharding, with no collective. A shard whose rows are the whole
   array's (no leading axis split) runs the fused kernel as an unsharded call does. A shard of a
-  split batch, head or query axis runs the jnp formula of _philox.py with its global row
-  offsets (jax.lax.axis_index times its block size per axis): the same bits as the whole call,
-  computed by XLA ops instead of the kernel (the kernels number rows from 0);
+  split batch, head or query axis runs it too, with a place table (_philox.place_table: per
+  local row its key, counter index and query position in the whole array, computed on the
+  device from jax.lax.axis_index times the block size per axis): the same bits and causal
+  limits as the whole call;
 * bias and mask are sharded like the scores on their full-size axes and stay whole on their
   broadcast ones; the (K, 2) key operand is replicated; the row log-sum-exp (the forward's second
   result, the backward's operand) is sharded like the scores' rows.
@@ -101,13 +102,12 @@ def _result_shardings(mesh, spec, num_results: int):
     return [out, NamedSharding(mesh, PartitionSpec(*spec[:-1]))]  # a list: custom_partitioning's type
 
 
-def _partitioned(kernel, reference, param_names: tuple[str, ...], num_operands: int, num_results: int):
+def _partitioned(kernel, param_names: tuple[str, ...], num_operands: int, num_results: int):
     """The custom_partitioning op of one dropout kernel primitive, called as
-    ``op(*operands, *params)``. `kernel` is the kernel primitive's getter, `reference` the
-    _philox formula a shard of split rows runs."""
+    ``op(*operands, *params)``. `kernel` is the kernel primitive's getter."""
 
-    def bind(operands, params):
-        return kernel().bind(*operands, **params)
+    def bind(operands, params, place=None):
+        return kernel().bind(*operands, _philox.no_place() if place is None else place, **params)
 
     def local(*args):
         return bind(args[:num_operands], dict(zip(param_names, args[num_operands:])))
@@ -134,12 +134,15 @@ def _partitioned(kernel, reference, param_names: tuple[str, ...], num_operands: 
         if not any(split):
             return mesh, _per_shard(lambda *ops: bind(ops, params)), out_shardings, arg_shardings
         global_shape = tuple(arg_shapes[0].shape)
+        num_keys = arg_shapes[3].shape[0]
 
         @_per_shard
         def lower_fn(*ops):
             local_shape = ops[0].shape
             offsets = [_shard_offset(axes, n) for axes, n in zip(split, local_shape[:-1])]
-            return reference(*ops, **params, global_shape=global_shape, offsets=offsets)
+            place = _philox.place_table(local_shape, global_shape, offsets, num_keys,
+                                        broadcast=params["broadcast"])
+            return bind(ops, params, place)
 
         return mesh, lower_fn, out_shardings, arg_shardings
 
@@ -162,18 +165,14 @@ def _kernel(name):
     return getattr(dropout, name)
 
 
-def _forward_reference(x, bias, mask, key, **params):
-    return tuple(_philox.forward(x, bias, mask, key, **params))
-
-
-_fwd_cp = _partitioned(functools.partial(_kernel, "kernel_dropout_fwd_p"), _forward_reference,
-                       _PARAMS, num_operands=4, num_results=2)
-_bwd_cp = _partitioned(functools.partial(_kernel, "kernel_dropout_bwd_p"), _philox.backward,
-                       _PARAMS + ("grad_scale",), num_operands=6, num_results=1)
+_fwd_cp = _partitioned(functools.partial(_kernel, "kernel_dropout_fwd_p"), _PARAMS, num_operands=4,
+                       num_results=2)
+_bwd_cp = _partitioned(functools.partial(_kernel, "kernel_dropout_bwd_p"), _PARAMS + ("grad_scale",),
+                       num_operands=6, num_results=1)
 
 
 def partitioned_fwd(x, bias, mask, key, *, scale, has_bias, has_mask, causal, rate, broadcast):
-    """attn_dropout_fwd_p's lowering: the kernel per shard (or the formula on split rows)."""
+    """attn_dropout_fwd_p's lowering: the kernel per shard (placed where rows are split)."""
     return _fwd_cp(x, bias, mask, key, scale, has_bias, has_mask, causal, rate, broadcast)
 
 

@@ -323,10 +323,9 @@ def test_attention_dropout(layout, variant):
     if bias is not None:
         allowed.add("all-reduce")  # the bias gradient summed over the batch
     assert all(not v for k, v in found.items() if k not in allowed), found
-    rows_split = any(e is not None for e in (tuple(spec) + (None,) * 4)[:3])
-    if not rows_split:  # whole rows on every device: the fused kernels
-        for target in DROPOUT_TARGETS:
-            assert count_custom_calls(hlo, target) >= 1, target
+    # Every layout runs the fused kernels: shards of split rows with their place tables.
+    for target in DROPOUT_TARGETS:
+        assert count_custom_calls(hlo, target) >= 1, target
 
 
 def test_attention_dropout_broadcast_and_vmap():

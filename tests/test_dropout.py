@@ -477,6 +477,53 @@ def test_reference_lowering_matches_kernel(rng):
     assert_close(dx, rdx, jnp.float32, tol=GRAD_TOL)
 
 
+@pytest.mark.parametrize("variant", ["plain", "bias_mask_causal", "broadcast_two_keys"])
+def test_place_table_matches_slices(backend, device, rng, variant):
+    # A shard of split batch, head and query axes (dropout_sharding.py) runs the kernels with its
+    # place table: its rows' bits, keys and causal limits are the whole call's, so each block of
+    # the whole call's outputs and gradients comes back exactly.
+    shape = (4, 3, 12, 40)
+    s = rng.standard_normal(shape).astype(np.float32)
+    g = rng.standard_normal(shape).astype(np.float32)
+    with_ops = variant == "bias_mask_causal"
+    b = rng.standard_normal((1, 3, 12, 40)).astype(np.float32) if with_ops else np.zeros((1, 1, 1, 1), np.float32)
+    m = rng.random((4, 1, 1, 40)) < 0.8 if with_ops else np.ones((1, 1, 1, 1), bool)
+    two = variant == "broadcast_two_keys"
+    keys = np.concatenate([key_rows(jax.random.key(5)), key_rows(jax.random.key(6))]) if two else key_rows(jax.random.key(5))
+    params = dict(scale=0.7, has_bias=with_ops, has_mask=with_ops, causal=with_ops, rate=0.3,
+                  broadcast=two)
+    none = _philox.no_place()
+    fwd = lambda *a: jsd.kernel_dropout_fwd_p.bind(*a, **params)
+    bwd = lambda *a: jsd.kernel_dropout_bwd_p.bind(*a, grad_scale=0.5, **params)
+    out, lse = run(device, fwd, s, b, m, keys, none)
+    dx = run(device, bwd, s, b, m, keys, lse, g, none)
+    assert (out == 0).any() and (out != 0).any()
+    for start, stop in [((0, 0, 0), (2, 3, 12)), ((2, 1, 4), (4, 2, 8)), ((1, 2, 7), (3, 3, 12))]:
+        block = tuple(slice(a, z) for a, z in zip(start, stop))
+        bb = b[(slice(None),) + block[1:]] if with_ops else b
+        mb = m[block[:1]] if with_ops else m
+        local = s[block].shape
+        place = _philox.place_table(local, shape, start, keys.shape[0], broadcast=two)
+        bout, blse = run(device, fwd, s[block], bb, mb, keys, place)
+        np.testing.assert_array_equal(bout, out[block], err_msg=f"{variant} {start}")
+        np.testing.assert_array_equal(blse, lse[block], err_msg=f"{variant} {start}")
+        bdx = run(device, bwd, s[block], bb, mb, keys, lse[block], g[block], place)
+        np.testing.assert_array_equal(bdx, dx[block], err_msg=f"{variant} {start}")
+
+
+def test_place_table_errors():
+    # The handlers check the table's shape and dtype (it is an internal operand: a clear error
+    # all the same, not an out-of-bounds read).
+    s = np.zeros((2, 3, 8), np.float32)
+    b, m = np.zeros((1, 1, 1), np.float32), np.ones((1, 1, 1), bool)
+    params = dict(scale=1.0, has_bias=False, has_mask=False, causal=False, rate=0.5, broadcast=False)
+    cpu = jax.devices("cpu")[0]
+    for bad in (np.zeros((5, 3), np.uint32), np.zeros((6, 2), np.uint32), np.zeros((6, 3), np.int32)):
+        with pytest.raises(Exception, match="place table"):
+            run(cpu, lambda *a: jsd.kernel_dropout_fwd_p.bind(*a, **params), s, b, m,
+                key_rows(jax.random.key(0)), bad)
+
+
 # --- Flax ---------------------------------------------------------------------------------------------
 def test_flax_plugin_dropout(rng):
     pytest.importorskip("flax")
