@@ -477,17 +477,19 @@ def test_reference_lowering_matches_kernel(rng):
     assert_close(dx, rdx, jnp.float32, tol=GRAD_TOL)
 
 
+@pytest.mark.parametrize("cols", [40, 41, 20000], ids=["vectors", "unaligned", "streamed"])
 @pytest.mark.parametrize("variant", ["plain", "bias_mask_causal", "broadcast_two_keys"])
-def test_place_table_matches_slices(backend, device, rng, variant):
+def test_place_table_matches_slices(backend, device, rng, variant, cols):
     # A shard of split batch, head and query axes (dropout_sharding.py) runs the kernels with its
     # place table: its rows' bits, keys and causal limits are the whole call's, so each block of
-    # the whole call's outputs and gradients comes back exactly.
-    shape = (4, 3, 12, 40)
+    # the whole call's outputs and gradients comes back exactly. Rows of whole vectors (the CUDA
+    # register kernels), odd rows and rows past 2048 vectors (the streaming kernels).
+    shape = (4, 3, 12, cols)
     s = rng.standard_normal(shape).astype(np.float32)
     g = rng.standard_normal(shape).astype(np.float32)
     with_ops = variant == "bias_mask_causal"
-    b = rng.standard_normal((1, 3, 12, 40)).astype(np.float32) if with_ops else np.zeros((1, 1, 1, 1), np.float32)
-    m = rng.random((4, 1, 1, 40)) < 0.8 if with_ops else np.ones((1, 1, 1, 1), bool)
+    b = rng.standard_normal((1, 3, 12, cols)).astype(np.float32) if with_ops else np.zeros((1, 1, 1, 1), np.float32)
+    m = rng.random((4, 1, 1, cols)) < 0.8 if with_ops else np.ones((1, 1, 1, 1), bool)
     two = variant == "broadcast_two_keys"
     keys = np.concatenate([key_rows(jax.random.key(5)), key_rows(jax.random.key(6))]) if two else key_rows(jax.random.key(5))
     params = dict(scale=0.7, has_bias=with_ops, has_mask=with_ops, causal=with_ops, rate=0.3,
