@@ -323,6 +323,30 @@ def test_tier_lengths(backend, device, rng, dtype, variant):
         assert_close(dx, pull(g.astype(np.float64))[0], dtype, tol=GRAD_TOL, what=what + " dx")
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
+def test_causal_square_rows(backend, device, rng, dtype):
+    # Causal rows without bias or mask over square scores: each row's limit falls at another
+    # column, so rows hold whole vectors before the limit, the vector that holds it (any offset)
+    # and vectors past it; lengths about the kernels' vector widths and register-row sizes.
+    rate, key, scale = 0.25, jax.random.key(23), 0.6
+    for n in (7, 8, 9, 63, 64, 65, 1000, 1024, 2049):
+        shape = (1, 2, n, n)
+        s = rounded(rng.standard_normal(shape) * 2, dtype)
+        g = rounded(rng.standard_normal(shape), dtype)
+        def fwd_bwd(s, g):
+            y, pull = jax.vjp(lambda s: attn(s, key, rate, scale=scale, causal=True), s)
+            return y, pull(g)[0]
+
+        y, dx = run(device, fwd_bwd, s, g)
+        keep = keep_of(key, shape, rate)
+        what = f"n={n}"
+        assert_close(y, np_dropout_attention(s, scale, None, None, True, keep, rate), dtype, what=what + " y")
+        assert np.all(np.triu(np.ones((n, n), bool), 1)[None, None] <= (y == 0)), what
+        _, pull = jax.vjp(lambda s: ref_with_mask(keep, rate)(s, scale, None, None, True),
+                          s.astype(np.float64))
+        assert_close(dx, pull(g.astype(np.float64))[0], dtype, tol=GRAD_TOL, what=what + " dx")
+
+
 # --- broadcast_dropout, vmap, jit ---------------------------------------------------------------------
 def test_broadcast_dropout(backend, device):
     key = jax.random.key(21)
