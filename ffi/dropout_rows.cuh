@@ -104,14 +104,15 @@ __device__ __forceinline__ typename Loader::Bytes valid_at(const Loader& loader,
 
 // --- per-vector pieces shared by the two kernels ---------------------------------------------------
 // One thread's part of a row: kPacks vectors at window offsets first + k * stride. Every load is
-// issued before any is used: x, dy (kWithDy), the mask bytes and (where the values and cotangents
-// take at most 16 values per thread) the bias; the keep bits are drawn while they are on their way
-// (Philox needs only the row and column), so that its ~80 instructions per call overlap the memory
-// latency and its temporaries are dead before the values live. Then z = scale * x + bias, -inf
-// where a position does not take part, and g = dy. valid[k]: the positions of vector k that take
-// part; keep[k]: its keep words. Returns whether any position takes
-// part. (Fetched ahead, the bias of 32 16-bit values made the forward spill 56-92 bytes at 64
-// registers: ptxas sm_90a.)
+// issued before any is used: x, dy (kWithDy) and, general rows, the mask bytes and (where the
+// values and cotangents take at most 16 values per thread) the bias; the keep bits are drawn while
+// they are on their way (Philox needs only the row and column), so that its ~80 instructions per
+// call overlap the memory latency and its temporaries are dead before the values live. Then
+// z = scale * x + bias, -inf where a position does not take part (plain rows: every position of a
+// vector up to the row's end; the vectors past it, in a lane group wider than the row, hold -inf),
+// and g = dy. valid[k]: the positions of vector k that take part; keep[k]: its keep words.
+// Returns whether any position takes part. (Fetched ahead, the bias of 32 16-bit values made the
+// forward spill 56-92 bytes at 64 registers: ptxas sm_90a.)
 template <int kPacks, bool kWithDy, typename Loader, typename A, int kVec = Loader::kVecWidth>
 __device__ __forceinline__ bool load_part(const Loader& loader, const typename Loader::Elem* dy,
                                           int first, int stride, const DropoutKey& key,
@@ -120,25 +121,39 @@ __device__ __forceinline__ bool load_part(const Loader& loader, const typename L
                                           typename Loader::Bytes (&valid)[kPacks],
                                           KeepWords<kVec> (&keep)[kPacks]) {
   using T = typename Loader::Elem;
-  if constexpr (Loader::kPlain) {
-    // No bias, mask or causal limit: every position of a vector up to the row's end takes part
-    // (z = scale * x), the vectors past it (a lane group wider than the row) hold -inf.
-    T xs[kPacks][kVec], gs[kWithDy ? kPacks : 1][kVec];
+  constexpr bool kGeneral = !Loader::kPlain;
+  constexpr bool kBiasAhead = kGeneral && kPacks * kVec * (kWithDy ? 2 : 1) <= 16;
+  T xs[kPacks][kVec], gs[kWithDy ? kPacks : 1][kVec], bs[kBiasAhead ? kPacks : 1][kVec];
+  typename Loader::Bytes mask[kGeneral ? kPacks : 1];
 #pragma unroll
-    for (int k = 0; k < kPacks; ++k) loader.fetch_x(first + k * stride, xs[k]);
-    if constexpr (kWithDy) {
-#pragma unroll
-      for (int k = 0; k < kPacks; ++k) {
-        zero_vec(gs[k]);
-        if (first + k * stride <= loader.limit) load_vec<kVec>(dy + first + k * stride, gs[k]);
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k) keep[k] = keep_words<kVec>(key, first + k * stride);
-    bool any = false;
+  for (int k = 0; k < kPacks; ++k) loader.fetch_x(first + k * stride, xs[k]);
+  if constexpr (kWithDy) {
+    // dy past the limit is not read: no valid position lies beyond it.
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) {
-      const bool inside = first + k * stride <= loader.limit;
+      const int c = first + k * stride;
+      zero_vec(gs[k]);
+      if (c <= loader.limit) load_vec<kVec>(dy + c, gs[k]);
+    }
+  }
+  if constexpr (kGeneral) {
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      mask[k] = loader.fetch_mask(first + k * stride);
+      if constexpr (kBiasAhead) loader.fetch_bias(first + k * stride, bs[k]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) keep[k] = keep_words<kVec>(key, first + k * stride);
+  bool any = false;
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    const int w = first + k * stride;
+    if constexpr (kGeneral) {
+      valid[k] = loader.limit_bytes(w, mask[k]);
+      any |= loader.template load_fwd<kBiasAhead>(w, xs[k], mask[k], bs[kBiasAhead ? k : 0], v[k]);
+    } else {
+      const bool inside = w <= loader.limit;
       valid[k] = inside ? Loader::kAllBytes : 0;
       any |= inside;
       loader.plain_values(xs[k], v[k]);
@@ -146,47 +161,13 @@ __device__ __forceinline__ bool load_part(const Loader& loader, const typename L
 #pragma unroll
         for (int e = 0; e < kVec; ++e) v[k][e] = neg_inf<A>();
       }
-      if constexpr (kWithDy) {
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) g[k][e] = to_acc(gs[k][e]);
-      }
     }
-    return any;
-  } else {
-    constexpr bool kBiasAhead = kPacks * kVec * (kWithDy ? 2 : 1) <= 16;
-    T xs[kPacks][kVec], gs[kWithDy ? kPacks : 1][kVec], bs[kBiasAhead ? kPacks : 1][kVec];
-    typename Loader::Bytes mask[kPacks];
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k) loader.fetch_x(first + k * stride, xs[k]);
     if constexpr (kWithDy) {
-      // dy past the limit is not read: no valid position lies beyond it.
 #pragma unroll
-      for (int k = 0; k < kPacks; ++k) {
-        const int c = first + k * stride;
-        zero_vec(gs[k]);
-        if (c <= loader.limit) load_vec<kVec>(dy + c, gs[k]);
-      }
+      for (int e = 0; e < kVec; ++e) g[k][e] = to_acc(gs[k][e]);
     }
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
-      mask[k] = loader.fetch_mask(first + k * stride);
-      if constexpr (kBiasAhead) loader.fetch_bias(first + k * stride, bs[k]);
-    }
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k) keep[k] = keep_words<kVec>(key, first + k * stride);
-    bool any = false;
-#pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int w = first + k * stride;
-      valid[k] = loader.limit_bytes(w, mask[k]);
-      any |= loader.template load_fwd<kBiasAhead>(w, xs[k], mask[k], bs[kBiasAhead ? k : 0], v[k]);
-      if constexpr (kWithDy) {
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) g[k][e] = to_acc(gs[k][e]);
-      }
-    }
-    return any;
   }
+  return any;
 }
 
 // The outputs of one vector at column c of a row whose statistics are finite: e_v holds

@@ -77,20 +77,30 @@ def global_rows(shape, global_shape, offsets):
     return r.reshape(-1)
 
 
+def _query_len(shape) -> int:
+    return shape[-2] if len(shape) >= 2 else 1
+
+
+def _key_and_index(r, shape, num_keys: int, broadcast: bool):
+    """(key index, Philox counter index) of the rows whose dense indices in an array of `shape`
+    are `r` (NumPy int64, or a uint32 jnp array): ffi/philox.h's rule, K keys dividing the rows."""
+    rows = math.prod(tuple(shape[:-1]))
+    if rows % num_keys:
+        raise ValueError(f"{num_keys} keys do not divide {rows} rows")
+    per_key = rows // num_keys
+    index = r % per_key
+    if broadcast:
+        index = index % _query_len(shape)
+    return r // per_key, index
+
+
 def place_table(shape, global_shape, offsets, num_keys: int, *, broadcast: bool):
     """The place table of a block of `shape` at `offsets` in an array of `global_shape`
     (ffi/philox.h, DropoutParams): (rows, 3) uint32, per row of the block its key index, its
     row index in the Philox counter and its query position, all in the whole array."""
     r = global_rows(shape, global_shape, offsets)
-    rows = math.prod(tuple(global_shape[:-1]))
-    if rows % num_keys:
-        raise ValueError(f"{num_keys} keys do not divide {rows} rows")
-    per_key = rows // num_keys
-    query_len = global_shape[-2] if len(global_shape) >= 2 else 1
-    index = r % _U32(per_key)
-    if broadcast:
-        index = index % _U32(query_len)
-    return jnp.stack([r // _U32(per_key), index, r % _U32(query_len)], axis=-1)
+    which, index = _key_and_index(r, global_shape, num_keys, broadcast)
+    return jnp.stack([which, index, r % _U32(_query_len(global_shape))], axis=-1)
 
 
 def no_place():
@@ -116,15 +126,7 @@ def uniforms16(keys, shape, *, broadcast: bool, place=None):
     g = jnp.arange(groups, dtype=_U32)[None, :]
     place = _placed(place)
     if place is None:
-        if rows % num_keys:
-            raise ValueError(f"{num_keys} keys do not divide {rows} rows")
-        per_key = rows // num_keys
-        query_len = shape[-2] if len(shape) >= 2 else 1
-        r = np.arange(rows, dtype=np.int64)
-        which = r // per_key
-        index = r % per_key
-        if broadcast:
-            index = index % query_len
+        which, index = _key_and_index(np.arange(rows, dtype=np.int64), shape, num_keys, broadcast)
         lo = jnp.asarray((index & 0xFFFFFFFF).astype(np.uint32))[:, None]
         hi = jnp.asarray((index >> 32).astype(np.uint32))[:, None]
     else:  # a table entry never indexes past the keys (clamped, as the kernels do)

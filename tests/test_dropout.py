@@ -333,6 +333,7 @@ def test_causal_square_rows(backend, device, rng, dtype):
         shape = (1, 2, n, n)
         s = rounded(rng.standard_normal(shape) * 2, dtype)
         g = rounded(rng.standard_normal(shape), dtype)
+
         def fwd_bwd(s, g):
             y, pull = jax.vjp(lambda s: attn(s, key, rate, scale=scale, causal=True), s)
             return y, pull(g)[0]
