@@ -16,27 +16,30 @@ namespace jax_softmax {
 namespace {
 
 // Which kernel takes a row of W vectors (kVec columns each), P = DropoutPacks (dropout_rows.cuh:
-// four for plain forward rows, two otherwise):
+// four for plain forward rows and for causal-only forward rows of kCausalFourPacksFrom vectors or
+// more, two otherwise):
 //   W <= 2048: the register kernel on the fewest threads G (a power of two, 1-1024 at two vectors
 //     a thread, 1-512 at four) that hold the row at P vectors a thread: lane groups of G <= 32
 //     lanes in 128-thread CTAs, blocks of G threads above.
 //   longer rows, and rows that are not whole aligned vectors: the streaming kernel (x read twice).
 // Rows without a bias, mask or causal limit take the kernels' plain form (Access::kPlain: no mask
 // bytes, no per-position selects; H100, session 85, bfloat16 S = 512-4096 at two vectors: forward
-// 6-10% faster, backward 6%).
-template <typename T, int kVec, int kGroup, int kPacks, bool kBwd, Access kAccess>
+// 6-10% faster, backward 6%); rows of a causal limit only the causal form (no mask bytes or bias;
+// H100, session 86, bfloat16, us per call against the general form: forward S = 512 214 -> 196,
+// 2048 225 -> 208, 4096 231 -> 214 (191 at four vectors), backward S = 2048 255 -> 223).
+template <typename T, int kVec, int kGroup, int kPacks, bool kBwd, DropoutForm kForm>
 ffi::Error LaunchRegisterRows(const DropoutRows& d, const LaunchCtx& c) {
   constexpr int kBlock = BlockThreads(kGroup);
   constexpr int kRowsPerBlock = kBlock / kGroup;
   const int64_t needed = (d.rows.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   const int grid = static_cast<int>(std::min<int64_t>(needed, INT_MAX));
   return Launch(KernelLaunch(grid, kBlock, 0, c.stream, 1, c.dependent),
-                dropout_rows_kernel<T, kVec, kGroup, kPacks, kBwd, kAccess>, "dropout row kernel", d);
+                dropout_rows_kernel<T, kVec, kGroup, kPacks, kBwd, kForm>, "dropout row kernel", d);
 }
 
-template <typename T, int kVec, bool kBwd, Access kAccess>
+template <typename T, int kVec, bool kBwd, DropoutForm kForm>
 ffi::Error LaunchStream(const DropoutRows& d, const LaunchCtx& c) {
-  constexpr auto kernel = dropout_stream_kernel<T, kVec, kBwd, kAccess>;
+  constexpr auto kernel = dropout_stream_kernel<T, kVec, kBwd, kForm>;
   auto per_sm = BlocksPerSm<kernel, 512>(c.device, 512);
   if (per_sm.has_error()) return per_sm.error();
   const int grid = PersistentGrid(d.rows.rows, int64_t(*per_sm) * c.dev.sm_count);
@@ -45,23 +48,24 @@ ffi::Error LaunchStream(const DropoutRows& d, const LaunchCtx& c) {
 }
 
 // The register kernel of the fewest threads G >= min_threads (a power of two).
-template <typename T, int kVec, bool kBwd, Access kAccess, int kGroup = 1>
+template <typename T, int kVec, bool kBwd, DropoutForm kForm, int kPacks, int kGroup = 1>
 ffi::Error LaunchRowsOfWidth(const DropoutRows& d, const LaunchCtx& c, int64_t min_threads) {
-  constexpr int kPacks = DropoutPacks(kBwd, kAccess);
   if constexpr (kGroup < DropoutMaxRowThreads(kPacks)) {
     if (kGroup < min_threads)
-      return LaunchRowsOfWidth<T, kVec, kBwd, kAccess, 2 * kGroup>(d, c, min_threads);
+      return LaunchRowsOfWidth<T, kVec, kBwd, kForm, kPacks, 2 * kGroup>(d, c, min_threads);
   }
-  return LaunchRegisterRows<T, kVec, kGroup, kPacks, kBwd, kAccess>(d, c);
+  return LaunchRegisterRows<T, kVec, kGroup, kPacks, kBwd, kForm>(d, c);
 }
 
-template <typename T, int kVec, bool kBwd, Access kAccess>
+template <typename T, int kVec, bool kBwd, DropoutForm kForm, int kPacks = DropoutPacks(kBwd, kForm)>
 ffi::Error LaunchRows(const DropoutRows& d, const LaunchCtx& c, bool vectors) {
-  if (!vectors) return LaunchStream<T, 1, kBwd, kAccess>(d, c);
-  constexpr int kPacks = DropoutPacks(kBwd, kAccess);
+  if (!vectors) return LaunchStream<T, 1, kBwd, kForm>(d, c);
   const int64_t width = d.rows.cols / kVec;
-  if (width > int64_t{kPacks} * DropoutMaxRowThreads(kPacks)) return LaunchStream<T, kVec, kBwd, kAccess>(d, c);
-  return LaunchRowsOfWidth<T, kVec, kBwd, kAccess>(d, c, (width + kPacks - 1) / kPacks);
+  if constexpr (kForm == DropoutForm::kCausal && !kBwd && kPacks == 2) {
+    if (width >= kCausalFourPacksFrom) return LaunchRows<T, kVec, kBwd, kForm, 4>(d, c, vectors);
+  }
+  if (width > int64_t{kPacks} * DropoutMaxRowThreads(kPacks)) return LaunchStream<T, kVec, kBwd, kForm>(d, c);
+  return LaunchRowsOfWidth<T, kVec, kBwd, kForm, kPacks>(d, c, (width + kPacks - 1) / kPacks);
 }
 
 template <typename Tag, bool kBwd>
@@ -76,9 +80,10 @@ ffi::Error LaunchDropout(const DropoutRows& dp, cudaStream_t stream) {
 
   // XLA aligns buffers; the check depends on addresses, never on data.
   const bool vectors = p.cols % kVec == 0 && BuffersAligned16(p);
-  const bool plain = !p.bias.data && !p.mask.data && p.causal.d == 0 && !dp.dropout.place_causal;
-  return plain ? LaunchRows<T, kVec, kBwd, Access::kPlain>(dp, ctx, vectors)
-               : LaunchRows<T, kVec, kBwd, Access::kGeneral>(dp, ctx, vectors);
+  const bool causal = p.causal.d > 0 || dp.dropout.place_causal;
+  if (p.bias.data || p.mask.data) return LaunchRows<T, kVec, kBwd, DropoutForm::kGeneral>(dp, ctx, vectors);
+  return causal ? LaunchRows<T, kVec, kBwd, DropoutForm::kCausal>(dp, ctx, vectors)
+                : LaunchRows<T, kVec, kBwd, DropoutForm::kPlain>(dp, ctx, vectors);
 }
 
 ffi::Error DropoutForwardCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer bias,

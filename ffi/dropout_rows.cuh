@@ -34,8 +34,22 @@ namespace jax_softmax {
 // 2048 206 -> 190, 4096 219 -> 192; causal forward 221 -> 219; but a forward with a bias 265 -> 376
 // (its bias is no longer fetched ahead, kBiasAhead), the plain backward 261 -> 275 and the causal
 // one 251 -> 273. (Four at 64 registers spilled: 16-bit forward 52-100 bytes, the 16-bit backward
-// 270-410.)
-constexpr int DropoutPacks(bool bwd, Access access) { return !bwd && access == Access::kPlain ? 4 : 2; }
+// 270-410.) Rows of a causal limit only (kCausal) take four from kCausalFourPacksFrom vectors a
+// row: H100, session 86, bfloat16 forward, two -> four vectors: S = 512 (64 vectors) 196 -> 201,
+// 2048 (256) 208 -> 207, 4096 (512) 214 -> 191.
+// What a call's rows carry, and so which loader and value path the kernels compile:
+//   kPlain:   no bias, mask or causal limit (Access::kPlain: x only);
+//   kCausal:  a causal limit only (the general loader for its limit; no mask bytes or bias, and
+//             per-position selects only in the vector that holds the limit);
+//   kGeneral: a bias or mask (and perhaps a causal limit).
+enum class DropoutForm { kPlain, kCausal, kGeneral };
+constexpr Access FormAccess(DropoutForm f) {
+  return f == DropoutForm::kPlain ? Access::kPlain : Access::kGeneral;
+}
+constexpr int DropoutPacks(bool bwd, DropoutForm form) {
+  return !bwd && form == DropoutForm::kPlain ? 4 : 2;
+}
+constexpr int64_t kCausalFourPacksFrom = 512;
 constexpr int kStreamPacks = 2;
 
 // CTAs per SM that the register kernel's launch bounds ask for: 1024 threads an SM at two vectors
@@ -113,7 +127,8 @@ __device__ __forceinline__ typename Loader::Bytes valid_at(const Loader& loader,
 // and g = dy. valid[k]: the positions of vector k that take part; keep[k]: its keep words.
 // Returns whether any position takes part. (Fetched ahead, the bias of 32 16-bit values made the
 // forward spill 56-92 bytes at 64 registers: ptxas sm_90a.)
-template <int kPacks, bool kWithDy, typename Loader, typename A, int kVec = Loader::kVecWidth>
+template <int kPacks, bool kWithDy, bool kCausalOnly, typename Loader, typename A,
+          int kVec = Loader::kVecWidth>
 __device__ __forceinline__ bool load_part(const Loader& loader, const typename Loader::Elem* dy,
                                           int first, int stride, const DropoutKey& key,
                                           A (&v)[kPacks][kVec],
@@ -121,7 +136,7 @@ __device__ __forceinline__ bool load_part(const Loader& loader, const typename L
                                           typename Loader::Bytes (&valid)[kPacks],
                                           KeepWords<kVec> (&keep)[kPacks]) {
   using T = typename Loader::Elem;
-  constexpr bool kGeneral = !Loader::kPlain;
+  constexpr bool kGeneral = !Loader::kPlain && !kCausalOnly;  // mask bytes and bias fetched
   constexpr bool kBiasAhead = kGeneral && kPacks * kVec * (kWithDy ? 2 : 1) <= 16;
   T xs[kPacks][kVec], gs[kWithDy ? kPacks : 1][kVec], bs[kBiasAhead ? kPacks : 1][kVec];
   typename Loader::Bytes mask[kGeneral ? kPacks : 1];
@@ -152,6 +167,17 @@ __device__ __forceinline__ bool load_part(const Loader& loader, const typename L
     if constexpr (kGeneral) {
       valid[k] = loader.limit_bytes(w, mask[k]);
       any |= loader.template load_fwd<kBiasAhead>(w, xs[k], mask[k], bs[kBiasAhead ? k : 0], v[k]);
+    } else if constexpr (kCausalOnly) {
+      // z = scale * x (as the general path's scale * x + 0) up to the limit, -inf past it; only
+      // the vector that holds the limit selects per position.
+      valid[k] = loader.limit_bytes(w, Loader::kAllBytes);
+      any |= w <= loader.limit;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) v[k][e] = loader.scale * to_acc(xs[k][e]);
+      if (w + kVec - 1 > loader.limit) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[k][e] = w + e <= loader.limit ? v[k][e] : neg_inf<A>();
+      }
     } else {
       const bool inside = w <= loader.limit;
       valid[k] = inside ? Loader::kAllBytes : 0;
@@ -245,11 +271,12 @@ __device__ __forceinline__ void store_dx(const Loader& loader, typename Loader::
 // --- register rows ---------------------------------------------------------------------------------
 // kGroup threads per row (lane groups share 128-thread CTAs; blocks take one row per CTA), kPacks
 // vectors per thread; pack k of lane l covers columns (k * kGroup + l) * kVec.
-template <typename T, int kVec, int kGroup, int kPacks, bool kBwd, Access kAccess>
+template <typename T, int kVec, int kGroup, int kPacks, bool kBwd, DropoutForm kForm>
 __global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(BlockThreads(kGroup), kPacks))
     dropout_rows_kernel(const DropoutRows d) {
   using A = acc_t<T>;
-  using Loader = RowLoader<T, kVec, /*kBwd=*/false, kAccess>;
+  using Loader = RowLoader<T, kVec, /*kBwd=*/false, FormAccess(kForm)>;
+  constexpr bool kCausalOnly = kForm == DropoutForm::kCausal;
   using Bytes = typename Loader::Bytes;
   using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;
   constexpr int kBlock = BlockThreads(kGroup);
@@ -276,7 +303,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(Bl
     A g[kBwd ? kPacks : 1][kVec];
     Bytes valid[kPacks];
     KeepWords<kVec> keep[kPacks];
-    const bool any = load_part<kPacks, kBwd>(loader, dy, first, kStride, key, v, g, valid, keep);
+    const bool any = load_part<kPacks, kBwd, kCausalOnly>(loader, dy, first, kStride, key, v, g, valid, keep);
     T* dst = loader.out_row(p, row);
 
     if constexpr (!kBwd) {
@@ -330,10 +357,11 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(Bl
 // One row per CTA of kBlock threads, in chunks of kBlock * kPacks vectors: a first sweep for the
 // statistics (forward: running (max, sum) merged per chunk; backward: sum(y g)), a second for the
 // outputs. Any row length and any alignment (kVec == 1 reads element by element).
-template <typename T, int kVec, bool kBwd, Access kAccess>
+template <typename T, int kVec, bool kBwd, DropoutForm kForm>
 __global__ void __launch_bounds__(512, 2) dropout_stream_kernel(const DropoutRows d) {
   using A = acc_t<T>;
-  using Loader = RowLoader<T, kVec, /*kBwd=*/false, kAccess>;
+  using Loader = RowLoader<T, kVec, /*kBwd=*/false, FormAccess(kForm)>;
+  constexpr bool kCausalOnly = kForm == DropoutForm::kCausal;
   using Bytes = typename Loader::Bytes;
   using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;
   constexpr int kBlock = 512;
@@ -361,7 +389,7 @@ __global__ void __launch_bounds__(512, 2) dropout_stream_kernel(const DropoutRow
     KeepWords<kVec> keep[kPacks];
     // Columns past the causal limit are not valid: not read, written as 0.
     const auto part = [&](int c0) {
-      return load_part<kPacks, kBwd>(loader, dy, c0 + first, kStride, key, v, g, valid, keep);
+      return load_part<kPacks, kBwd, kCausalOnly>(loader, dy, c0 + first, kStride, key, v, g, valid, keep);
     };
     if constexpr (!kBwd) {
       const int end = loader.limit + 1;

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_softmax
+from jax_softmax import _philox
+from jax_softmax import dropout as jsd
 
 CASES = [  # (rows, cols, dtype)
     (5, 3, jnp.float32),  # lane group, scalar path
@@ -285,13 +287,27 @@ def main():
             vjp(jnp.ones_like(y))[0].block_until_ready()
         if every_op:
             # Attention dropout (ffi/dropout_rows.cuh): the register kernel of the row's width, or
-            # the streaming one (long or odd rows), with a padding mask and causal rows.
+            # the streaming one (long or odd rows), in each of its forms: a padding mask and
+            # causal rows (general), causal rows alone, neither (plain).
             s = jnp.asarray(rng.standard_normal((2, 3, 5, cols)), dtype)
             pad = jnp.arange(cols) < jnp.array([cols // 2 + 3, cols])[:, None, None, None]
-            y, vjp = jax.vjp(lambda a: jax_softmax.attention_softmax(
-                a, scale=0.5, mask=pad, is_causal=True, dropout_rate=0.2,
-                dropout_rng=jax.random.key(0)), s)
-            vjp(jnp.ones_like(y))[0].block_until_ready()
+            for mask, causal in ((pad, True), (None, True), (None, False)):
+                y, vjp = jax.vjp(lambda a: jax_softmax.attention_softmax(
+                    a, scale=0.5, mask=mask, is_causal=causal, dropout_rate=0.2,
+                    dropout_rng=jax.random.key(0)), s)
+                vjp(jnp.ones_like(y))[0].block_until_ready()
+            # A shard's causal rows (a place table: limits at query positions cols // 2 and on).
+            shard = (1, 2, 4, cols)
+            place = _philox.place_table(shard, (1, 2, cols, cols), (0, 0, cols // 2), 1,
+                                        broadcast=False)
+            params = dict(scale=0.5, has_bias=False, has_mask=False, causal=True, rate=0.2,
+                          broadcast=False)
+            x, keys = s[:1, :2, :4], _philox.key_words(jax.random.key(1))
+            b, m = jnp.zeros((1, 1, 1, 1), dtype), jnp.ones((1, 1, 1, 1), bool)
+            fwd = jax.jit(lambda *a: jsd.kernel_dropout_fwd_p.bind(*a, **params))
+            bwd = jax.jit(lambda *a: jsd.kernel_dropout_bwd_p.bind(*a, grad_scale=0.5, **params))
+            out, lse = fwd(x, b, m, keys, place)
+            bwd(x, b, m, keys, lse, out, place).block_until_ready()
         print(f"ok {rows}x{cols} {np.dtype(dtype).name}", flush=True)
 
 

@@ -348,6 +348,37 @@ def test_causal_square_rows(backend, device, rng, dtype):
         assert_close(dx, pull(g.astype(np.float64))[0], dtype, tol=GRAD_TOL, what=what + " dx")
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
+def test_placed_causal_rows(backend, device, rng, dtype):
+    # A shard's causal rows at query positions about S / 2 of (1, 2, S, S) scores (its place
+    # table), limits in the middle of long rows: the register kernels at two and four vectors a
+    # thread (causal forward rows of 512 vectors and more: bfloat16 S = 4088 / 4096 is 511 / 512
+    # vectors), the streaming kernel of whole vectors (S = 20000) and of single elements (20001);
+    # against the jnp formula of _philox.
+    rate, keys = 0.25, key_rows(jax.random.key(31))
+    params = dict(scale=0.6, has_bias=False, has_mask=False, causal=True, rate=rate, broadcast=False)
+    fwd = lambda *a: jsd.kernel_dropout_fwd_p.bind(*a, **params)
+    bwd = lambda *a: jsd.kernel_dropout_bwd_p.bind(*a, grad_scale=0.6, **params)
+    for cols in (4088, 4096, 16384, 20000, 20001):
+        local, first = (1, 2, 6, cols), cols // 2 - 3
+        place = _philox.place_table(local, (1, 2, cols, cols), (0, 0, first), 1, broadcast=False)
+        s = rounded(rng.standard_normal(local) * 2, dtype)
+        g = rounded(rng.standard_normal(local), dtype)
+        b, m = np.zeros((1, 1, 1, 1), s.dtype), np.ones((1, 1, 1, 1), bool)
+        out, lse = run(device, fwd, s, b, m, keys, place)
+        dx = run(device, bwd, s, b, m, keys, lse, g, place)
+        f32 = s.astype(np.float32)
+        ref, ref_lse = _philox.forward(f32, b.astype(np.float32), m, keys, place, **params)
+        ref_dx = _philox.backward(f32, b.astype(np.float32), m, keys, lse, g.astype(np.float32),
+                                  place, grad_scale=0.6, **params)
+        what = f"cols={cols}"
+        limit = first + np.arange(6)
+        assert np.all((np.arange(cols) > limit[:, None]) <= (out == 0)), what
+        assert_close(out, np.asarray(ref), dtype, what=what + " y")
+        assert_close(lse, np.asarray(ref_lse), jnp.float32, what=what + " lse")
+        assert_close(dx, np.asarray(ref_dx), dtype, tol=GRAD_TOL, what=what + " dx")
+
+
 # --- broadcast_dropout, vmap, jit ---------------------------------------------------------------------
 def test_broadcast_dropout(backend, device):
     key = jax.random.key(21)
@@ -503,7 +534,7 @@ def test_reference_lowering_matches_kernel(rng):
 
 
 @pytest.mark.parametrize("cols", [40, 41, 20000], ids=["vectors", "unaligned", "streamed"])
-@pytest.mark.parametrize("variant", ["plain", "bias_mask_causal", "broadcast_two_keys"])
+@pytest.mark.parametrize("variant", ["plain", "causal", "bias_mask_causal", "broadcast_two_keys"])
 def test_place_table_matches_slices(backend, device, rng, variant, cols):
     # A shard of split batch, head and query axes (dropout_sharding.py) runs the kernels with its
     # place table: its rows' bits, keys and causal limits are the whole call's, so each block of
@@ -517,8 +548,8 @@ def test_place_table_matches_slices(backend, device, rng, variant, cols):
     m = rng.random((4, 1, 1, cols)) < 0.8 if with_ops else np.ones((1, 1, 1, 1), bool)
     two = variant == "broadcast_two_keys"
     keys = np.concatenate([key_rows(jax.random.key(5)), key_rows(jax.random.key(6))]) if two else key_rows(jax.random.key(5))
-    params = dict(scale=0.7, has_bias=with_ops, has_mask=with_ops, causal=with_ops, rate=0.3,
-                  broadcast=two)
+    params = dict(scale=0.7, has_bias=with_ops, has_mask=with_ops,
+                  causal=variant.endswith("causal"), rate=0.3, broadcast=two)
     none = _philox.no_place()
     fwd = lambda *a: jsd.kernel_dropout_fwd_p.bind(*a, **params)
     bwd = lambda *a: jsd.kernel_dropout_bwd_p.bind(*a, grad_scale=0.5, **params)
