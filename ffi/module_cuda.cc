@@ -19,6 +19,8 @@ NB_MODULE(_jax_softmax_cuda, m) {
             EncapsulateFfiHandler(JaxSoftmaxAttnDropoutFwdCuda);
         registrations["jax_softmax_attn_dropout_bwd"] =
             EncapsulateFfiHandler(JaxSoftmaxAttnDropoutBwdCuda);
+        registrations["jax_softmax_flash_fwd"] = EncapsulateFfiHandler(JaxSoftmaxFlashFwdCuda);
+        registrations["jax_softmax_flash_bwd"] = EncapsulateFfiHandler(JaxSoftmaxFlashBwdCuda);
         registrations["jax_softmax_gpu_clock"] = EncapsulateFfiHandler(JaxSoftmaxGpuClockCuda);
         return registrations;
       },

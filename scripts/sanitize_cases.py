@@ -311,5 +311,26 @@ def main():
         print(f"ok {rows}x{cols} {np.dtype(dtype).name}", flush=True)
 
 
+def flash_cases():
+    """Flash attention (ffi/flash_attention.cuh), forward and backward: odd lengths (last tiles
+    partly past Sq and Sk), Sq != Sk, a mask, causal rows, dropout, both head sizes."""
+    from jax_softmax import flash
+
+    rng = np.random.default_rng(1)
+    for b, sq, sk, h, d, causal, masked in [(1, 70, 70, 2, 64, True, False), (2, 33, 130, 1, 128, False, True),
+                                            (1, 128, 64, 2, 64, False, False), (1, 65, 65, 1, 128, True, True)]:
+        q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+                   for shape in ((b, sq, h, d), (b, sk, h, d), (b, sk, h, d)))
+        mask = jnp.asarray(rng.random((b, 1, sq, sk)) < 0.8) if masked else None
+        y, vjp = jax.vjp(lambda q, k, v: flash.flash_attention(
+            q, k, v, mask=mask, is_causal=causal, dropout_rate=0.2, dropout_rng=jax.random.key(0)), q, k, v)
+        jax.block_until_ready(vjp(jnp.ones_like(y)))
+        print(f"ok flash {b}x{sq}x{sk}x{h}x{d}", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    if os.environ.get("SANITIZE_FLASH_ONLY") == "1":
+        flash_cases()
+    else:
+        main()
+        flash_cases()

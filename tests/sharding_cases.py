@@ -582,3 +582,66 @@ def test_readme_sharded_models_snippet():
     namespace: dict = {}
     exec(compile(code, "README.md (Sharded models)", "exec"), namespace)
     assert namespace["y"].sharding == namespace["keys"]
+
+
+# --- flash attention -----------------------------------------------------------------------------
+FLASH_LAYOUTS = {  # q, k, v (batch, length, heads, head_dim)
+    "batch": ("1d", P("data")),
+    "heads": ("2d", P(None, None, "model")),
+    "batch+heads": ("2d", P("data", None, "model")),
+    "length": ("1d", P(None, "data")),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["mask", "causal"])
+@pytest.mark.parametrize("layout", list(FLASH_LAYOUTS))
+def test_flash_attention(layout, causal):
+    """jax_softmax.flash with dropout: a sharded call gives the unsharded call's values and
+    gradients (the same dropout bits: its shards number their rows as the whole call through
+    place tables); batch and heads keep their sharding with no collective, a split length axis is
+    gathered."""
+    from jax_softmax import flash
+
+    rng = rng_for("flash" + layout)
+    shape = (B, 16, 4, 64)
+    q, k, v, w = (rng.standard_normal(shape).astype(jnp.bfloat16) for _ in range(4))
+    mask = None if causal else rng.random((B, 1, 16, 16)) < 0.8
+    mesh_name, spec = FLASH_LAYOUTS[layout]
+    mesh = MESHES[mesh_name]
+    qs, ks, vs, ws = (jax.device_put(a, NamedSharding(mesh, spec)) for a in (q, k, v, w))
+    key = jax.random.key(9)
+
+    def attend(q, k, v):
+        return flash.flash_attention(q, k, v, mask=mask, is_causal=causal, dropout_rate=0.3,
+                                     dropout_rng=key)
+
+    def loss(q, k, v, w):
+        return jnp.sum(attend(q, k, v).astype(jnp.float32) * w.astype(jnp.float32))
+
+    fwd, grad = jax.jit(attend), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    y, y_ref = fwd(qs, ks, vs), fwd(q, k, v)
+    assert_close(np.asarray(y, np.float32), np.asarray(y_ref, np.float64), jnp.bfloat16, what=layout)
+    for g, r in zip(grad(qs, ks, vs, ws), grad(q, k, v, w)):
+        assert_close(np.asarray(g, np.float32), np.asarray(r, np.float64), jnp.bfloat16, GRAD_TOL, what=layout)
+    if layout != "length":
+        assert y.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4), y.sharding
+    found = collectives(grad.lower(qs, ks, vs, ws).compile().as_text())
+    allowed = {"all-gather", "all-to-all", "collective-permute"} if layout == "length" else set()
+    assert all(not v for kind, v in found.items() if kind not in allowed), found
+
+
+def test_flash_attention_vmap_over_keys():
+    """A vmap over dropout keys, sharded over the batch: the unsharded call's values, and each
+    key its own weights."""
+    from jax_softmax import flash
+
+    rng = rng_for("flashvmap")
+    q, k, v = (rng.standard_normal((B, 16, 2, 64)).astype(jnp.bfloat16) for _ in range(3))
+    sharding = NamedSharding(MESHES["1d"], P("data"))
+    keys = jax.random.split(jax.random.key(1), 2)
+    fn = jax.jit(jax.vmap(lambda q, k, v, key: flash.flash_attention(
+        q, k, v, is_causal=True, dropout_rate=0.5, dropout_rng=key), in_axes=(None, None, None, 0)))
+    y = fn(*(jax.device_put(a, sharding) for a in (q, k, v)), keys)
+    y_ref = fn(q, k, v, keys)
+    assert_close(np.asarray(y, np.float32), np.asarray(y_ref, np.float64), jnp.bfloat16)
+    assert not np.allclose(np.asarray(y[0], np.float32), np.asarray(y[1], np.float32))

@@ -588,7 +588,7 @@ def test_cudnn_unsupported_reason_rules():
 def test_implementation_keyword():
     q, k, v = (_bshd((2, 16, 2, 8), jnp.bfloat16, s) for s in range(3))
     with pytest.raises(ValueError, match="implementation must be one of"):
-        jsf.dot_product_attention(q, k, v, implementation="flash")
+        jsf.dot_product_attention(q, k, v, implementation="triton")
     ours = jax.jit(functools.partial(jsf.dot_product_attention, implementation="jax_softmax", is_causal=True))
     hlo = ours.lower(q, k, v).compile().as_text()
     assert 'custom_call_target="jax_softmax_fwd"' in hlo
@@ -598,6 +598,36 @@ def test_implementation_keyword():
         assert 'custom_call_target="jax_softmax_fwd"' in auto.lower(q, k, v).compile().as_text()
         with pytest.raises(ValueError, match="not a CUDA GPU"):
             jsf.dot_product_attention(q, k, v, implementation="cudnn")
+        with pytest.raises(ValueError, match="not a CUDA GPU"):
+            jsf.dot_product_attention(q, k, v, implementation="flash")
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+def test_flash_route_on_gpu():
+    # With dropout the default takes jax_softmax's flash kernels (the same bits as the softmax
+    # path, so the same weights dropped); flax_dropout_bits keeps the softmax path.
+    # Causal rows of FLASH_MIN_KV_LENGTH keys and more; a mask array and shorter rows keep the
+    # softmax path; implementation="flash" forces flash (here with a mask).
+    n = jsf.FLASH_MIN_KV_LENGTH
+    q, k, v = (_bshd((1, n, 2, 64), jnp.bfloat16, s) for s in range(3))
+    kw = dict(dropout_rng=jax.random.key(4), dropout_rate=0.2, deterministic=False)
+    hlo = lambda fn, *a: jax.jit(fn).lower(*a).compile().as_text()
+    auto = functools.partial(jsf.dot_product_attention, is_causal=True, **kw)
+    assert 'custom_call_target="jax_softmax_flash_fwd"' in hlo(auto, q, k, v)
+    soft = functools.partial(auto, implementation="jax_softmax")
+    np.testing.assert_allclose(np.asarray(jax.jit(auto)(q, k, v), np.float32),
+                               np.asarray(jax.jit(soft)(q, k, v), np.float32), atol=3e-2, rtol=3e-2)
+    bits = functools.partial(auto, flax_dropout_bits=True)
+    assert "jax_softmax_flash_fwd" not in hlo(bits, q, k, v)
+    short = [a[:, : n // 2] for a in (q, k, v)]
+    assert "jax_softmax_flash_fwd" not in hlo(auto, *short)
+    mask = np.tril(np.ones((n // 2, n // 2), bool))[None, None] & (np.arange(n // 2) < n // 2 - 28)
+    masked = functools.partial(jsf.dot_product_attention, mask=mask, **kw)
+    assert "jax_softmax_flash_fwd" not in hlo(masked, *short)
+    forced = functools.partial(masked, implementation="flash")
+    assert 'custom_call_target="jax_softmax_flash_fwd"' in hlo(forced, *short)
+    np.testing.assert_allclose(np.asarray(jax.jit(forced)(*short), np.float32),
+                               np.asarray(jax.jit(masked)(*short), np.float32), atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU (cuDNN)")

@@ -1,0 +1,86 @@
+"""Times jax_softmax's flash attention (jax_softmax.flash) against the softmax path it replaces
+(einsum, attention_softmax with its fused dropout, einsum) and against cuDNN's flash attention
+(no dropout: jax.nn.dot_product_attention(implementation="cudnn")), forward and forward+backward,
+bfloat16, 16384 tokens a call (B = 16384 / S), H heads of D.
+
+    python scripts/flash_timing.py [--seqs 512 2048 4096] [--heads 8] [--dim 64]
+"""
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_softmax as js
+from jax_softmax import flash
+
+
+def softmax_path(q, k, v, causal, rate, key):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    w = js.attention_softmax(s, scale=1 / np.sqrt(q.shape[-1]), is_causal=causal, dropout_rate=rate,
+                             dropout_rng=key if rate else None)
+    return jnp.einsum("bhqk,bkhd->bqhd", w, v)
+
+
+def flash_path(q, k, v, causal, rate, key):
+    return flash.flash_attention(q, k, v, is_causal=causal, dropout_rate=rate, dropout_rng=key if rate else None)
+
+
+def cudnn_path(q, k, v, causal, rate, key):
+    assert rate == 0
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
+
+def timed(fn, *args, reps=20):
+    out = fn(*args)
+    jax.block_until_ready(out)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts)) * 1e6
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--seqs", type=int, nargs="+", default=[512, 2048, 4096])
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=16384)
+    args = p.parse_args()
+    key = jax.random.key(0)
+    print(f"{'S':>5} {'causal':>6} {'rate':>4} {'mode':>6} {'softmax us':>10} {'flash us':>9} {'cudnn us':>9} {'flash x':>7} {'TFLOP/s':>7}")
+    for s in args.seqs:
+        b = max(1, args.tokens // s)
+        rng = np.random.default_rng(0)
+        q, k, v, g = (jnp.asarray(rng.standard_normal((b, s, args.heads, args.dim)), jnp.bfloat16) for _ in range(4))
+        for causal in (False, True):
+            for rate in (0.1, 0.0):
+                for mode in ("fwd", "fwdbwd"):
+                    res = {}
+                    for name, path in (("softmax", softmax_path), ("flash", flash_path), ("cudnn", cudnn_path)):
+                        if name == "cudnn" and rate:
+                            continue
+                        if mode == "fwd":
+                            fn = jax.jit(lambda q, k, v, path=path: path(q, k, v, causal, rate, key))
+                            args_ = (q, k, v)
+                        else:
+                            def fb(q, k, v, g, path=path):
+                                out, pull = jax.vjp(lambda q, k, v: path(q, k, v, causal, rate, key), q, k, v)
+                                return pull(g)
+                            fn, args_ = jax.jit(fb), (q, k, v, g)
+                        try:
+                            res[name] = timed(fn, *args_)
+                        except Exception as e:  # noqa: BLE001 - report and go on
+                            print(f"  {name} failed: {type(e).__name__}: {str(e)[:200]}")
+                    flops = 4 * b * args.heads * s * s * args.dim * (0.5 if causal else 1) * (1 if mode == "fwd" else 3.5)
+                    tf = flops / res["flash"] / 1e6 if "flash" in res else float("nan")
+                    print(f"{s:5d} {str(causal):>6} {rate:4.1f} {mode:>6} {res.get('softmax', float('nan')):10.0f} "
+                          f"{res.get('flash', float('nan')):9.0f} {res.get('cudnn', float('nan')):9.0f} "
+                          f"{res.get('softmax', np.nan) / res.get('flash', np.nan):7.2f} {tf:7.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""jax_softmax.flash: flash attention with the fused dropout, against a float64 reference that
+drops the same weights (the keep bits of _philox for the scores' elements).
+
+On a GPU the kernels of ffi/flash_attention.cuh run; on the CPU the primitives lower to the
+composite (einsum, the fused dropout softmax, einsum): both against the same reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import DTYPE_IDS, assert_close, np_attention, rounded, run
+
+from jax_softmax import _philox
+from jax_softmax import flash as jsf
+
+# (B, Sq, Sk, H, D, causal, masked, rate): whole tiles, odd lengths (a last tile partly past Sq or
+# Sk), Sq != Sk, both head sizes, dropout on and off.
+CASES = [
+    (2, 128, 128, 2, 64, False, False, 0.0),
+    (2, 128, 128, 2, 64, True, False, 0.2),
+    (1, 200, 136, 3, 64, False, True, 0.2),
+    (2, 77, 77, 2, 128, True, True, 0.1),
+    (1, 64, 300, 2, 128, False, False, 0.3),
+    (1, 130, 130, 1, 64, True, False, 0.5),
+]
+OUT_TOL = (2e-2, 2e-2)
+GRAD_TOLS = (6e-2, 6e-2)
+
+
+def _case_id(c):
+    b, sq, sk, h, d, causal, masked, rate = c
+    return f"b{b}_q{sq}_k{sk}_h{h}_d{d}" + ("_causal" if causal else "") + ("_mask" if masked else "") + f"_p{rate}"
+
+
+def np_flash(q, k, v, mask, causal, scale, keep, rate):
+    """float64: softmax(scale q k^T) over valid keys, times keep / (1 - rate), times v."""
+    s = np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64), k.astype(np.float64))
+    w = np_attention(s, scale, None, mask, causal) * keep / (1.0 - rate)
+    return np.einsum("bhqk,bkhd->bqhd", w, v.astype(np.float64))
+
+
+def jnp_flash(keep, rate, mask, causal, scale):
+    """The same in jnp (float32), for the reference gradients."""
+    def f(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+        valid = jnp.ones(s.shape, bool) if mask is None else jnp.broadcast_to(mask, s.shape)
+        if causal:
+            valid = valid & (jnp.arange(s.shape[-1])[None, :] <= jnp.arange(s.shape[-2])[:, None])
+        s = jnp.where(valid, s, -jnp.inf)
+        m = jnp.max(s, -1, keepdims=True)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        e = jnp.where(valid, jnp.exp(s - m), 0.0)
+        tot = jnp.sum(e, -1, keepdims=True)
+        w = jnp.where(tot > 0, e / jnp.where(tot > 0, tot, 1.0), 0.0) * keep / (1.0 - rate)
+        return jnp.einsum("bhqk,bkhd->bqhd", w, v).astype(jnp.float32)
+    return f
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_flash_matches_reference(backend, device, rng, dtype, case):
+    b, sq, sk, h, d, causal, masked, rate = case
+    q, k, v, g = (rounded(rng.standard_normal(shape), dtype)
+                  for shape in ((b, sq, h, d), (b, sk, h, d), (b, sk, h, d), (b, sq, h, d)))
+    mask = rng.random((b, 1, sq, sk)) < 0.8 if masked else None
+    if masked:
+        mask[0, 0, 3] = False  # a query with no valid key: zeros
+    key = jax.random.key(11)
+    scale = 1.0 / float(np.sqrt(d))
+
+    def fwd_bwd(q, k, v, g):
+        y, pull = jax.vjp(lambda q, k, v: jsf.flash_attention(
+            q, k, v, mask=mask, is_causal=causal, dropout_rate=rate, dropout_rng=key), q, k, v)
+        return (y,) + pull(g)
+
+    y, dq, dk, dv = run(device, fwd_bwd, q, k, v, g)
+    keep = np.asarray(_philox.keep_mask(_philox.key_words(key), (b, h, sq, sk), rate, broadcast=False)) if rate else 1.0
+    what = _case_id(case)
+    assert_close(y, np_flash(q, k, v, mask, causal, scale, keep, rate), dtype, tol=OUT_TOL, what=what + " y")
+    if masked:
+        assert np.all(y[0, 3] == 0), what
+    f32 = [a.astype(np.float32) for a in (q, k, v, g)]
+    _, pull = jax.vjp(jnp_flash(jnp.asarray(keep, jnp.float32), rate, mask, causal, scale), *f32[:3])
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), pull(f32[3])):
+        assert_close(got, np.asarray(want), dtype, tol=GRAD_TOLS, what=f"{what} {name}")
+
+
+def test_flash_same_bits_as_attention_softmax(backend, device, rng):
+    # The weights dropped are attention_softmax's for the scores q k^T: with v the identity
+    # (Sk = D = 64), the output is the dropped weights themselves.
+    import jax_softmax as js
+
+    q = rounded(rng.standard_normal((1, 64, 2, 64)), jnp.bfloat16)
+    k = rounded(rng.standard_normal((1, 64, 2, 64)), jnp.bfloat16)
+    v = np.broadcast_to(np.eye(64, dtype=np.float32)[None, :, None, :], (1, 64, 2, 64))
+    v = rounded(v, jnp.bfloat16)
+    key = jax.random.key(3)
+    y = run(device, lambda q, k, v: jsf.flash_attention(q, k, v, dropout_rate=0.4, dropout_rng=key), q, k, v)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(np.float32), k.astype(np.float32))
+    w = run(device, lambda s: js.attention_softmax(s, scale=0.125, dropout_rate=0.4, dropout_rng=key), s)
+    np.testing.assert_array_equal(np.transpose(y, (0, 2, 1, 3)) == 0, w == 0)
+
+
+def test_flash_deterministic(backend, device, rng):
+    q, k, v = (rounded(rng.standard_normal((2, 96, 2, 64)), jnp.bfloat16) for _ in range(3))
+    key = jax.random.key(5)
+
+    def step(q, k, v):
+        return jax.grad(lambda q, k, v: jnp.sum(jsf.flash_attention(
+            q, k, v, is_causal=True, dropout_rate=0.1, dropout_rng=key).astype(jnp.float32) ** 2),
+            argnums=(0, 1, 2))(q, k, v)
+
+    first, second = run(device, step, q, k, v), run(device, step, q, k, v)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_flash_errors():
+    q = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="batch, length, heads, head_dim"):
+        jsf.flash_attention(q[0], q, q)
+    with pytest.raises(ValueError, match="do not agree"):
+        jsf.flash_attention(q, q[:, :, :1], q)
+    with pytest.raises(ValueError, match="dropout_rate"):
+        jsf.flash_attention(q, q, q, dropout_rate=1.0, dropout_rng=jax.random.key(0))
+    with pytest.raises(TypeError, match="bool"):
+        jsf.flash_attention(q, q, q, mask=jnp.ones((1, 1, 8, 8), jnp.int32))
+    with pytest.raises(ValueError, match="broadcast"):
+        jsf.flash_attention(q, q, q, mask=jnp.ones((1, 3, 8, 8), bool))
+
+
+def test_flash_place_table_matches_blocks(backend, device, rng):
+    # A shard of split batch and head axes runs the kernels with its place table (as
+    # flash_sharding.py builds it): its outputs, lse and gradients are the whole call's block,
+    # bitwise (the same dropout bits, the same arithmetic per row).
+    shape = (4, 40, 3, 64)  # (B, S, H, D)
+    q, k, v, g = (rounded(rng.standard_normal(shape), jnp.bfloat16) for _ in range(4))
+    keys = np.asarray(_philox.key_words(jax.random.key(8)))
+    params = dict(scale=0.125, has_mask=False, causal=True, rate=0.3, broadcast=False)
+    none, mask = _philox.no_place(), np.ones((1, 1, 1, 1), bool)
+    fwd = lambda *a: jsf.kernel_flash_fwd_p.bind(*a, **params)
+    bwd = lambda *a: jsf.kernel_flash_bwd_p.bind(*a, **params)
+    out, lse = run(device, fwd, q, k, v, mask, keys, none)
+    delta = np.zeros(lse.shape, np.float32)
+    grads = run(device, bwd, q, k, v, mask, keys, none, lse, g, delta)
+    for (b0, b1), (h0, h1) in [((0, 2), (0, 3)), ((2, 4), (1, 2)), ((1, 3), (2, 3))]:
+        blk = (slice(b0, b1), slice(None), slice(h0, h1))
+        place = _philox.place_table((b1 - b0, h1 - h0, 40, 40), (4, 3, 40, 40), (b0, h0, 0), 1, broadcast=False)
+        bout, blse = run(device, fwd, q[blk], k[blk], v[blk], mask, keys, place)
+        np.testing.assert_array_equal(bout, out[blk], err_msg=f"{b0} {h0}")
+        np.testing.assert_array_equal(blse, lse[b0:b1, h0:h1], err_msg=f"{b0} {h0}")
+        bgrads = run(device, bwd, q[blk], k[blk], v[blk], mask, keys, place, blse, g[blk],
+                     delta[b0:b1, h0:h1])
+        for name, got, want in zip(("dq", "dk", "dv"), bgrads, grads):
+            np.testing.assert_array_equal(got, want[blk], err_msg=f"{name} {b0} {h0}")
+    with pytest.raises(Exception, match="place table"):
+        run(device, fwd, q, k, v, mask, keys, np.zeros((5, 3), np.uint32))
+
+
+def test_flash_vmap(backend, device, rng):
+    # A vmapped axis joins the batch: the same values as the unbatched calls where the key is
+    # vmapped too (each entry's rows then numbered as a call of its own).
+    q, k, v = (rounded(rng.standard_normal((3, 2, 64, 2, 64)), jnp.bfloat16) for _ in range(3))
+    keys = jax.random.split(jax.random.key(2), 3)
+    fn = lambda q, k, v, key: jsf.flash_attention(q, k, v, is_causal=True, dropout_rate=0.2, dropout_rng=key)
+    batched = run(device, jax.vmap(fn), q, k, v, keys)
+    for i in range(3):
+        single = run(device, lambda q, k, v: fn(q, k, v, keys[i]), q[i], k[i], v[i])
+        np.testing.assert_array_equal(batched[i], single, err_msg=str(i))
