@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import DTYPE_IDS, assert_close, np_attention, rounded, run
+from conftest import DTYPE_IDS, assert_close, np_attention, poison, rounded, run
 
 from jax_softmax import _philox
 from jax_softmax import flash as jsf
@@ -75,6 +75,8 @@ def test_flash_matches_reference(backend, device, rng, dtype, case):
             q, k, v, mask=mask, is_causal=causal, dropout_rate=rate, dropout_rng=key), q, k, v)
         return (y,) + pull(g)
 
+    poison(device, q.shape, dtype, count=2)  # unwritten outputs show up as NaN
+    poison(device, k.shape, dtype, count=2)
     y, dq, dk, dv = run(device, fwd_bwd, q, k, v, g)
     keep = np.asarray(_philox.keep_mask(_philox.key_words(key), (b, h, sq, sk), rate, broadcast=False)) if rate else 1.0
     what = _case_id(case)
@@ -169,3 +171,21 @@ def test_flash_vmap(backend, device, rng):
     for i in range(3):
         single = run(device, lambda q, k, v: fn(q, k, v, keys[i]), q[i], k[i], v[i])
         np.testing.assert_array_equal(batched[i], single, err_msg=str(i))
+
+
+@pytest.mark.parametrize("shape", [(0, 8, 2, 64, 8), (1, 8, 2, 64, 0), (1, 0, 2, 64, 8)],
+                         ids=["no_batch", "no_keys", "no_queries"])
+def test_flash_zero_size(backend, device, shape):
+    # Zero-size arrays: empty outputs and gradients; queries with no keys give zeros.
+    b, sq, h, d, sk = shape
+    q = np.ones((b, sq, h, d), jnp.bfloat16)
+    k = v = np.ones((b, sk, h, d), jnp.bfloat16)
+
+    def fwd_bwd(q, k, v):
+        y, pull = jax.vjp(lambda q, k, v: jsf.flash_attention(
+            q, k, v, is_causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(0)), q, k, v)
+        return (y,) + pull(jnp.ones_like(y))
+
+    y, dq, dk, dv = run(device, fwd_bwd, q, k, v)
+    assert y.shape == q.shape and dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert not np.any(y) and not np.any(dq)
