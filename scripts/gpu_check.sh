@@ -2,7 +2,7 @@
 # The one device call: build, GPU tests, compute-sanitizer, benchmark; a short table last.
 # Full logs and results go under $OUT (the device tool brings them back).
 #
-#   bash scripts/gpu_check.sh [all|build|test|sanitize|bench|attention|train|ab|abbase|absweep|ncu]...
+#   bash scripts/gpu_check.sh [all|build|test|sanitize|bench|attention|train|flash|ab|abbase|absweep|ncu]...
 #
 # all = build test sanitize bench attention; a device call's 10 minutes hold only part of that:
 # give the steps over several calls, with the package prebuilt off the device
@@ -13,6 +13,8 @@
 # bench: the row-length sweep (BENCH_ARGS passes it options); attention: the (B, H, S, S) sweep
 #   (ATTN_ARGS; split it with --dtypes / --modes / --variants); train: the training-step bench
 #   (TRAIN_ARGS).
+# flash: tests/test_flash.py and the plug-in's flash tests alone, then scripts/flash_timing.py
+#   (FLASH_ARGS) against the fused softmax path and cuDNN.
 # ab: scripts/profile_cases.py's cases timed under each variant of AB_VARIANTS (words of
 #   comma-separated VAR=value settings, default "JAX_SOFTMAX_STAGED=1 JAX_SOFTMAX_STAGED=0").
 # abbase: the same cases timed on another build of the package, rounds alternating base / this
@@ -263,6 +265,13 @@ fi
 # --steps 20 --repeats 2 took 297 s on the H200 (session 84): narrow the default to fit a call.
 if want train; then
   "$PY" "$REPO/benchmarks/bench_train_step.py" --out "$OUT/train" ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train_step.log" | tail -20
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if want flash; then
+  test_job flash XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 -- -k "$(with_test_k "test_flash or flash_route")"
+  wait_tests
+  "$PY" "$REPO/scripts/flash_timing.py" ${FLASH_ARGS:-} 2>&1 | tee "$OUT/flash_timing.log" | tail -30
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
