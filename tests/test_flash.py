@@ -89,20 +89,24 @@ def test_flash_matches_reference(backend, device, rng, dtype, case):
         assert_close(got, np.asarray(want), dtype, tol=GRAD_TOLS, what=f"{what} {name}")
 
 
-def test_flash_same_bits_as_attention_softmax(backend, device, rng):
-    # The weights dropped are attention_softmax's for the scores q k^T: with v the identity
-    # (Sk = D = 64), the output is the dropped weights themselves.
+@pytest.mark.parametrize("broadcast", [False, True], ids=["per_element", "broadcast"])
+def test_flash_same_bits_as_attention_softmax(backend, device, rng, broadcast):
+    # The weights dropped are attention_softmax's for the scores q k^T (broadcast_dropout too: one
+    # mask over batch and heads): with v the identity (Sk = D = 64), the output is the dropped
+    # weights themselves.
     import jax_softmax as js
 
-    q = rounded(rng.standard_normal((1, 64, 2, 64)), jnp.bfloat16)
-    k = rounded(rng.standard_normal((1, 64, 2, 64)), jnp.bfloat16)
-    v = np.broadcast_to(np.eye(64, dtype=np.float32)[None, :, None, :], (1, 64, 2, 64))
+    q = rounded(rng.standard_normal((2, 64, 2, 64)), jnp.bfloat16)
+    k = rounded(rng.standard_normal((2, 64, 2, 64)), jnp.bfloat16)
+    v = np.broadcast_to(np.eye(64, dtype=np.float32)[None, :, None, :], (2, 64, 2, 64))
     v = rounded(v, jnp.bfloat16)
-    key = jax.random.key(3)
-    y = run(device, lambda q, k, v: jsf.flash_attention(q, k, v, dropout_rate=0.4, dropout_rng=key), q, k, v)
+    key, kw = jax.random.key(3), dict(dropout_rate=0.4, broadcast_dropout=broadcast)
+    y = run(device, lambda q, k, v: jsf.flash_attention(q, k, v, dropout_rng=key, **kw), q, k, v)
     s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(np.float32), k.astype(np.float32))
-    w = run(device, lambda s: js.attention_softmax(s, scale=0.125, dropout_rate=0.4, dropout_rng=key), s)
-    np.testing.assert_array_equal(np.transpose(y, (0, 2, 1, 3)) == 0, w == 0)
+    w = run(device, lambda s: js.attention_softmax(s, scale=0.125, dropout_rng=key, **kw), s)
+    dropped = np.transpose(y, (0, 2, 1, 3)) == 0
+    np.testing.assert_array_equal(dropped, w == 0)
+    assert np.all(dropped == dropped[:1, :1]) == broadcast  # one mask for every batch entry and head
 
 
 def test_flash_deterministic(backend, device, rng):
