@@ -33,31 +33,21 @@ inline ffi::DataType DropoutAccType(ffi::DataType dtype) {
 // table's, not the local rows' (FillRowParams is told no causal limit).
 inline bool HasPlace(const ffi::AnyBuffer& place) { return NumElements(place.dimensions()) > 0; }
 
-// Validates the key, place table, lse and rate of one call (after FillRowParams) and fills
-// dp.dropout, dp.lse.
-inline ffi::Error FillDropout(const ffi::AnyBuffer& x, const ffi::AnyBuffer& key,
-                              const ffi::AnyBuffer& place, const ffi::AnyBuffer& lse, double rate,
-                              bool broadcast, bool causal, DropoutRows& dp) {
-  const ffi::DataType lse_type = lse.element_type();
-  const auto lse_dims = lse.dimensions();
+// Validates a call's dropout key, place table and rate and fills d: `rows` rows of the dense
+// (rows, cols) view of the scores, `query_len` of them a (batch, head) block (broadcast dropout
+// takes the row index modulo it); `place_causal`: a placed row's causal limit is the table's.
+// Shared by the attention-dropout targets and the flash-attention ones.
+inline ffi::Error FillDropoutBits(const ffi::AnyBuffer& key, const ffi::AnyBuffer& place,
+                                  int64_t rows, int64_t query_len, double rate, bool broadcast,
+                                  bool place_causal, DropoutParams& d) {
   const auto kd = key.dimensions();
   if (key.element_type() != ffi::DataType::U32 || kd.size() != 2 || kd[1] != 2 || kd[0] < 1) {
     return InvalidArgument("the dropout key must be uint32 of shape (K, 2), got shape " +
                            DimsToString(kd));
   }
-  const int64_t rows = dp.rows.rows;
   if (rows > 0 && !HasPlace(place) && rows % kd[0] != 0) {  // a placed shard's keys: its table
     return InvalidArgument(std::to_string(kd[0]) + " dropout keys do not divide the " +
                            std::to_string(rows) + " rows");
-  }
-  const auto xd = x.dimensions();
-  const int64_t expect_rows = xd.back() == 0 ? NumElements(xd.first(xd.size() - 1))
-                                             : NumElements(xd) / xd.back();
-  if (lse_type != DropoutAccType(x.element_type()) || NumElements(lse_dims) != expect_rows) {
-    return InvalidArgument("the log-sum-exp must have one " +
-                           std::string(DtypeName(DropoutAccType(x.element_type()))) +
-                           " value per row, got shape " + DimsToString(lse_dims) + " " +
-                           DtypeName(lse_type));
   }
   const auto pd = place.dimensions();
   if (HasPlace(place) && (place.element_type() != ffi::DataType::U32 || pd.size() != 2 ||
@@ -69,19 +59,42 @@ inline ffi::Error FillDropout(const ffi::AnyBuffer& x, const ffi::AnyBuffer& key
   if (!(rate >= 0.0 && rate < 1.0)) {
     return InvalidArgument("the dropout rate must be in [0, 1), got " + std::to_string(rate));
   }
-  DropoutParams& d = dp.dropout;
   const bool rows_below_2_31 = rows < (int64_t{1} << 31);
   d.keys = static_cast<const uint32_t*>(key.untyped_data());
   d.num_keys = kd[0];
   if (HasPlace(place)) {
     d.place = static_cast<const uint32_t*>(place.untyped_data());
-    d.place_causal = causal;
+    d.place_causal = place_causal;
   }
   d.rows_per_key = RowDivisor(rows > 0 ? rows / kd[0] : 1, rows_below_2_31);
-  d.query_len = RowDivisor(broadcast ? (xd.size() >= 2 ? xd[xd.size() - 2] : 1) : 0, rows_below_2_31);
+  d.query_len = RowDivisor(broadcast ? query_len : 0, rows_below_2_31);
   const double t = std::nearbyint(rate * 65536.0);
   d.threshold = static_cast<uint32_t>(t < 65535.0 ? t : 65535.0);
   d.multiplier = 1.0 / (1.0 - rate);
+  return ffi::Error::Success();
+}
+
+// Validates the lse of one call (after FillRowParams) and its dropout (FillDropoutBits), and
+// fills dp.dropout, dp.lse.
+inline ffi::Error FillDropout(const ffi::AnyBuffer& x, const ffi::AnyBuffer& key,
+                              const ffi::AnyBuffer& place, const ffi::AnyBuffer& lse, double rate,
+                              bool broadcast, bool causal, DropoutRows& dp) {
+  const ffi::DataType lse_type = lse.element_type();
+  const auto lse_dims = lse.dimensions();
+  const auto xd = x.dimensions();
+  const int64_t expect_rows = xd.back() == 0 ? NumElements(xd.first(xd.size() - 1))
+                                             : NumElements(xd) / xd.back();
+  if (lse_type != DropoutAccType(x.element_type()) || NumElements(lse_dims) != expect_rows) {
+    return InvalidArgument("the log-sum-exp must have one " +
+                           std::string(DtypeName(DropoutAccType(x.element_type()))) +
+                           " value per row, got shape " + DimsToString(lse_dims) + " " +
+                           DtypeName(lse_type));
+  }
+  const int64_t query_len = xd.size() >= 2 ? xd[xd.size() - 2] : 1;
+  if (auto err = FillDropoutBits(key, place, dp.rows.rows, query_len, rate, broadcast, causal,
+                                 dp.dropout);
+      err.failure())
+    return err;
   dp.lse = lse.untyped_data();
   return ffi::Error::Success();
 }

@@ -222,6 +222,32 @@ __device__ __forceinline__ void mma_rows(float (&acc)[D / 8][4], const uint32_t 
   }
 }
 
+// acc (16 x D) += the 16 x 8 kBlocks accumulators `from` (as A operands, rounded to T) times rows
+// 0 .. 8 kBlocks - 1 of a tile whose rows are that product's k axis: p V, ds K, p~^T dO, ds^T Q.
+template <typename T, int D, int kBlocks>
+__device__ __forceinline__ void mma_accumulators(float (&acc)[D / 8][4], const float (&from)[kBlocks][4],
+                                                 uint32_t tile, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kBlocks / 2; ++kk) {
+    uint32_t a[4];
+    accumulators_as_a<T>(a, from, kk);
+    mma_rows<T, D>(acc, a, tile, kk * 16, lane);
+  }
+}
+
+// This lane's part of accumulator row r (0: the lane's row of 0-7, 1: of 8-15) of a 16 x D tile,
+// times `factor`, stored as T from `row` (the row's first element): columns 2 (lane % 4) and + 1 of
+// each 8.
+template <typename T, int D>
+__device__ __forceinline__ void store_row(uint16_t* row, const float (&acc)[D / 8][4], int r, float factor,
+                                          int lane) {
+  uint16_t* dst = row + 2 * (lane & 3);
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    *reinterpret_cast<uint32_t*>(dst + i * 8) = pack2<T>(acc[i][2 * r] * factor, acc[i][2 * r + 1] * factor);
+  }
+}
+
 // Whether (query, key) takes part: inside both lengths, the causal rule, the mask.
 __device__ __forceinline__ bool valid_at(const FlashParams& p, const uint8_t* mask_bh, int query,
                                          int key) {
@@ -378,12 +404,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FlashParams p
 
     cp_async_wait<1>();
     __syncthreads();  // V_j is in
-#pragma unroll
-    for (int kk = 0; kk < kTile / 16; ++kk) {
-      uint32_t a[4];
-      accumulators_as_a<T>(a, s, kk);
-      mma_rows<T, D>(o, a, s_v, kk * 16, lane);
-    }
+    mma_accumulators<T, D>(o, s, s_v, lane);
     __syncthreads();  // every warp is done with V_j
   }
   cp_async_wait<0>();
@@ -394,11 +415,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FlashParams p
     const float sum = quad_sum(l[r]);
     const float inv = sum > 0.f ? (p.dropout ? p.multiplier : 1.f) / sum : 0.f;
     if (row < p.sq) {
-      uint16_t* dst = p.out_w + ((int64_t(b) * p.sq + row) * p.heads + h) * D + 2 * (lane & 3);
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i) {
-        *reinterpret_cast<uint32_t*>(dst + i * 8) = pack2<T>(o[i][2 * r] * inv, o[i][2 * r + 1] * inv);
-      }
+      store_row<T, D>(p.out_w + ((int64_t(b) * p.sq + row) * p.heads + h) * D, o, r, inv, lane);
       if ((lane & 3) == 0) {
         p.lse[int64_t(bh) * p.sq + row] = sum > 0.f ? (m[r] + __log2f(sum)) * 0.69314718055994531f : -INFINITY;
       }
@@ -487,12 +504,7 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(const FlashParams p)
         }
       }
     }
-#pragma unroll
-    for (int kk = 0; kk < kTile / 16; ++kk) {
-      uint32_t a[4];
-      accumulators_as_a<T>(a, s, kk);
-      mma_rows<T, D>(dq, a, s_k, kk * 16, lane);
-    }
+    mma_accumulators<T, D>(dq, s, s_k, lane);
     __syncthreads();  // every warp is done with K_j
     if (j + 1 < steps) load_tile<kTile, D>(s_k, p.k + k_off, p.row_stride, k0 + kTile, p.sk);
     cp_async_commit();
@@ -502,11 +514,7 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(const FlashParams p)
   for (int r = 0; r < 2; ++r) {
     const int row = r ? r_hi : r_lo;
     if (row >= p.sq) continue;
-    uint16_t* dst = p.dq + ((int64_t(b) * p.sq + row) * p.heads + h) * D + 2 * (lane & 3);
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      *reinterpret_cast<uint32_t*>(dst + i * 8) = pack2<T>(dq[i][2 * r] * p.scale, dq[i][2 * r + 1] * p.scale);
-    }
+    store_row<T, D>(p.dq + ((int64_t(b) * p.sq + row) * p.heads + h) * D, dq, r, p.scale, lane);
   }
 }
 
@@ -601,26 +609,17 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const FlashParams 
       }
       if (p.dropout) __syncwarp();
     }
-#pragma unroll
-    for (int kk = 0; kk < kRows / 16; ++kk) {
-      uint32_t pa[4], da[4];
-      accumulators_as_a<T>(pa, st, kk);
-      accumulators_as_a<T>(da, dpt, kk);
-      mma_rows<T, D>(dv, pa, s_do, kk * 16, lane);
-      mma_rows<T, D>(dk, da, s_q, kk * 16, lane);
-    }
+    mma_accumulators<T, D>(dv, st, s_do, lane);
+    mma_accumulators<T, D>(dk, dpt, s_q, lane);
   }
   cp_async_wait<0>();
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = r ? c_hi : c_lo;
     if (key >= p.sk) continue;
-    const int64_t at = ((int64_t(b) * p.sk + key) * p.heads + h) * D + 2 * (lane & 3);
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      *reinterpret_cast<uint32_t*>(p.dk + at + i * 8) = pack2<T>(dk[i][2 * r] * p.scale, dk[i][2 * r + 1] * p.scale);
-      *reinterpret_cast<uint32_t*>(p.dv + at + i * 8) = pack2<T>(dv[i][2 * r], dv[i][2 * r + 1]);
-    }
+    const int64_t at = ((int64_t(b) * p.sk + key) * p.heads + h) * D;
+    store_row<T, D>(p.dk + at, dk, r, p.scale, lane);
+    store_row<T, D>(p.dv + at, dv, r, 1.f, lane);
   }
 }
 

@@ -11,9 +11,11 @@
 // buffer safe: no synchronisation, allocation or data-dependent host logic.
 #include <cuda_runtime.h>
 
-#include <cmath>
 #include <string>
+#include <type_traits>
+#include <utility>
 
+#include "attention_dropout.h"
 #include "common.h"
 #include "flash_attention.cuh"
 #include "launch_device.cuh"
@@ -55,7 +57,8 @@ ffi::Error FillFlash(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi
   }
   const int64_t B = qd[0], Sq = qd[1], H = qd[2], D = qd[3], Sk = kd[1];
   if (B * H > 65535 || Sq > (int64_t{1} << 30) || Sk > (int64_t{1} << 30)) {
-    return InvalidArgument("flash attention: B * H must be at most 65535, got " + std::to_string(B * H));
+    return InvalidArgument("flash attention: B * H must be at most 65535 and the lengths at most "
+                           "2^30, got q " + DimsToString(qd) + ", k " + DimsToString(kd));
   }
   const auto ld = lse.dimensions();
   if (lse.element_type() != ffi::DataType::F32 || ld.size() != 3 || ld[0] != B || ld[1] != H || ld[2] != Sq) {
@@ -73,22 +76,13 @@ ffi::Error FillFlash(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi
     p.mask_h = md[1] == 1 ? 0 : Sq * Sk;
     p.mask_b = md[0] == 1 ? 0 : md[1] * Sq * Sk;
   }
-  const auto keyd = key.dimensions();
-  const int64_t rows = B * H * Sq;
-  const bool placed = NumElements(place.dimensions()) > 0;
-  if (key.element_type() != ffi::DataType::U32 || keyd.size() != 2 || keyd[1] != 2 || keyd[0] < 1 ||
-      (rows > 0 && !placed && rows % keyd[0] != 0)) {
-    return InvalidArgument("flash attention: the dropout key must be uint32 (K, 2), K dividing B * H * Sq, "
-                           "got " + DimsToString(keyd));
-  }
-  const auto pd = place.dimensions();
-  if (placed && (place.element_type() != ffi::DataType::U32 || pd.size() != 2 || pd[0] != rows || pd[1] != 3)) {
-    return InvalidArgument("flash attention: the dropout place table must be uint32 (" +
-                           std::to_string(rows) + ", 3), got " + DimsToString(pd));
-  }
-  if (!(rate >= 0.0 && rate < 1.0)) {
-    return InvalidArgument("the dropout rate must be in [0, 1), got " + std::to_string(rate));
-  }
+  // The key, place table and rate as the attention-dropout targets take them: the rows are those
+  // of the (B, H, Sq, Sk) scores. A shard's place table numbers its rows as the whole call's (its
+  // batch or head axes split; never its query axis: the causal limit stays the local position).
+  if (auto err = FillDropoutBits(key, place, B * H * Sq, Sq, rate, broadcast, /*place_causal=*/false,
+                                 p.drop);
+      err.failure())
+    return err;
   p.q = static_cast<const uint16_t*>(q.untyped_data());
   p.k = static_cast<const uint16_t*>(k.untyped_data());
   p.v = static_cast<const uint16_t*>(v.untyped_data());
@@ -102,30 +96,17 @@ ffi::Error FillFlash(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.causal = causal;
   p.dropout = rate > 0.0;
-  DropoutParams& d = p.drop;
-  const bool below = rows < (int64_t{1} << 31);
-  d.keys = static_cast<const uint32_t*>(key.untyped_data());
-  d.num_keys = keyd[0];
-  d.rows_per_key = RowDivisor(rows > 0 ? rows / keyd[0] : 1, below);
-  d.query_len = RowDivisor(broadcast ? Sq : 0, below);
-  const double th = std::nearbyint(rate * 65536.0);
-  d.threshold = static_cast<uint32_t>(th < 65535.0 ? th : 65535.0);
-  d.multiplier = 1.0 / (1.0 - rate);
-  // A shard's rows numbered as the whole call's (its batch or head axes split; never its query
-  // axis, so the causal limit stays the local query position).
-  if (placed) d.place = static_cast<const uint32_t*>(place.untyped_data());
-  p.keep_from = d.threshold << 16;
-  p.multiplier = static_cast<float>(d.multiplier);
+  p.keep_from = p.drop.threshold << 16;
+  p.multiplier = static_cast<float>(p.drop.multiplier);
   return ffi::Error::Success();
 }
 
 template <auto kKernel>
-ffi::Error LaunchFlash(dim3 grid, int smem, cudaStream_t stream, const FlashParams& p, const char* what) {
+ffi::Error LaunchFlash(dim3 grid, int smem, cudaStream_t stream, const CurrentDevice& current,
+                       const FlashParams& p, const char* what) {
   if (grid.x == 0 || grid.y == 0) return ffi::Error::Success();
-  auto current = GetCurrentDevice();
-  if (current.has_error()) return current.error();
   // Above 48 KiB a kernel must opt in (a function attribute, set once per device).
-  if (smem > 48 * 1024 && !AllowDynamicSmem<kKernel>(current->device, current->dev)) {
+  if (smem > 48 * 1024 && !AllowDynamicSmem<kKernel>(current.device, current.dev)) {
     return Internal(std::string(what) + " needs " + std::to_string(smem) +
                     " bytes of shared memory a block, more than this GPU gives");
   }
@@ -136,22 +117,57 @@ ffi::Error LaunchFlash(dim3 grid, int smem, cudaStream_t stream, const FlashPara
 }
 
 template <typename T, int D>
-ffi::Error Forward(const FlashParams& p, cudaStream_t stream) {
+ffi::Error Forward(const FlashParams& p, cudaStream_t stream, const CurrentDevice& current) {
   const dim3 grid((p.sq + flash::kTile - 1) / flash::kTile, p.batch * p.heads);
-  return LaunchFlash<flash::flash_fwd_kernel<T, D>>(grid, flash::FwdSmemBytes<D>(), stream, p,
+  return LaunchFlash<flash::flash_fwd_kernel<T, D>>(grid, flash::FwdSmemBytes<D>(), stream, current, p,
                                                    "flash attention forward");
 }
 
 template <typename T, int D>
-ffi::Error Backward(const FlashParams& p, cudaStream_t stream) {
+ffi::Error Backward(const FlashParams& p, cudaStream_t stream, const CurrentDevice& current) {
   const dim3 q_grid((p.sq + flash::kTile - 1) / flash::kTile, p.batch * p.heads);
-  if (auto e = LaunchFlash<flash::flash_dq_kernel<T, D>>(q_grid, flash::DqSmemBytes<D>(), stream, p,
-                                                        "flash attention dq");
+  if (auto e = LaunchFlash<flash::flash_dq_kernel<T, D>>(q_grid, flash::DqSmemBytes<D>(), stream, current,
+                                                        p, "flash attention dq");
       e.failure())
     return e;
   const dim3 k_grid((p.sk + flash::kTile - 1) / flash::kTile, p.batch * p.heads);
-  return LaunchFlash<flash::flash_dkdv_kernel<T, D>>(k_grid, flash::DkdvSmemBytes<D>(), stream, p,
-                                                    "flash attention dk/dv");
+  return LaunchFlash<flash::flash_dkdv_kernel<T, D>>(k_grid, flash::DkdvSmemBytes<D>(), stream, current,
+                                                    p, "flash attention dk/dv");
+}
+
+// fn(T{}, std::integral_constant<int, D>{}, the current device) for the call's dtype and head dim
+// (FillFlash checked both); the device is read once a call.
+template <typename Fn>
+ffi::Error ByDtypeAndDim(const ffi::AnyBuffer& q, Fn&& fn) {
+  auto current = GetCurrentDevice();
+  if (current.has_error()) return current.error();
+  using D64 = std::integral_constant<int, 64>;
+  using D128 = std::integral_constant<int, 128>;
+  const bool d64 = q.dimensions()[3] == 64;
+  if (q.element_type() == ffi::DataType::BF16)
+    return d64 ? fn(__nv_bfloat16{}, D64{}, *current) : fn(__nv_bfloat16{}, D128{}, *current);
+  return d64 ? fn(__half{}, D64{}, *current) : fn(__half{}, D128{}, *current);
+}
+
+// The operands both targets start with, and their attributes.
+auto FlashOperands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()   // q
+      .Arg<ffi::AnyBuffer>()   // k
+      .Arg<ffi::AnyBuffer>()   // v
+      .Arg<ffi::AnyBuffer>()   // mask
+      .Arg<ffi::AnyBuffer>()   // key
+      .Arg<ffi::AnyBuffer>();  // place
+}
+template <typename Binding>
+auto FlashAttrs(Binding binding) {
+  return std::move(binding)  // (the builder's calls take it as an rvalue)
+      .template Attr<double>("scale")
+      .template Attr<bool>("has_mask")
+      .template Attr<bool>("causal")
+      .template Attr<double>("rate")
+      .template Attr<bool>("broadcast");
 }
 
 ffi::Error FlashForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -166,10 +182,9 @@ ffi::Error FlashForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   if (!SameShape(out->dimensions(), q.dimensions()) || out->element_type() != q.element_type())
     return InvalidArgument("flash attention: out must match q, got " + DimsToString(out->dimensions()));
   p.out_w = static_cast<uint16_t*>(out->untyped_data());
-  const bool bf16 = q.element_type() == ffi::DataType::BF16;
-  const bool d64 = q.dimensions()[3] == 64;
-  if (bf16) return d64 ? Forward<__nv_bfloat16, 64>(p, stream) : Forward<__nv_bfloat16, 128>(p, stream);
-  return d64 ? Forward<__half, 64>(p, stream) : Forward<__half, 128>(p, stream);
+  return ByDtypeAndDim(q, [&](auto t, auto d, const CurrentDevice& current) {
+    return Forward<decltype(t), decltype(d)::value>(p, stream, current);
+  });
 }
 
 ffi::Error FlashBackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -191,51 +206,28 @@ ffi::Error FlashBackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
   p.dq = static_cast<uint16_t*>(dq->untyped_data());
   p.dk = static_cast<uint16_t*>(dk->untyped_data());
   p.dv = static_cast<uint16_t*>(dv->untyped_data());
-  const bool bf16 = q.element_type() == ffi::DataType::BF16;
-  const bool d64 = q.dimensions()[3] == 64;
-  if (bf16) return d64 ? Backward<__nv_bfloat16, 64>(p, stream) : Backward<__nv_bfloat16, 128>(p, stream);
-  return d64 ? Backward<__half, 64>(p, stream) : Backward<__half, 128>(p, stream);
+  return ByDtypeAndDim(q, [&](auto t, auto d, const CurrentDevice& current) {
+    return Backward<decltype(t), decltype(d)::value>(p, stream, current);
+  });
 }
 
 }  // namespace
 }  // namespace jax_softmax
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSoftmaxFlashFwdCuda, jax_softmax::FlashForwardCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // q
-                                  .Arg<xla::ffi::AnyBuffer>()  // k
-                                  .Arg<xla::ffi::AnyBuffer>()  // v
-                                  .Arg<xla::ffi::AnyBuffer>()  // mask
-                                  .Arg<xla::ffi::AnyBuffer>()  // key
-                                  .Arg<xla::ffi::AnyBuffer>()  // place
-                                  .Ret<xla::ffi::AnyBuffer>()  // out
-                                  .Ret<xla::ffi::AnyBuffer>()  // lse
-                                  .Attr<double>("scale")
-                                  .Attr<bool>("has_mask")
-                                  .Attr<bool>("causal")
-                                  .Attr<double>("rate")
-                                  .Attr<bool>("broadcast"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxSoftmaxFlashFwdCuda, jax_softmax::FlashForwardCuda,
+    jax_softmax::FlashAttrs(jax_softmax::FlashOperands()
+                                .Ret<xla::ffi::AnyBuffer>()    // out
+                                .Ret<xla::ffi::AnyBuffer>()),  // lse
+    {xla::ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSoftmaxFlashBwdCuda, jax_softmax::FlashBackwardCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // q
-                                  .Arg<xla::ffi::AnyBuffer>()  // k
-                                  .Arg<xla::ffi::AnyBuffer>()  // v
-                                  .Arg<xla::ffi::AnyBuffer>()  // mask
-                                  .Arg<xla::ffi::AnyBuffer>()  // key
-                                  .Arg<xla::ffi::AnyBuffer>()  // place
-                                  .Arg<xla::ffi::AnyBuffer>()  // lse
-                                  .Arg<xla::ffi::AnyBuffer>()  // dout
-                                  .Arg<xla::ffi::AnyBuffer>()  // delta
-                                  .Ret<xla::ffi::AnyBuffer>()  // dq
-                                  .Ret<xla::ffi::AnyBuffer>()  // dk
-                                  .Ret<xla::ffi::AnyBuffer>()  // dv
-                                  .Attr<double>("scale")
-                                  .Attr<bool>("has_mask")
-                                  .Attr<bool>("causal")
-                                  .Attr<double>("rate")
-                                  .Attr<bool>("broadcast"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxSoftmaxFlashBwdCuda, jax_softmax::FlashBackwardCuda,
+    jax_softmax::FlashAttrs(jax_softmax::FlashOperands()
+                                .Arg<xla::ffi::AnyBuffer>()    // lse
+                                .Arg<xla::ffi::AnyBuffer>()    // dout
+                                .Arg<xla::ffi::AnyBuffer>()    // delta
+                                .Ret<xla::ffi::AnyBuffer>()    // dq
+                                .Ret<xla::ffi::AnyBuffer>()    // dk
+                                .Ret<xla::ffi::AnyBuffer>()),  // dv
+    {xla::ffi::Traits::kCmdBufferCompatible});

@@ -131,11 +131,11 @@ dispatch.prim_requires_devices_during_lowering.update((flash_fwd_p, flash_bwd_p)
 
 
 # --- batching: a vmapped axis joins the batch (its rows numbered after it, as attention_softmax's
-# rule numbers them; a vmapped key becomes one key per entry) -------------------------------------
+# rule numbers them; vmapped keys, dropout.py's _batch_key, one per entry) -----------------------
 def _joined(a, d, n, batch):
-    """`a` with the vmapped axis (or a broadcast one) first and merged into its batch axis,
-    broadcast to `batch` entries where it has one."""
-    a = jnp.moveaxis(a, d, 0) if d is not None else jnp.broadcast_to(a[None], (n,) + a.shape)
+    """`a` with the vmapped axis first (dropout.py's _front; broadcast where unbatched) merged into
+    its batch axis, which is broadcast to `batch` entries where it has one."""
+    a = _dropout._front(a, d, n, True)
     if a.shape[1] != batch:
         a = jnp.broadcast_to(a, (n, batch) + a.shape[2:])
     return a.reshape((n * batch,) + a.shape[2:])
@@ -143,14 +143,14 @@ def _joined(a, d, n, batch):
 
 def _batch(prim, args, dims, **params):
     n = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    q = args[0] if dims[0] is None else jnp.moveaxis(args[0], dims[0], 0)[0]
-    batch = q.shape[0]
+    q_shape, qd = args[0].shape, dims[0]
+    batch = (q_shape if qd is None else q_shape[:qd] + q_shape[qd + 1:])[0]  # q's own batch
     out = []
     for i, (a, d) in enumerate(zip(args, dims)):
         if i == 3:  # the mask: a batch of one stays one where it is not vmapped
             out.append(a if d is None and a.shape[0] == 1 else _joined(a, d, n, batch))
-        elif i == 4:  # the key words: one key per vmapped entry
-            out.append(a if d is None else jnp.moveaxis(a, d, 0).reshape(-1, 2))
+        elif i == 4:  # the key words
+            out.append(_dropout._batch_key(a, d))
         else:
             out.append(_joined(a, d, n, batch))
     res = prim.bind(*out, **params)
