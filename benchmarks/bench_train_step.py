@@ -15,8 +15,9 @@ Attention variants:
                cuDNN where that applies, i.e. without dropout; jax_softmax's kernels with dropout).
   jax_softmax  the plug-in forced onto jax_softmax's fused softmax (implementation="jax_softmax").
   cudnn        the plug-in forced onto cuDNN (jax.nn.dot_product_attention(implementation="cudnn")).
-With dropout only flax and plugin run (cuDNN's path has no dropout; the plug-in's default then is
-jax_softmax); without it all four (--variants narrows them).
+  flash        the plug-in forced onto jax_softmax's flash kernels (implementation="flash").
+With dropout cudnn does not run (cuDNN's path has no dropout), without it flash does not (its
+kernels are for dropout: without it the plug-in takes cuDNN); --variants narrows them.
 
 Timing: every variant of a point is compiled first (its first step), then timed in --repeats
 rounds of --steps steps, the variants alternating within each round, each round one device sync
@@ -58,8 +59,9 @@ if HERE not in sys.path:
 
 from common import import_source_bench  # noqa: E402
 
-VARIANTS = ("flax", "plugin", "jax_softmax", "cudnn")
-DROPOUT_VARIANTS = ("flax", "plugin")  # cuDNN's path has no dropout
+VARIANTS = ("flax", "plugin", "jax_softmax", "cudnn", "flash")
+DROPOUT_VARIANTS = ("flax", "plugin", "jax_softmax", "flash")  # cuDNN's path has no dropout
+NO_DROPOUT_VARIANTS = ("flax", "plugin", "jax_softmax", "cudnn")
 
 
 def _take_hlo(raw: str, dest: str | None) -> None:
@@ -86,7 +88,8 @@ def make_trainer(model: str, variant: str, args, seq_len: int, batch: int, dropo
     if model == "lm":
         from train_lm import make_trainer as lm_trainer  # examples/train_lm.py
 
-        impl = {"flax": None, "plugin": None, "jax_softmax": "jax_softmax", "cudnn": "cudnn"}[variant]
+        impl = {"flax": None, "plugin": None, "jax_softmax": "jax_softmax", "cudnn": "cudnn",
+                "flash": "flash"}[variant]
         return lm_trainer(use_plugin=variant != "flax", implementation=impl, **common)
     from linen_decoder import make_trainer as linen_trainer
 
@@ -156,7 +159,7 @@ def main(argv=None):
     rows = []
     for model in args.models:
         for dropout in args.dropouts:
-            names = [v for v in args.variants if dropout == 0.0 or v in DROPOUT_VARIANTS]
+            names = [v for v in args.variants if v in (NO_DROPOUT_VARIANTS if dropout == 0.0 else DROPOUT_VARIANTS)]
             for s in args.seq_lens:
                 batch = max(1, args.tokens // s)
                 point = {"model": model, "dropout": dropout, "seq_len": s, "batch": batch,

@@ -8,7 +8,7 @@ arithmetic progressions (tokens 1 .. vocab - 1) whose last eighth is padding (to
 padding mask is real.
 
 ``attention`` picks the attention function: "flax" (Linen's own), or jax_softmax's plug-in with its
-``implementation`` (None: its default, "jax_softmax", "cudnn").
+``implementation`` (None: its default, "jax_softmax", "cudnn", "flash").
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def attention_fn(attention: str):
         return None
     from jax_softmax.flax import dot_product_attention
 
-    impl = {"plugin": None, "jax_softmax": "jax_softmax", "cudnn": "cudnn"}[attention]
+    impl = {"plugin": None, "jax_softmax": "jax_softmax", "cudnn": "cudnn", "flash": "flash"}[attention]
     return functools.partial(dot_product_attention, implementation=impl)
 
 

@@ -253,8 +253,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=1, help="print the loss every N steps")
     p.add_argument("--no-plugin", action="store_true", help="Flax's default attention instead of jax_softmax")
-    p.add_argument("--implementation", choices=["jax_softmax", "cudnn"], default=None,
-                   help="force the plug-in's path (default: cuDNN's flash attention where it applies)")
+    p.add_argument("--implementation", choices=["jax_softmax", "cudnn", "flash"], default=None,
+                   help="force the plug-in's path (default: cuDNN's flash attention where it applies "
+                        "without dropout, jax_softmax's flash kernels for causal dropout from 2048 keys)")
     return p.parse_args(argv)
 
 

@@ -40,6 +40,9 @@ struct FlashParams {
   const uint16_t* k;
   const uint16_t* v;
   const uint8_t* mask;  // null: none
+  // The mask's state per 64 x 64 tile (query tile, key tile): 0 no valid position (the tile is
+  // skipped), 1 some (read per position), 2 all (not read); (Bm, Hm, Tq, Tk), null with no mask.
+  const uint8_t* tiles;
   const uint16_t* out;  // backward: read (forward writes out_w)
   uint16_t* out_w;
   float* lse;           // (B, H, Sq)
@@ -51,6 +54,8 @@ struct FlashParams {
   int batch = 0, heads = 0, sq = 0, sk = 0;
   int64_t row_stride = 0;      // elements between consecutive positions of q, k, v, out: H * D
   int64_t mask_b = 0, mask_h = 0;  // elements between the mask's batches / heads (0: broadcast)
+  int64_t tiles_b = 0, tiles_h = 0;  // the same for the tile map
+  int tiles_k = 0;                   // Tk: key tiles a row of the map
   float scale = 1.f;           // of q k^T
   float scale_log2 = 1.f;      // scale * log2(e)
   bool causal = false;
@@ -256,6 +261,20 @@ __device__ __forceinline__ bool valid_at(const FlashParams& p, const uint8_t* ma
   return !mask_bh || mask_bh[int64_t(query) * p.sk + key] != 0;
 }
 
+// The mask's state over query tile tq and key tile tk (64 x 64): 0 none valid, 1 some, 2 all
+// (some, so read per position, where there is no map).
+enum TileState { kNoneValid = 0, kSomeValid = 1, kAllValid = 2 };
+__device__ __forceinline__ int tile_state(const FlashParams& p, const uint8_t* tiles_bh, int tq, int tk) {
+  return tiles_bh ? tiles_bh[int64_t(tq) * p.tiles_k + tk] : kSomeValid;
+}
+
+// The first key tile from j on that holds a valid position for query tile tq (steps if none).
+__device__ __forceinline__ int live_tile(const FlashParams& p, const uint8_t* tiles_bh, int tq, int j,
+                                         int steps) {
+  while (j < steps && tile_state(p, tiles_bh, tq, j) == kNoneValid) ++j;
+  return j;
+}
+
 // The row index of (batch, head, query) in the scores' dense (B * H * Sq, Sk) view.
 __device__ __forceinline__ int64_t score_row(const FlashParams& p, int bh, int query) {
   return int64_t(bh) * p.sq + (query < p.sq ? query : p.sq - 1);
@@ -300,19 +319,22 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FlashParams p
   extern __shared__ __align__(128) uint8_t smem[];
   const uint32_t s_q = smem_addr(smem), s_k = s_q + kTile * D * 2, s_v = s_k + kTile * D * 2;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int tiles = (p.sq + kTile - 1) / kTile;
+  const int q_tiles = (p.sq + kTile - 1) / kTile;
   // Causal: the longest rows first (the last query tiles see the most keys).
-  const int q0 = (p.causal ? tiles - 1 - int(blockIdx.x) : int(blockIdx.x)) * kTile;
+  const int q0 = (p.causal ? q_tiles - 1 - int(blockIdx.x) : int(blockIdx.x)) * kTile;
   const int bh = blockIdx.y, b = bh / p.heads, h = bh - b * p.heads;
   const uint16_t* qb = p.q + (int64_t(b) * p.sq * p.heads + h) * D;
   const uint16_t* kb = p.k + (int64_t(b) * p.sk * p.heads + h) * D;
   const uint16_t* vb = p.v + (int64_t(b) * p.sk * p.heads + h) * D;
   const uint8_t* mask_bh = p.mask ? p.mask + b * p.mask_b + h * p.mask_h : nullptr;
+  const uint8_t* tiles_bh = p.tiles ? p.tiles + b * p.tiles_b + h * p.tiles_h : nullptr;
   const int keys_end = p.causal ? min(p.sk, q0 + kTile) : p.sk;
   const int steps = (keys_end + kTile - 1) / kTile;
+  const int tq = q0 / kTile;
 
+  int j = live_tile(p, tiles_bh, tq, 0, steps);
   load_tile<kTile, D>(s_q, qb, p.row_stride, q0, p.sq);
-  load_tile<kTile, D>(s_k, kb, p.row_stride, 0, p.sk);
+  if (j < steps) load_tile<kTile, D>(s_k, kb, p.row_stride, j * kTile, p.sk);
   cp_async_commit();
 
   const int r_lo = q0 + warp * 16 + (lane >> 2), r_hi = r_lo + 8;
@@ -323,13 +345,13 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FlashParams p
   zero(o);
   uint32_t qa[D / 16][4];
 
-  for (int j = 0; j < steps; ++j) {
+  for (bool first = true; j < steps; first = false) {
     const int k0 = j * kTile;
     load_tile<kTile, D>(s_v, vb, p.row_stride, k0, p.sk);
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
-    if (j == 0) {
+    if (first) {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) load_a<D>(qa[kk], s_q, warp * 16, kk * 16, lane);
     }
@@ -346,11 +368,13 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FlashParams p
       }
     }
     __syncthreads();  // every warp is done with K_j
-    if (j + 1 < steps) load_tile<kTile, D>(s_k, kb, p.row_stride, k0 + kTile, p.sk);
+    const int next = live_tile(p, tiles_bh, tq, j + 1, steps);
+    if (next < steps) load_tile<kTile, D>(s_k, kb, p.row_stride, next * kTile, p.sk);
     cp_async_commit();
 
     // Scale and mask (-inf where a position does not take part), then the online softmax.
-    const bool edge = k0 + kTile > p.sk || (p.causal && k0 + kTile - 1 > q0) || mask_bh;
+    const bool edge = k0 + kTile > p.sk || (p.causal && k0 + kTile - 1 > q0) ||
+                      (mask_bh && tile_state(p, tiles_bh, tq, j) != kAllValid);
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nb = 0; nb < kTile / 8; ++nb) {
@@ -406,6 +430,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FlashParams p
     __syncthreads();  // V_j is in
     mma_accumulators<T, D>(o, s, s_v, lane);
     __syncthreads();  // every warp is done with V_j
+    j = next;
   }
   cp_async_wait<0>();
 
@@ -449,18 +474,23 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(const FlashParams p)
   const uint32_t s_q = smem_addr(smem), s_do = s_q + kTile * D * 2, s_k = s_do + kTile * D * 2,
                  s_v = s_k + kTile * D * 2;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int tiles = (p.sq + kTile - 1) / kTile;
-  const int q0 = (p.causal ? tiles - 1 - int(blockIdx.x) : int(blockIdx.x)) * kTile;
+  const int q_tiles = (p.sq + kTile - 1) / kTile;
+  const int q0 = (p.causal ? q_tiles - 1 - int(blockIdx.x) : int(blockIdx.x)) * kTile;
   const int bh = blockIdx.y, b = bh / p.heads, h = bh - b * p.heads;
   const int64_t q_off = (int64_t(b) * p.sq * p.heads + h) * D, k_off = (int64_t(b) * p.sk * p.heads + h) * D;
   const uint8_t* mask_bh = p.mask ? p.mask + b * p.mask_b + h * p.mask_h : nullptr;
+  const uint8_t* tiles_bh = p.tiles ? p.tiles + b * p.tiles_b + h * p.tiles_h : nullptr;
   const int keys_end = p.causal ? min(p.sk, q0 + kTile) : p.sk;
   const int steps = (keys_end + kTile - 1) / kTile;
+  const int tq = q0 / kTile;
 
+  int j = live_tile(p, tiles_bh, tq, 0, steps);
   load_tile<kTile, D>(s_q, p.q + q_off, p.row_stride, q0, p.sq);
   load_tile<kTile, D>(s_do, p.dout + q_off, p.row_stride, q0, p.sq);
-  load_tile<kTile, D>(s_k, p.k + k_off, p.row_stride, 0, p.sk);
-  load_tile<kTile, D>(s_v, p.v + k_off, p.row_stride, 0, p.sk);
+  if (j < steps) {
+    load_tile<kTile, D>(s_k, p.k + k_off, p.row_stride, j * kTile, p.sk);
+    load_tile<kTile, D>(s_v, p.v + k_off, p.row_stride, j * kTile, p.sk);
+  }
   cp_async_commit();
 
   const int r_lo = q0 + warp * 16 + (lane >> 2), r_hi = r_lo + 8;
@@ -472,8 +502,9 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(const FlashParams p)
   float dq[D / 8][4];
   zero(dq);
 
-  for (int j = 0; j < steps; ++j) {
+  while (j < steps) {
     const int k0 = j * kTile;
+    const int next = live_tile(p, tiles_bh, tq, j + 1, steps);
     cp_async_wait<0>();
     __syncthreads();
     float s[kTile / 8][4], dp[kTile / 8][4];
@@ -482,10 +513,11 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(const FlashParams p)
     mma_cols<T, D>(s, s_q, warp * 16, s_k, lane);
     mma_cols<T, D>(dp, s_do, warp * 16, s_v, lane);
     __syncthreads();  // every warp is done with V_j
-    if (j + 1 < steps) load_tile<kTile, D>(s_v, p.v + k_off, p.row_stride, k0 + kTile, p.sk);
+    if (next < steps) load_tile<kTile, D>(s_v, p.v + k_off, p.row_stride, next * kTile, p.sk);
     cp_async_commit();
 
-    const bool edge = k0 + kTile > p.sk || (p.causal && k0 + kTile - 1 > q0) || mask_bh;
+    const bool edge = k0 + kTile > p.sk || (p.causal && k0 + kTile - 1 > q0) ||
+                      (mask_bh && tile_state(p, tiles_bh, tq, j) != kAllValid);
 #pragma unroll
     for (int nb = 0; nb < kTile / 8; nb += 2) {
       uint32_t w[2][2] = {{0u, 0u}, {0u, 0u}};
@@ -506,8 +538,9 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(const FlashParams p)
     }
     mma_accumulators<T, D>(dq, s, s_k, lane);
     __syncthreads();  // every warp is done with K_j
-    if (j + 1 < steps) load_tile<kTile, D>(s_k, p.k + k_off, p.row_stride, k0 + kTile, p.sk);
+    if (next < steps) load_tile<kTile, D>(s_k, p.k + k_off, p.row_stride, next * kTile, p.sk);
     cp_async_commit();
+    j = next;
   }
   cp_async_wait<0>();
 #pragma unroll
@@ -547,6 +580,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const FlashParams 
   const int bh = blockIdx.y, b = bh / p.heads, h = bh - b * p.heads;
   const int64_t q_off = (int64_t(b) * p.sq * p.heads + h) * D, k_off = (int64_t(b) * p.sk * p.heads + h) * D;
   const uint8_t* mask_bh = p.mask ? p.mask + b * p.mask_b + h * p.mask_h : nullptr;
+  const uint8_t* tiles_bh = p.tiles ? p.tiles + b * p.tiles_b + h * p.tiles_h : nullptr;
   const int first = p.causal ? k0 / kRows : 0;  // queries before k0 see none of these keys
   const int steps = (p.sq + kRows - 1) / kRows;
 
@@ -562,6 +596,9 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const FlashParams 
 
   for (int step = first; step < steps; ++step) {
     const int q0 = step * kRows;
+    // (kRows divides kTile: the map's tile holds these queries.)
+    const int state = tile_state(p, tiles_bh, q0 / kTile, blockIdx.x);
+    if (state == kNoneValid) continue;
     __syncthreads();  // every warp is done with the previous Q and dO tiles
     load_tile<kRows, D>(s_q, p.q + q_off, p.row_stride, q0, p.sq);
     load_tile<kRows, D>(s_do, p.dout + q_off, p.row_stride, q0, p.sq);
@@ -576,7 +613,8 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const FlashParams 
     mma_cols<T, D>(st, s_k, warp * 16, s_q, lane);
     mma_cols<T, D>(dpt, s_v, warp * 16, s_do, lane);
 
-    const bool edge = q0 + kRows > p.sq || k0 + kTile > p.sk || (p.causal && k0 + kTile - 1 > q0) || mask_bh;
+    const bool edge = q0 + kRows > p.sq || k0 + kTile > p.sk || (p.causal && k0 + kTile - 1 > q0) ||
+                      (mask_bh && state != kAllValid);
 #pragma unroll
     for (int nb = 0; nb < kRows / 8; nb += 2) {
       if (p.dropout) {

@@ -1,10 +1,12 @@
 // CUDA FFI handlers of flash attention with dropout (flash_attention.cuh):
 //
-//   jax_softmax_flash_fwd: q, k, v, mask, key, place -> out, lse
-//   jax_softmax_flash_bwd: q, k, v, mask, key, place, lse, dout, delta -> dq, dk, dv
+//   jax_softmax_flash_fwd: q, k, v, mask, tiles, key, place -> out, lse
+//   jax_softmax_flash_bwd: q, k, v, mask, tiles, key, place, lse, dout, delta -> dq, dk, dv
 //       attrs scale, has_mask, causal, rate, broadcast
 // q (B, Sq, H, D), k and v (B, Sk, H, D), 16-bit (float16 or bfloat16, all three alike), D 64 or
-// 128; mask bool (Bm, Hm, Sq, Sk), Bm in {1, B}, Hm in {1, H} (any shape where has_mask is off);
+// 128; mask bool (Bm, Hm, Sq, Sk), Bm in {1, B}, Hm in {1, H}, and its tile map uint8 (Bm, Hm,
+// ceil(Sq / 64), ceil(Sk / 64)) (flash_attention.cuh: 0 none valid, 1 some, 2 all) (both any shape
+// where has_mask is off);
 // key (K, 2) uint32, K dividing B * H * Sq (philox.h); place a shard's place table (philox.h:
 // uint32 (B * H * Sq, 3), the rows of the (B, H, Sq, Sk) scores of a shard of split batch or head
 // axes; empty for a whole call); lse and delta (B, H, Sq) float32. Command-
@@ -38,7 +40,7 @@ bool SameShape(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
 
 // Shapes, dtypes and attributes of one call into p (pointers of the forward's operands).
 ffi::Error FillFlash(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                     const ffi::AnyBuffer& mask, const ffi::AnyBuffer& key,
+                     const ffi::AnyBuffer& mask, const ffi::AnyBuffer& tiles, const ffi::AnyBuffer& key,
                      const ffi::AnyBuffer& place, const ffi::AnyBuffer& lse,
                      double scale, bool has_mask, bool causal, double rate, bool broadcast,
                      FlashParams& p) {
@@ -65,6 +67,7 @@ ffi::Error FillFlash(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi
     return InvalidArgument("flash attention: lse must be float32 (B, H, Sq), got " + DimsToString(ld));
   }
   p.mask = nullptr;
+  p.tiles = nullptr;
   if (has_mask) {
     const auto md = mask.dimensions();
     if (mask.element_type() != ffi::DataType::PRED || md.size() != 4 || (md[0] != 1 && md[0] != B) ||
@@ -75,6 +78,18 @@ ffi::Error FillFlash(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi
     p.mask = static_cast<const uint8_t*>(mask.untyped_data());
     p.mask_h = md[1] == 1 ? 0 : Sq * Sk;
     p.mask_b = md[0] == 1 ? 0 : md[1] * Sq * Sk;
+    const int64_t tq = (Sq + flash::kTile - 1) / flash::kTile, tk = (Sk + flash::kTile - 1) / flash::kTile;
+    const auto td = tiles.dimensions();
+    if (tiles.element_type() != ffi::DataType::U8 || td.size() != 4 || td[0] != md[0] || td[1] != md[1] ||
+        td[2] != tq || td[3] != tk) {
+      return InvalidArgument("flash attention: the mask's tile map must be uint8 (" + std::to_string(md[0]) +
+                             ", " + std::to_string(md[1]) + ", " + std::to_string(tq) + ", " +
+                             std::to_string(tk) + "), got " + DimsToString(td));
+    }
+    p.tiles = static_cast<const uint8_t*>(tiles.untyped_data());
+    p.tiles_k = static_cast<int>(tk);
+    p.tiles_h = md[1] == 1 ? 0 : tq * tk;
+    p.tiles_b = md[0] == 1 ? 0 : md[1] * tq * tk;
   }
   // The key, place table and rate as the attention-dropout targets take them: the rows are those
   // of the (B, H, Sq, Sk) scores. A shard's place table numbers its rows as the whole call's (its
@@ -157,6 +172,7 @@ auto FlashOperands() {
       .Arg<ffi::AnyBuffer>()   // k
       .Arg<ffi::AnyBuffer>()   // v
       .Arg<ffi::AnyBuffer>()   // mask
+      .Arg<ffi::AnyBuffer>()   // tiles
       .Arg<ffi::AnyBuffer>()   // key
       .Arg<ffi::AnyBuffer>();  // place
 }
@@ -171,12 +187,12 @@ auto FlashAttrs(Binding binding) {
 }
 
 ffi::Error FlashForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                            ffi::AnyBuffer mask, ffi::AnyBuffer key, ffi::AnyBuffer place,
-                            ffi::Result<ffi::AnyBuffer> out,
+                            ffi::AnyBuffer mask, ffi::AnyBuffer tiles, ffi::AnyBuffer key,
+                            ffi::AnyBuffer place, ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::AnyBuffer> lse, double scale, bool has_mask, bool causal,
                             double rate, bool broadcast) {
   FlashParams p;
-  if (auto e = FillFlash(q, k, v, mask, key, place, *lse, scale, has_mask, causal, rate, broadcast, p);
+  if (auto e = FillFlash(q, k, v, mask, tiles, key, place, *lse, scale, has_mask, causal, rate, broadcast, p);
       e.failure())
     return e;
   if (!SameShape(out->dimensions(), q.dimensions()) || out->element_type() != q.element_type())
@@ -188,12 +204,13 @@ ffi::Error FlashForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
 }
 
 ffi::Error FlashBackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                             ffi::AnyBuffer mask, ffi::AnyBuffer key, ffi::AnyBuffer place, ffi::AnyBuffer lse,
+                             ffi::AnyBuffer mask, ffi::AnyBuffer tiles, ffi::AnyBuffer key,
+                             ffi::AnyBuffer place, ffi::AnyBuffer lse,
                              ffi::AnyBuffer dout, ffi::AnyBuffer delta, ffi::Result<ffi::AnyBuffer> dq,
                              ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, double scale,
                              bool has_mask, bool causal, double rate, bool broadcast) {
   FlashParams p;
-  if (auto e = FillFlash(q, k, v, mask, key, place, lse, scale, has_mask, causal, rate, broadcast, p);
+  if (auto e = FillFlash(q, k, v, mask, tiles, key, place, lse, scale, has_mask, causal, rate, broadcast, p);
       e.failure())
     return e;
   if (!SameShape(dout.dimensions(), q.dimensions()) || dout.element_type() != q.element_type() ||

@@ -1,9 +1,10 @@
 """Flash attention with the fused attention dropout: ``softmax(scale q k^T) v`` without writing the
 (B, H, Sq, Sk) scores, in one forward kernel and two backward ones (ffi/flash_attention.cuh).
 
-``flash_fwd_p(q, k, v, mask, key) -> (out, lse)`` and
-``flash_bwd_p(q, k, v, mask, key, lse, dout, delta) -> (dq, dk, dv)``, q (B, Sq, H, D), k and v
-(B, Sk, H, D), mask bool (1 or B, 1 or H, Sq, Sk) (a dummy where there is none), key the (K, 2)
+``flash_fwd_p(q, k, v, mask, tiles, key) -> (out, lse)`` and
+``flash_bwd_p(q, k, v, mask, tiles, key, lse, dout, delta) -> (dq, dk, dv)``, q (B, Sq, H, D), k
+and v (B, Sk, H, D), mask bool (1 or B, 1 or H, Sq, Sk) and its tile map (tile_map: which 64 x 64
+tiles hold no, some or only valid positions; dummies where there is no mask), key the (K, 2)
 uint32 dropout key operand of dropout.py, lse and delta (B, H, Sq) float32 (delta = rowsum(dout
 out)). They lower through flash_sharding.py's partitioning rules to ``kernel_flash_fwd_p`` /
 ``kernel_flash_bwd_p`` per shard, which take the shard's place table after the key and lower to
@@ -95,7 +96,8 @@ def _dropped_weights(q, k, mask, key, place, params):
     return s, bias, weights, lse
 
 
-def composite_fwd(q, k, v, mask, key, place, *, scale, has_mask, causal, rate, broadcast):
+def composite_fwd(q, k, v, mask, tiles, key, place, *, scale, has_mask, causal, rate, broadcast):
+    del tiles  # (a shortcut of the kernels)
     params = _softmax_params(has_mask, causal, scale, rate, broadcast)
     _, _, weights, lse = _dropped_weights(q, k, mask, key, place, params)
     # The weights rounded to v's dtype, as the kernel's p V product takes them.
@@ -103,9 +105,9 @@ def composite_fwd(q, k, v, mask, key, place, *, scale, has_mask, causal, rate, b
     return out.astype(q.dtype), lse
 
 
-def composite_bwd(q, k, v, mask, key, place, lse, dout, delta, *, scale, has_mask, causal, rate,
-                  broadcast):
-    del delta  # the dropout softmax's backward forms its own sum(y g)
+def composite_bwd(q, k, v, mask, tiles, key, place, lse, dout, delta, *, scale, has_mask, causal,
+                  rate, broadcast):
+    del tiles, delta  # the dropout softmax's backward forms its own sum(y g)
     params = _softmax_params(has_mask, causal, scale, rate, broadcast)
     s, bias, weights, _ = _dropped_weights(q, k, mask, key, place, params)
     dp = _scores(dout, v)
@@ -147,9 +149,9 @@ def _batch(prim, args, dims, **params):
     batch = (q_shape if qd is None else q_shape[:qd] + q_shape[qd + 1:])[0]  # q's own batch
     out = []
     for i, (a, d) in enumerate(zip(args, dims)):
-        if i == 3:  # the mask: a batch of one stays one where it is not vmapped
+        if i in (3, 4):  # the mask and its map: a batch of one stays one where not vmapped
             out.append(a if d is None and a.shape[0] == 1 else _joined(a, d, n, batch))
-        elif i == 4:  # the key words
+        elif i == 5:  # the key words
             out.append(_dropout._batch_key(a, d))
         else:
             out.append(_joined(a, d, n, batch))
@@ -162,32 +164,49 @@ batching.primitive_batchers[flash_bwd_p] = functools.partial(_batch, flash_bwd_p
 
 
 # --- differentiation ---------------------------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _flash(q, k, v, mask, key, scale, has_mask, causal, rate, broadcast):
-    return flash_fwd_p.bind(q, k, v, mask, key, scale=scale, has_mask=has_mask, causal=causal,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _flash(q, k, v, mask, tiles, key, scale, has_mask, causal, rate, broadcast):
+    return flash_fwd_p.bind(q, k, v, mask, tiles, key, scale=scale, has_mask=has_mask, causal=causal,
                             rate=rate, broadcast=broadcast)[0]
 
 
-def _flash_fwd(q, k, v, mask, key, scale, has_mask, causal, rate, broadcast):
-    out, lse = flash_fwd_p.bind(q, k, v, mask, key, scale=scale, has_mask=has_mask, causal=causal,
-                                rate=rate, broadcast=broadcast)
-    return out, (q, k, v, mask, key, out, lse)
+def _flash_fwd(q, k, v, mask, tiles, key, scale, has_mask, causal, rate, broadcast):
+    out, lse = flash_fwd_p.bind(q, k, v, mask, tiles, key, scale=scale, has_mask=has_mask,
+                                causal=causal, rate=rate, broadcast=broadcast)
+    return out, (q, k, v, mask, tiles, key, out, lse)
 
 
 def _flash_bwd(scale, has_mask, causal, rate, broadcast, res, dout):
-    q, k, v, mask, key, out, lse = res
+    q, k, v, mask, tiles, key, out, lse = res
     # rowsum(dout * out), (B, H, Sq): a reduction (as a batched dot, XLA's CPU folds the casts
     # into a 16-bit dot it cannot run).
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
-    dq, dk, dv = flash_bwd_p.bind(q, k, v, mask, key, lse, dout, delta, scale=scale,
+    dq, dk, dv = flash_bwd_p.bind(q, k, v, mask, tiles, key, lse, dout, delta, scale=scale,
                                   has_mask=has_mask, causal=causal, rate=rate, broadcast=broadcast)
-    return dq, dk, dv, None, None
+    return dq, dk, dv, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 # --- public entry ------------------------------------------------------------------------------------
+TILE = 64  # the kernels' tile (flash_attention.cuh, kTile)
+NONE_VALID, SOME_VALID, ALL_VALID = 0, 1, 2
+
+
+def tile_map(mask):
+    """Per 64 x 64 tile of a (Bm, Hm, Sq, Sk) bool mask: NONE_VALID, SOME_VALID or ALL_VALID
+    (uint8, (Bm, Hm, ceil(Sq / 64), ceil(Sk / 64))). The kernels skip tiles with no valid position
+    and read the mask only in tiles with some; positions past Sq or Sk count as not valid. One
+    XLA reduction over the mask a call."""
+    bm, hm, sq, sk = mask.shape
+    tq, tk = -(-sq // TILE), -(-sk // TILE)
+    m = jnp.pad(mask, ((0, 0), (0, 0), (0, tq * TILE - sq), (0, tk * TILE - sk)))
+    m = m.reshape(bm, hm, tq, TILE, tk, TILE)
+    some, every = jnp.any(m, axis=(3, 5)), jnp.all(m, axis=(3, 5))
+    return jnp.where(every, ALL_VALID, jnp.where(some, SOME_VALID, NONE_VALID)).astype(jnp.uint8)
+
+
 def supported(q, k, v) -> bool:
     """Whether the fused kernels take these operands (on a CUDA device): 16-bit q, k, v of one
     dtype, head size 64 or 128."""
@@ -234,8 +253,10 @@ def flash_attention(q, k, v, *, mask=None, is_causal: bool = False, scale: float
             raise ValueError(f"flash_attention: the mask {mask.shape} does not broadcast to "
                              f"(batch, heads, Sq, Sk) = {(b, h, sq, sk)}")
         mask = jnp.broadcast_to(m, m.shape[:2] + (sq, sk))
+        tiles = tile_map(mask)
     else:
         mask = jnp.ones((1, 1, 1, 1), jnp.bool_)
+        tiles = jnp.zeros((1, 1, 1, 1), jnp.uint8)
     if not supported(q, k, v):
         dtype = jnp.result_type(q, k, v)
         q, k, v = (a.astype(dtype) for a in (q, k, v))
@@ -246,4 +267,5 @@ def flash_attention(q, k, v, *, mask=None, is_causal: bool = False, scale: float
                               dropout_rate=rate, dropout_rng=dropout_rng if rate > 0 else None,
                               broadcast_dropout=broadcast_dropout)
         return jnp.einsum("bhqk,bkhd->bqhd", w, v)
-    return _flash(q, k, v, mask, key, scale, has_mask, bool(is_causal), rate, bool(broadcast_dropout))
+    return _flash(q, k, v, mask, tiles, key, scale, has_mask, bool(is_causal), rate,
+                  bool(broadcast_dropout))

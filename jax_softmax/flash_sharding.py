@@ -29,22 +29,26 @@ from jax_softmax.sharding import (
     _shard_offset,
 )
 
-_WHOLE = ("sq", "d", "sk")  # factors that need replication (in the order they appear: Shardy asks)
+_WHOLE = ("sq", "d", "sk", "tq", "tk")  # factors that need replication (in the order they appear: Shardy asks)
 
 
-def _mask_factors(shape, batch, heads):
-    return ("b" if shape[0] == batch and batch > 1 else "mb",
-            "h" if shape[1] == heads and heads > 1 else "mh", "sq", "sk")
+def _mask_factors(shape, q_shape, sk):
+    """The mask's factors: q's batch and head factors and the lengths where its axes are full, a
+    factor of its own (unsharded) where they are 1 (a broadcast mask, or the dummy of no mask)."""
+    full = (q_shape[0], q_shape[2], q_shape[1], sk)
+    shared = ("b", "h", "sq", "sk")
+    return tuple(f if n == m and m > 1 else f"m{i}" for i, (f, n, m) in enumerate(zip(shared, shape, full)))
 
 
 def _sharding_rule(bwd: bool):
-    """Operands (q, k, v, mask, key[, lse, dout, delta]); results (out, lse) or (dq, dk, dv)."""
+    """Operands (q, k, v, mask, tiles, key[, lse, dout, delta]); results (out, lse) or (dq, dk,
+    dv)."""
 
     def rule(*args):
         shapes = _shapes_of(args[-2])
-        batch, _, heads, _ = shapes[0]
         q, kv, rows = ("b", "sq", "h", "d"), ("b", "sk", "h", "d"), ("b", "h", "sq")
-        mappings = [q, kv, kv, _mask_factors(shapes[3], batch, heads), ("kk", "kw")]
+        mask = _mask_factors(shapes[3], shapes[0], shapes[1][1])
+        mappings = [q, kv, kv, mask, mask[:2] + ("tq", "tk"), ("kk", "kw")]
         if bwd:
             mappings += [rows, q, rows]
         results = (q, kv, kv) if bwd else (q, rows)
@@ -72,7 +76,7 @@ def _shardings(mesh, spec, arg_shapes, bwd: bool):
     m = arg_shapes[3].shape
     mask = NamedSharding(mesh, PartitionSpec(spec[0] if m[0] == batch else None,
                                              spec[2] if m[1] == heads else None, None, None))
-    args = [qs, qs, qs, mask, NamedSharding(mesh, PartitionSpec())]
+    args = [qs, qs, qs, mask, mask, NamedSharding(mesh, PartitionSpec())]
     if bwd:
         args += [rows, qs, rows]
     results = [qs, qs, qs] if bwd else [qs, rows]
@@ -82,12 +86,12 @@ def _shardings(mesh, spec, arg_shapes, bwd: bool):
 def _partitioned(kernel, bwd: bool):
     """The custom_partitioning op of one flash kernel primitive, called as
     ``op(*operands, scale, has_mask, causal, rate, broadcast)``."""
-    num_operands = 8 if bwd else 5
+    num_operands = 9 if bwd else 6
     names = ("scale", "has_mask", "causal", "rate", "broadcast")
 
     def bind(operands, params, place=None):
         ops = list(operands)
-        ops.insert(5, _philox.no_place() if place is None else place)
+        ops.insert(6, _philox.no_place() if place is None else place)
         return kernel().bind(*ops, **params)
 
     def local(*args):
@@ -114,7 +118,7 @@ def _partitioned(kernel, bwd: bool):
             return mesh, _per_shard(lambda *ops: bind(ops, params)), out_shardings, arg_shardings
         b, sq, h, _ = arg_shapes[0].shape
         sk = arg_shapes[1].shape[1]
-        num_keys = arg_shapes[4].shape[0]
+        num_keys = arg_shapes[5].shape[0]
 
         @_per_shard
         def lower_fn(*ops):
@@ -146,11 +150,13 @@ _fwd_cp = _partitioned(functools.partial(_kernel, "kernel_flash_fwd_p"), bwd=Fal
 _bwd_cp = _partitioned(functools.partial(_kernel, "kernel_flash_bwd_p"), bwd=True)
 
 
-def partitioned_fwd(q, k, v, mask, key, *, scale, has_mask, causal, rate, broadcast):
+def partitioned_fwd(q, k, v, mask, tiles, key, *, scale, has_mask, causal, rate, broadcast):
     """flash_fwd_p's lowering: the kernels per shard (placed where batch or heads are split)."""
-    return _fwd_cp(q, k, v, mask, key, scale, has_mask, causal, rate, broadcast)
+    return _fwd_cp(q, k, v, mask, tiles, key, scale, has_mask, causal, rate, broadcast)
 
 
-def partitioned_bwd(q, k, v, mask, key, lse, dout, delta, *, scale, has_mask, causal, rate, broadcast):
+def partitioned_bwd(q, k, v, mask, tiles, key, lse, dout, delta, *, scale, has_mask, causal, rate,
+                    broadcast):
     """flash_bwd_p's lowering, as partitioned_fwd."""
-    return _bwd_cp(q, k, v, mask, key, lse, dout, delta, scale, has_mask, causal, rate, broadcast)
+    return _bwd_cp(q, k, v, mask, tiles, key, lse, dout, delta, scale, has_mask, causal, rate,
+                   broadcast)

@@ -313,15 +313,25 @@ def main():
 
 def flash_cases():
     """Flash attention (ffi/flash_attention.cuh), forward and backward: odd lengths (last tiles
-    partly past Sq and Sk), Sq != Sk, a mask, causal rows, dropout, both head sizes."""
+    partly past Sq and Sk), Sq != Sk, a mask (random: every tile read per position; causal and
+    padding: tiles skipped, read and taken whole, rows with no valid key), causal rows, dropout,
+    both head sizes."""
     from jax_softmax import flash
 
     rng = np.random.default_rng(1)
-    for b, sq, sk, h, d, causal, masked in [(1, 70, 70, 2, 64, True, False), (2, 33, 130, 1, 128, False, True),
-                                            (1, 128, 64, 2, 64, False, False), (1, 65, 65, 1, 128, True, True)]:
+    for b, sq, sk, h, d, causal, masked in [(1, 70, 70, 2, 64, True, None), (2, 33, 130, 1, 128, False, "random"),
+                                            (1, 128, 64, 2, 64, False, None), (1, 65, 65, 1, 128, True, "random"),
+                                            (2, 200, 200, 2, 64, False, "padcausal")]:
         q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
                    for shape in ((b, sq, h, d), (b, sk, h, d), (b, sk, h, d)))
-        mask = jnp.asarray(rng.random((b, 1, sq, sk)) < 0.8) if masked else None
+        if masked == "random":
+            mask = jnp.asarray(rng.random((b, 1, sq, sk)) < 0.8)
+        elif masked == "padcausal":
+            valid = np.arange(sk)[None] < np.array([sk, 130])[:, None]
+            mask = jnp.asarray(np.tril(np.ones((sq, sk), bool))[None, None] & valid[:, None, None, :]
+                               & valid[:, None, :, None])
+        else:
+            mask = None
         y, vjp = jax.vjp(lambda q, k, v: flash.flash_attention(
             q, k, v, mask=mask, is_causal=causal, dropout_rate=0.2, dropout_rng=jax.random.key(0)), q, k, v)
         jax.block_until_ready(vjp(jnp.ones_like(y)))

@@ -145,24 +145,23 @@ def test_flash_place_table_matches_blocks(backend, device, rng):
     q, k, v, g = (rounded(rng.standard_normal(shape), jnp.bfloat16) for _ in range(4))
     keys = np.asarray(_philox.key_words(jax.random.key(8)))
     params = dict(scale=0.125, has_mask=False, causal=True, rate=0.3, broadcast=False)
-    none, mask = _philox.no_place(), np.ones((1, 1, 1, 1), bool)
-    fwd = lambda *a: jsf.kernel_flash_fwd_p.bind(*a, **params)
-    bwd = lambda *a: jsf.kernel_flash_bwd_p.bind(*a, **params)
-    out, lse = run(device, fwd, q, k, v, mask, keys, none)
+    none, mask, tiles = _philox.no_place(), np.ones((1, 1, 1, 1), bool), np.zeros((1, 1, 1, 1), np.uint8)
+    fwd = lambda q, k, v, *a: jsf.kernel_flash_fwd_p.bind(q, k, v, mask, tiles, *a, **params)
+    bwd = lambda q, k, v, *a: jsf.kernel_flash_bwd_p.bind(q, k, v, mask, tiles, *a, **params)
+    out, lse = run(device, fwd, q, k, v, keys, none)
     delta = np.zeros(lse.shape, np.float32)
-    grads = run(device, bwd, q, k, v, mask, keys, none, lse, g, delta)
+    grads = run(device, bwd, q, k, v, keys, none, lse, g, delta)
     for (b0, b1), (h0, h1) in [((0, 2), (0, 3)), ((2, 4), (1, 2)), ((1, 3), (2, 3))]:
         blk = (slice(b0, b1), slice(None), slice(h0, h1))
         place = _philox.place_table((b1 - b0, h1 - h0, 40, 40), (4, 3, 40, 40), (b0, h0, 0), 1, broadcast=False)
-        bout, blse = run(device, fwd, q[blk], k[blk], v[blk], mask, keys, place)
+        bout, blse = run(device, fwd, q[blk], k[blk], v[blk], keys, place)
         np.testing.assert_array_equal(bout, out[blk], err_msg=f"{b0} {h0}")
         np.testing.assert_array_equal(blse, lse[b0:b1, h0:h1], err_msg=f"{b0} {h0}")
-        bgrads = run(device, bwd, q[blk], k[blk], v[blk], mask, keys, place, blse, g[blk],
-                     delta[b0:b1, h0:h1])
+        bgrads = run(device, bwd, q[blk], k[blk], v[blk], keys, place, blse, g[blk], delta[b0:b1, h0:h1])
         for name, got, want in zip(("dq", "dk", "dv"), bgrads, grads):
             np.testing.assert_array_equal(got, want[blk], err_msg=f"{name} {b0} {h0}")
     with pytest.raises(Exception, match="place table"):
-        run(device, fwd, q, k, v, mask, keys, np.zeros((5, 3), np.uint32))
+        run(device, fwd, q, k, v, keys, np.zeros((5, 3), np.uint32))
 
 
 def test_flash_vmap(backend, device, rng):
@@ -193,3 +192,48 @@ def test_flash_zero_size(backend, device, shape):
     y, dq, dk, dv = run(device, fwd_bwd, q, k, v)
     assert y.shape == q.shape and dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert not np.any(y) and not np.any(dq)
+
+
+def test_flash_tile_map():
+    # Which 64 x 64 tiles of a mask hold no, some or only valid positions (past Sq or Sk: not valid).
+    mask = np.ones((2, 1, 130, 128), bool)
+    mask[0, 0, :64, 64:] = False          # tile (0, 1) of batch 0: none valid
+    mask[1, 0, 5, 3] = False              # tile (0, 0) of batch 1: some
+    t = np.asarray(jsf.tile_map(jnp.asarray(mask)))
+    assert t.shape == (2, 1, 3, 2) and t.dtype == np.uint8
+    assert t[0, 0, 0, 1] == jsf.NONE_VALID and t[0, 0, 0, 0] == jsf.ALL_VALID
+    assert t[1, 0, 0, 0] == jsf.SOME_VALID and t[1, 0, 1, 1] == jsf.ALL_VALID
+    assert (t[:, 0, 2] == jsf.SOME_VALID).all()  # rows 128-129 of 192: the rest past Sq
+
+
+@pytest.mark.parametrize("pattern", ["causal_padding", "blocks"])
+def test_flash_mask_tiles(backend, device, rng, pattern):
+    # Masks whose tiles are empty, partly and wholly valid (the kernels skip the first and read
+    # the mask in the second only): a causal + padding mask as the Linen decoder builds it, and
+    # blocks of 64 keys switched off per query block; against the reference.
+    b, s, h, d = 2, 200, 2, 64
+    q, k, v, g = (rounded(rng.standard_normal((b, s, h, d)), jnp.bfloat16) for _ in range(4))
+    if pattern == "causal_padding":
+        lens = np.array([200, 150])
+        valid = np.arange(s) < lens[:, None]
+        mask = np.tril(np.ones((s, s), bool))[None, None] & valid[:, None, None, :] & valid[:, None, :, None]
+    else:
+        mask = np.ones((b, 1, s, s), bool)
+        mask[:, :, :64, 64:128] = False
+        mask[:, :, 64:128, :64] = False
+        mask[1, :, 150:, :] = rng.random((1, s - 150, s)) < 0.5
+    key, rate, scale = jax.random.key(12), 0.2, 0.125
+
+    def fwd_bwd(q, k, v, g):
+        y, pull = jax.vjp(lambda q, k, v: jsf.flash_attention(
+            q, k, v, mask=mask, dropout_rate=rate, dropout_rng=key), q, k, v)
+        return (y,) + pull(g)
+
+    y, dq, dk, dv = run(device, fwd_bwd, q, k, v, g)
+    keep = np.asarray(_philox.keep_mask(_philox.key_words(key), (b, h, s, s), rate, broadcast=False))
+    assert_close(y, np_flash(q, k, v, mask, False, scale, keep, rate), jnp.bfloat16, tol=OUT_TOL,
+                 what=pattern + " y")
+    f32 = [a.astype(np.float32) for a in (q, k, v, g)]
+    _, pull = jax.vjp(jnp_flash(jnp.asarray(keep, jnp.float32), rate, mask, False, scale), *f32[:3])
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), pull(f32[3])):
+        assert_close(got, np.asarray(want), jnp.bfloat16, tol=GRAD_TOLS, what=f"{pattern} {name}")
