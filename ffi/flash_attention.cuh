@@ -451,9 +451,10 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FlashParams p
 // --- backward: dq -----------------------------------------------------------------------------------
 // Per query tile, over the key tiles: s = q K^T and p = exp(scale s - lse) again, dp = do V^T,
 // ds = p (dp~ - delta) with dp~ = dp keep / (1 - rate) and delta = rowsum(do out), dq += ds K.
-// Shared memory: the Q and dO tiles, one K and one V tile.
+// Shared memory: the Q and dO tiles, two buffers of (K, V): the next key tile loads while this
+// one is used.
 template <int D>
-constexpr int DqSmemBytes() { return 4 * kTile * D * 2; }
+constexpr int DqSmemBytes() { return 6 * kTile * D * 2; }  // Q, dO, two buffers of (K, V)
 
 // The accumulators' rows' log-sum-exp in log2 units (-inf: the row takes no part) and delta.
 __device__ __forceinline__ void row_stats(const FlashParams& p, int bh, int row, float& lse2,
@@ -471,13 +472,18 @@ __device__ __forceinline__ void row_stats(const FlashParams& p, int bh, int row,
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) flash_dq_kernel(const FlashParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
-  const uint32_t s_q = smem_addr(smem), s_do = s_q + kTile * D * 2, s_k = s_do + kTile * D * 2,
-                 s_v = s_k + kTile * D * 2;
+  constexpr uint32_t kTileBytes = kTile * D * 2;
+  // K_j and V_j in buffer j % 2: the next live key tile loads while this one is used.
+  const uint32_t s_q = smem_addr(smem), s_do = s_q + kTileBytes, s_kv = s_do + kTileBytes;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int q_tiles = (p.sq + kTile - 1) / kTile;
   const int q0 = (p.causal ? q_tiles - 1 - int(blockIdx.x) : int(blockIdx.x)) * kTile;
   const int bh = blockIdx.y, b = bh / p.heads, h = bh - b * p.heads;
   const int64_t q_off = (int64_t(b) * p.sq * p.heads + h) * D, k_off = (int64_t(b) * p.sk * p.heads + h) * D;
+  const auto load_kv = [&](int which, int j) {
+    load_tile<kTile, D>(s_kv + which * 2 * kTileBytes, p.k + k_off, p.row_stride, j * kTile, p.sk);
+    load_tile<kTile, D>(s_kv + (which * 2 + 1) * kTileBytes, p.v + k_off, p.row_stride, j * kTile, p.sk);
+  };
   const uint8_t* mask_bh = p.mask ? p.mask + b * p.mask_b + h * p.mask_h : nullptr;
   const uint8_t* tiles_bh = p.tiles ? p.tiles + b * p.tiles_b + h * p.tiles_h : nullptr;
   const int keys_end = p.causal ? min(p.sk, q0 + kTile) : p.sk;
@@ -487,10 +493,7 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(const FlashParams p)
   int j = live_tile(p, tiles_bh, tq, 0, steps);
   load_tile<kTile, D>(s_q, p.q + q_off, p.row_stride, q0, p.sq);
   load_tile<kTile, D>(s_do, p.dout + q_off, p.row_stride, q0, p.sq);
-  if (j < steps) {
-    load_tile<kTile, D>(s_k, p.k + k_off, p.row_stride, j * kTile, p.sk);
-    load_tile<kTile, D>(s_v, p.v + k_off, p.row_stride, j * kTile, p.sk);
-  }
+  if (j < steps) load_kv(0, j);
   cp_async_commit();
 
   const int r_lo = q0 + warp * 16 + (lane >> 2), r_hi = r_lo + 8;
@@ -502,19 +505,20 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(const FlashParams p)
   float dq[D / 8][4];
   zero(dq);
 
-  while (j < steps) {
+  for (int which = 0; j < steps; which ^= 1) {
     const int k0 = j * kTile;
     const int next = live_tile(p, tiles_bh, tq, j + 1, steps);
-    cp_async_wait<0>();
-    __syncthreads();
+    __syncthreads();  // every warp is done with the other buffer (the previous tile's)
+    if (next < steps) load_kv(which ^ 1, next);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();  // K_j and V_j are in
+    const uint32_t s_k = s_kv + which * 2 * kTileBytes, s_v = s_k + kTileBytes;
     float s[kTile / 8][4], dp[kTile / 8][4];
     zero(s);
     zero(dp);
     mma_cols<T, D>(s, s_q, warp * 16, s_k, lane);
     mma_cols<T, D>(dp, s_do, warp * 16, s_v, lane);
-    __syncthreads();  // every warp is done with V_j
-    if (next < steps) load_tile<kTile, D>(s_v, p.v + k_off, p.row_stride, next * kTile, p.sk);
-    cp_async_commit();
 
     const bool edge = k0 + kTile > p.sk || (p.causal && k0 + kTile - 1 > q0) ||
                       (mask_bh && tile_state(p, tiles_bh, tq, j) != kAllValid);
@@ -537,9 +541,6 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(const FlashParams p)
       }
     }
     mma_accumulators<T, D>(dq, s, s_k, lane);
-    __syncthreads();  // every warp is done with K_j
-    if (next < steps) load_tile<kTile, D>(s_k, p.k + k_off, p.row_stride, next * kTile, p.sk);
-    cp_async_commit();
     j = next;
   }
   cp_async_wait<0>();
@@ -560,21 +561,23 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(const FlashParams p)
 // kRows queries per step: 64, 32 at D = 128 (dk and dv take 128 registers there).
 template <int D>
 constexpr int DkdvRows() { return D > 64 ? 32 : 64; }
+// Shared memory: K and V, two buffers of (Q, dO, lse, delta) (the next query tile loads while
+// this one is used), the dropout words.
+template <int D>
+constexpr int DkdvBufferBytes() { return 2 * DkdvRows<D>() * D * 2 + 2 * DkdvRows<D>() * 4; }
 template <int D>
 constexpr int DkdvSmemBytes() {
-  return 2 * kTile * D * 2 + 2 * DkdvRows<D>() * D * 2 + 2 * DkdvRows<D>() * 4 + (kThreads / 32) * 512;
+  return 2 * kTile * D * 2 + 2 * DkdvBufferBytes<D>() + (kThreads / 32) * 512;
 }
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const FlashParams p) {
   constexpr int kRows = DkdvRows<D>();
   extern __shared__ __align__(128) uint8_t smem[];
-  const uint32_t s_k = smem_addr(smem), s_v = s_k + kTile * D * 2, s_q = s_v + kTile * D * 2,
-                 s_do = s_q + kRows * D * 2;
-  float* s_lse2 = reinterpret_cast<float*>(smem + 2 * kTile * D * 2 + 2 * kRows * D * 2);
-  float* s_delta = s_lse2 + kRows;
+  const uint32_t s_k = smem_addr(smem), s_v = s_k + kTile * D * 2;
+  uint8_t* const buffers = smem + 2 * kTile * D * 2;  // [2] of (Q, dO, lse2, delta)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  uint4* xbuf = reinterpret_cast<uint4*>(s_delta + kRows) + warp * 32;  // [block][group][query]
+  uint4* xbuf = reinterpret_cast<uint4*>(buffers + 2 * DkdvBufferBytes<D>()) + warp * 32;  // [block][group][query]
   const uint16_t* xbuf16 = reinterpret_cast<const uint16_t*>(xbuf);
   const int k0 = blockIdx.x * kTile;
   const int bh = blockIdx.y, b = bh / p.heads, h = bh - b * p.heads;
@@ -583,9 +586,26 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const FlashParams 
   const uint8_t* tiles_bh = p.tiles ? p.tiles + b * p.tiles_b + h * p.tiles_h : nullptr;
   const int first = p.causal ? k0 / kRows : 0;  // queries before k0 see none of these keys
   const int steps = (p.sq + kRows - 1) / kRows;
+  // The next query tile from `step` on that holds a valid position for these keys (kRows divides
+  // kTile: the map's tile holds a step's queries).
+  const auto live_step = [&](int step) {
+    while (step < steps && tile_state(p, tiles_bh, step * kRows / kTile, blockIdx.x) == kNoneValid) ++step;
+    return step;
+  };
+  // Buffer `which`'s tiles (cp.async) and statistics (plain stores) of query tile `step`.
+  const auto load_step = [&](int which, int step) {
+    uint8_t* buf = buffers + which * DkdvBufferBytes<D>();
+    const int q0 = step * kRows;
+    load_tile<kRows, D>(smem_addr(buf), p.q + q_off, p.row_stride, q0, p.sq);
+    load_tile<kRows, D>(smem_addr(buf) + kRows * D * 2, p.dout + q_off, p.row_stride, q0, p.sq);
+    float* stats = reinterpret_cast<float*>(buf + 2 * kRows * D * 2);
+    for (int i = threadIdx.x; i < kRows; i += kThreads) row_stats(p, bh, q0 + i, stats[i], stats[kRows + i]);
+  };
 
+  int step = live_step(first);
   load_tile<kTile, D>(s_k, p.k + k_off, p.row_stride, k0, p.sk);
   load_tile<kTile, D>(s_v, p.v + k_off, p.row_stride, k0, p.sk);
+  if (step < steps) load_step(0, step);
   cp_async_commit();
 
   const int c_lo = k0 + warp * 16 + (lane >> 2), c_hi = c_lo + 8;  // this lane's keys
@@ -594,18 +614,19 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const FlashParams 
   zero(dk);
   zero(dv);
 
-  for (int step = first; step < steps; ++step) {
+  for (int which = 0; step < steps; which ^= 1) {
     const int q0 = step * kRows;
-    // (kRows divides kTile: the map's tile holds these queries.)
     const int state = tile_state(p, tiles_bh, q0 / kTile, blockIdx.x);
-    if (state == kNoneValid) continue;
-    __syncthreads();  // every warp is done with the previous Q and dO tiles
-    load_tile<kRows, D>(s_q, p.q + q_off, p.row_stride, q0, p.sq);
-    load_tile<kRows, D>(s_do, p.dout + q_off, p.row_stride, q0, p.sq);
+    const int next = live_step(step + 1);
+    __syncthreads();  // every warp is done with the other buffer (the previous step's)
+    if (next < steps) load_step(which ^ 1, next);
     cp_async_commit();
-    for (int i = threadIdx.x; i < kRows; i += kThreads) row_stats(p, bh, q0 + i, s_lse2[i], s_delta[i]);
-    cp_async_wait<0>();
-    __syncthreads();
+    cp_async_wait<1>();
+    __syncthreads();  // this step's tiles and statistics are in
+    uint8_t* buf = buffers + which * DkdvBufferBytes<D>();
+    const uint32_t s_q = smem_addr(buf), s_do = s_q + kRows * D * 2;
+    const float* s_lse2 = reinterpret_cast<const float*>(buf + 2 * kRows * D * 2);
+    const float* s_delta = s_lse2 + kRows;
 
     float st[kRows / 8][4], dpt[kRows / 8][4];
     zero(st);
@@ -649,6 +670,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const FlashParams 
     }
     mma_accumulators<T, D>(dv, st, s_do, lane);
     mma_accumulators<T, D>(dk, dpt, s_q, lane);
+    step = next;
   }
   cp_async_wait<0>();
 #pragma unroll
