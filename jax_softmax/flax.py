@@ -52,6 +52,16 @@ uniformly to its keys (as Flax's default) instead of giving zeros, and cuDNN's p
 apply (they refuse a sharded sequence axis: pass ``implementation="jax_softmax"`` under such a
 mesh).
 
+With dropout, causal attention (``is_causal``) and attention under a mask array take
+jax_softmax's own flash kernels by default (:func:`jax_softmax.flash.flash_attention`: float16 or
+bfloat16, head dim 64 or 128, no bias, as many key/value heads as query heads, no sowing, custom
+einsum or precision): the same dropout bits as the fused softmax, no ``[..., heads, q, kv]``
+weights written, and the 64 x 64 tiles of scores past the causal diagonal or without a valid
+position in the mask skipped. Attention that is neither causal nor masked keeps the fused softmax,
+where the flash kernels are slower (as they are under a mask array with no dead tile: pass
+``implementation="jax_softmax"`` for such a mask). ``implementation="flash"`` forces them
+(``ValueError`` where they do not apply).
+
 Behaviour matches Flax's: the same dtype promotion, bias addition, dropout rate and
 ``broadcast_dropout``, ``force_fp32_for_softmax``, ``precision``/``einsum_dot_general``/custom
 einsums, grouped-query attention (fewer key/value heads than query heads, as in NNX) and sowing
@@ -175,13 +185,16 @@ IMPLEMENTATIONS = (None, "jax_softmax", "cudnn", "flash")
 # 1.20-1.83x over Flax's default, jax_softmax's kernels 1.08-1.31x). Shorter rows keep jax_softmax's
 # kernels until measured.
 CUDNN_MIN_KV_LENGTH = 512
-# With dropout the default takes jax_softmax's flash kernels (jax_softmax.flash) for causal
-# attention (is_causal, no mask array: whole key tiles past the diagonal are skipped) from this kv
-# length on. H100, session 86, the NNX example LM's training step (dropout 0.1, bfloat16, 16K
-# tokens) over Flax's default: S = 512 flash 1.13x against the fused softmax's 1.37x, S = 2048
-# 1.56x against 1.31x, S = 4096 1.51x against 1.37x. With a mask array the flash kernels compute
-# every tile (the Linen stack's padding + causal mask: 0.60-0.87x against 1.14-1.22x): not taken.
-FLASH_MIN_KV_LENGTH = 2048
+# With dropout the default takes jax_softmax's flash kernels (jax_softmax.flash) where whole 64 x 64
+# tiles of the scores drop out: causal attention (is_causal: the tiles past the diagonal) and mask
+# arrays (tiles with no valid position skipped, the mask read only in tiles with some), at every
+# length. H100, session 87, bf16, 16K tokens, dropout 0.1, training step over Flax's default: NNX
+# LM (is_causal) S = 512 / 1024 / 2048 / 4096 flash 1.37 / 1.42 / 1.37 / 1.44x against the fused
+# softmax's 1.26 / 1.31 / 1.31 / 1.38x; Linen stack (padding + causal mask array) S = 512 / 2048 /
+# 4096 flash 1.22 / 1.50 / 1.62x against 1.12 / 1.22 / 1.22x. Attention forward+backward alone
+# (scripts/flash_timing.py): an encoder's padding mask (39% of the tiles live) flash 1.19-1.25x
+# faster than the softmax path; neither causal nor masked 0.58-0.73x, so that keeps the fused
+# softmax (as would a mask array with no dead tile: implementation="jax_softmax").
 
 
 def _cuda_compute_capability() -> tuple[int, int] | None:
@@ -430,10 +443,11 @@ def dot_product_attention(
         ``attn_weights_value_einsum``; mutually exclusive with ``precision`` and
         ``einsum_dot_general``.
       attn_weights_value_einsum: custom einsum for ``weights @ v``.
-      implementation: None (default) takes cuDNN's flash attention where it applies and
-        kv_length >= 512 (see the module docstring), jax_softmax's fused softmax elsewhere;
-        ``"jax_softmax"`` or ``"cudnn"`` forces one (``"cudnn"`` raises ``ValueError`` where it
-        does not apply).
+      implementation: None (default): without dropout cuDNN's flash attention where it applies
+        and kv_length >= 512, with dropout jax_softmax's flash kernels for causal or masked
+        attention where they apply (see the module docstring), jax_softmax's fused softmax
+        elsewhere; ``"jax_softmax"``, ``"cudnn"`` or ``"flash"`` forces one (the last two raise
+        ``ValueError`` where they do not apply).
 
     Returns:
       Output of shape ``[batch..., q_length, num_heads, v_depth_per_head]``.
@@ -455,8 +469,7 @@ def dot_product_attention(
 
     dropout = not deterministic and dropout_rate > 0.0
     custom = bool(precision or einsum_dot_general or qk_attn_weights_einsum or force_fp32_for_softmax)
-    flash_default = (implementation is None and dropout and is_causal and mask is None
-                     and key.shape[-3] >= FLASH_MIN_KV_LENGTH)
+    flash_default = implementation is None and dropout and (is_causal or mask is not None)
     if implementation == "flash" or flash_default:
         flash_mask = None if mask is None else _with_leading_dims(_as_bool_mask(mask), query.ndim)
         reason = flash_unsupported_reason(

@@ -605,29 +605,31 @@ def test_implementation_keyword():
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 def test_flash_route_on_gpu():
     # With dropout the default takes jax_softmax's flash kernels (the same bits as the softmax
-    # path, so the same weights dropped); flax_dropout_bits keeps the softmax path.
-    # Causal rows of FLASH_MIN_KV_LENGTH keys and more; a mask array and shorter rows keep the
-    # softmax path; implementation="flash" forces flash (here with a mask).
-    n = jsf.FLASH_MIN_KV_LENGTH
+    # path, so the same weights dropped) for causal rows and under a mask array, at any length;
+    # flax_dropout_bits, attention neither causal nor masked, and implementation="jax_softmax"
+    # keep the softmax path; implementation="flash" forces flash.
+    n = 320
     q, k, v = (_bshd((1, n, 2, 64), jnp.bfloat16, s) for s in range(3))
     kw = dict(dropout_rng=jax.random.key(4), dropout_rate=0.2, deterministic=False)
     hlo = lambda fn, *a: jax.jit(fn).lower(*a).compile().as_text()
+    flash_call = 'custom_call_target="jax_softmax_flash_fwd"'
     auto = functools.partial(jsf.dot_product_attention, is_causal=True, **kw)
-    assert 'custom_call_target="jax_softmax_flash_fwd"' in hlo(auto, q, k, v)
+    assert flash_call in hlo(auto, q, k, v)
     soft = functools.partial(auto, implementation="jax_softmax")
+    assert "jax_softmax_flash_fwd" not in hlo(soft, q, k, v)
     np.testing.assert_allclose(np.asarray(jax.jit(auto)(q, k, v), np.float32),
                                np.asarray(jax.jit(soft)(q, k, v), np.float32), atol=3e-2, rtol=3e-2)
     bits = functools.partial(auto, flax_dropout_bits=True)
     assert "jax_softmax_flash_fwd" not in hlo(bits, q, k, v)
-    short = [a[:, : n // 2] for a in (q, k, v)]
-    assert "jax_softmax_flash_fwd" not in hlo(auto, *short)
-    mask = np.tril(np.ones((n // 2, n // 2), bool))[None, None] & (np.arange(n // 2) < n // 2 - 28)
-    masked = functools.partial(jsf.dot_product_attention, mask=mask, **kw)
-    assert "jax_softmax_flash_fwd" not in hlo(masked, *short)
-    forced = functools.partial(masked, implementation="flash")
-    assert 'custom_call_target="jax_softmax_flash_fwd"' in hlo(forced, *short)
-    np.testing.assert_allclose(np.asarray(jax.jit(forced)(*short), np.float32),
-                               np.asarray(jax.jit(masked)(*short), np.float32), atol=3e-2, rtol=3e-2)
+    plain = functools.partial(jsf.dot_product_attention, **kw)
+    assert "jax_softmax_flash_fwd" not in hlo(plain, q, k, v)
+    assert flash_call in hlo(functools.partial(plain, implementation="flash"), q, k, v)
+    mask = np.tril(np.ones((n, n), bool))[None, None] & (np.arange(n) < n - 28)
+    masked = functools.partial(plain, mask=mask)
+    assert flash_call in hlo(masked, q, k, v)
+    np.testing.assert_allclose(np.asarray(jax.jit(masked)(q, k, v), np.float32),
+                               np.asarray(jax.jit(functools.partial(masked, implementation="jax_softmax"))(q, k, v),
+                                          np.float32), atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU (cuDNN)")
@@ -670,4 +672,5 @@ def test_cudnn_route_on_gpu(masked):
     drop = jax.jit(lambda q, k, v: jsf.dot_product_attention(
         q, k, v, dropout_rng=jax.random.key(0), dropout_rate=0.1, deterministic=False, **kw))
     hlo = drop.lower(q, k, v).compile().as_text()
-    assert 'custom_call_target="jax_softmax_attn_dropout_fwd"' in hlo and "fmha" not in hlo
+    # (causal or masked with dropout: jax_softmax's flash kernels)
+    assert 'custom_call_target="jax_softmax_flash_fwd"' in hlo and "fmha" not in hlo
