@@ -3,7 +3,7 @@ with cuDNN's flash attention, at attention dropout 0.1 and 0, for sequence lengt
 
     python benchmarks/bench_train_step.py [--out DIR] [--models lm linen] [--dropouts 0.1 0]
         [--seq-lens 512 1024 2048 4096] [--steps 30] [--repeats 3] [--profile] [--tag NAME]
-        [--dump-hlo DIR]
+        [--dump-hlo DIR] [--merge FILE]
 
 Models (bfloat16, 4 layers, d_model 512, 8 heads, 16K tokens a step: batch = tokens // seq_len):
   lm     examples/train_lm.py: an NNX causal LM (nnx.MultiHeadAttention, is_causal=True).
@@ -12,7 +12,8 @@ Models (bfloat16, 4 layers, d_model 512, 8 heads, 16K tokens a step: batch = tok
 Attention variants:
   flax         Flax's own attention function (its dropout: jax.random.bernoulli and a multiply).
   plugin       jax_softmax.flax.dot_product_attention as a user gets it (its default path:
-               cuDNN where that applies, i.e. without dropout; jax_softmax's kernels with dropout).
+               cuDNN where that applies, i.e. without dropout; with dropout jax_softmax's flash
+               kernels for causal or masked attention, its fused softmax elsewhere).
   jax_softmax  the plug-in forced onto jax_softmax's fused softmax (implementation="jax_softmax").
   cudnn        the plug-in forced onto cuDNN (jax.nn.dot_product_attention(implementation="cudnn")).
   flash        the plug-in forced onto jax_softmax's flash kernels (implementation="flash").
@@ -25,7 +26,10 @@ at its end (dispatch overlaps the previous step). A point holds each variant's r
 their median and best, and the speedup over flax (medians). Why rounds: on the H200 (session 48)
 the steps/s of short steps changed from run to run of one program (the plug-in at S = 1024 ran
 96-133 steps/s); alternating keeps a slow stretch from landing on one variant only.
-Writes train_step_<device>.{json,png} (or <tag>.{json,png}) and prints a table.
+Writes train_step_<device>.{json,png} (or <tag>.{json,png}) and prints a table. --merge FILE
+keeps the points of the models this run leaves out from an earlier result (its meta under
+"merged"): one file and plot for both models where each model's run fits a device call of its
+own (every ratio still comes from one run: a point's variants always share theirs).
 
 --profile: after the timed rounds, a few more steps of each variant under jax.profiler; the
 point then also holds each variant's GPU timeline per step (`timeline`: span, busy and idle time,
@@ -139,6 +143,8 @@ def main(argv=None):
     p.add_argument("--tag", default=None, help="file name stem (default train_step_<device>)")
     p.add_argument("--dump-hlo", default=None,
                    help="keep each variant's optimized training-step HLO under this directory")
+    p.add_argument("--merge", default=None,
+                   help="an earlier result JSON whose points of other models this file keeps")
     args = p.parse_args(argv)
 
     raw_hlo = None
@@ -209,6 +215,12 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     meta = collect_meta("jax_softmax", standin=False)
     meta["settings"] = vars(args)
+    if args.merge:
+        with open(args.merge) as f:
+            earlier = json.load(f)
+        kept = [r for r in earlier["points"] if r["model"] not in args.models]
+        meta["merged"] = {"models": sorted({r["model"] for r in kept}), "meta": earlier["meta"]}
+        rows = kept + rows
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump({"meta": meta, "points": rows}, f, indent=1)
     _plot(rows, args, device, os.path.join(args.out, stem + ".png"))

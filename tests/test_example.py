@@ -114,6 +114,17 @@ def test_train_step_bench_profile(tmp_path):
     assert isinstance(data["meta"]["jax_softmax_env"], dict)
     if importlib.util.find_spec("matplotlib") is not None:  # the plot needs it ([bench] extra)
         assert (tmp_path / "t.png").exists()
+    # --merge: a run of one model keeps the other model's points from the earlier file.
+    module.main(["--out", str(tmp_path), "--tag", "u", "--models", "lm", "--dropouts", "0",
+                 "--variants", "flax", "jax_softmax", "--seq-lens", "16", "--tokens", "32",
+                 "--steps", "1", "--d-model", "16", "--layers", "1", "--heads", "2",
+                 "--repeats", "1", "--dtype", "float32", "--merge", str(tmp_path / "t.json")])
+    merged = json.loads((tmp_path / "u.json").read_text())
+    assert [(p["model"], p["dropout"]) for p in merged["points"]] == [
+        ("linen", 0.1), ("linen", 0.0), ("lm", 0.0)]
+    assert merged["points"][:2] == [points[("linen", 0.1)], points[("linen", 0.0)]]
+    assert merged["meta"]["merged"]["models"] == ["linen"]
+    assert list(merged["points"][2]["variants"]) == ["flax", "jax_softmax"]
 
 
 def test_train_step_bench_ab_run(tmp_path):
