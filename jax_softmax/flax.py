@@ -60,7 +60,9 @@ weights written, and the 64 x 64 tiles of scores past the causal diagonal or wit
 position in the mask skipped. Attention that is neither causal nor masked keeps the fused softmax,
 where the flash kernels are slower (as they are under a mask array with no dead tile: pass
 ``implementation="jax_softmax"`` for such a mask). ``implementation="flash"`` forces them
-(``ValueError`` where they do not apply).
+(``ValueError`` where they do not apply). Their partitioning rules keep batch and heads sharded
+and gather split lengths: under a mesh that shards the sequence axes pass
+``implementation="jax_softmax"``, whose dropout kernels keep the query axis sharded.
 
 Behaviour matches Flax's: the same dtype promotion, bias addition, dropout rate and
 ``broadcast_dropout``, ``force_fp32_for_softmax``, ``precision``/``einsum_dot_general``/custom
