@@ -172,6 +172,14 @@ def collect_meta(api_label: str, standin: bool) -> dict:
         meta["triton"] = triton.__version__
     except Exception:
         meta["triton"] = None
+    # The training step's baselines depend on Flax's own attention path (NNX's takes
+    # jax.nn.dot_product_attention without dropout): its version, read without importing it.
+    from importlib import metadata
+    for dist in ("flax", "optax"):
+        try:
+            meta[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            meta[dist] = None
     # The caller may name the revision: the GPU machine's copy of the tree is not the checkout
     # it came from (its .git, where present, is not the built commit's).
     rev = os.environ.get("JAX_SOFTMAX_GIT_REV")
