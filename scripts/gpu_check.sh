@@ -70,6 +70,9 @@ if ! want build && [ -d "$REPO/.prebuilt/site" ]; then
   export PYTHONPATH="$REPO/.prebuilt/site${PYTHONPATH:+:$PYTHONPATH}"
   if (cd /tmp && "$PY" -c "import jax_softmax, sys; sys.exit('cuda' not in jax_softmax.available_platforms())"); then
     echo "prebuilt package: $(cat "$REPO/.prebuilt/REVISION" 2>/dev/null)"
+    # The results' meta names the built revision (this machine's copy of .git may be another's:
+    # session 87's reported dd9639f-dirty for a package of f2545a1).
+    export JAX_SOFTMAX_GIT_REV=${JAX_SOFTMAX_GIT_REV:-$(cat "$REPO/.prebuilt/REVISION" 2>/dev/null)}
   else
     echo "prebuilt package does not load its CUDA kernels here: building"
     unset PYTHONPATH
