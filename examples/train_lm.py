@@ -255,7 +255,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-plugin", action="store_true", help="Flax's default attention instead of jax_softmax")
     p.add_argument("--implementation", choices=["jax_softmax", "cudnn", "flash"], default=None,
                    help="force the plug-in's path (default: cuDNN's flash attention where it applies "
-                        "without dropout, jax_softmax's flash kernels for causal dropout from 2048 keys)")
+                        "without dropout, jax_softmax's flash kernels for causal or masked dropout)")
     return p.parse_args(argv)
 
 
