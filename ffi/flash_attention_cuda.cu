@@ -125,10 +125,10 @@ ffi::Error LaunchFlash(dim3 grid, int smem, cudaStream_t stream, const CurrentDe
     return Internal(std::string(what) + " needs " + std::to_string(smem) +
                     " bytes of shared memory a block, more than this GPU gives");
   }
+  // (A two-dimensional grid, which KernelLaunch does not describe; no dependent launch: the
+  // flash kernels do not wait on the grid before them.)
   kKernel<<<grid, flash::kThreads, smem, stream>>>(p);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return Internal(std::string(what) + ": " + cudaGetErrorString(e));
-  return ffi::Error::Success();
+  return CheckLaunch(what);
 }
 
 template <typename T, int D>

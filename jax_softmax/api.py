@@ -193,9 +193,9 @@ def _static_scale(scale):
     return float(arr)
 
 
-def _static_rate(rate) -> float:
-    """The dropout rate as a Python float in [0, 1); a clear error for anything else."""
-    fname = "attention_softmax"
+def _static_rate(rate, fname: str = "attention_softmax") -> float:
+    """The dropout rate as a Python float in [0, 1); a clear error (naming `fname`) for anything
+    else."""
     if isinstance(rate, jax.core.Tracer):
         raise TypeError(
             f"{fname}: dropout_rate must be a Python or NumPy real number, not a traced value "

@@ -198,13 +198,13 @@ def tile_map(mask):
     """Per 64 x 64 tile of a (Bm, Hm, Sq, Sk) bool mask: NONE_VALID, SOME_VALID or ALL_VALID
     (uint8, (Bm, Hm, ceil(Sq / 64), ceil(Sk / 64))). The kernels skip tiles with no valid position
     and read the mask only in tiles with some; positions past Sq or Sk count as not valid. One
-    XLA reduction over the mask a call."""
+    XLA reduction over the mask a call: each tile's count of valid positions."""
     bm, hm, sq, sk = mask.shape
     tq, tk = -(-sq // TILE), -(-sk // TILE)
     m = jnp.pad(mask, ((0, 0), (0, 0), (0, tq * TILE - sq), (0, tk * TILE - sk)))
-    m = m.reshape(bm, hm, tq, TILE, tk, TILE)
-    some, every = jnp.any(m, axis=(3, 5)), jnp.all(m, axis=(3, 5))
-    return jnp.where(every, ALL_VALID, jnp.where(some, SOME_VALID, NONE_VALID)).astype(jnp.uint8)
+    valid = jnp.sum(m.reshape(bm, hm, tq, TILE, tk, TILE), axis=(3, 5), dtype=jnp.int32)
+    return jnp.where(valid == TILE * TILE, ALL_VALID,
+                     jnp.where(valid > 0, SOME_VALID, NONE_VALID)).astype(jnp.uint8)
 
 
 def supported(q, k, v) -> bool:
@@ -233,9 +233,9 @@ def flash_attention(q, k, v, *, mask=None, is_causal: bool = False, scale: float
     for name, a in (("q", q), ("k", k), ("v", v)):
         if not jnp.issubdtype(a.dtype, jnp.floating):
             raise TypeError(f"flash_attention: {name} must be floating, got {a.dtype}")
-    rate = float(dropout_rate)
-    if not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+    from jax_softmax.api import _static_rate
+
+    rate = _static_rate(dropout_rate, "flash_attention")
     b, sq, h, d = q.shape
     sk = k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -253,10 +253,8 @@ def flash_attention(q, k, v, *, mask=None, is_causal: bool = False, scale: float
             raise ValueError(f"flash_attention: the mask {mask.shape} does not broadcast to "
                              f"(batch, heads, Sq, Sk) = {(b, h, sq, sk)}")
         mask = jnp.broadcast_to(m, m.shape[:2] + (sq, sk))
-        tiles = tile_map(mask)
     else:
         mask = jnp.ones((1, 1, 1, 1), jnp.bool_)
-        tiles = jnp.zeros((1, 1, 1, 1), jnp.uint8)
     if not supported(q, k, v):
         dtype = jnp.result_type(q, k, v)
         q, k, v = (a.astype(dtype) for a in (q, k, v))
@@ -267,5 +265,6 @@ def flash_attention(q, k, v, *, mask=None, is_causal: bool = False, scale: float
                               dropout_rate=rate, dropout_rng=dropout_rng if rate > 0 else None,
                               broadcast_dropout=broadcast_dropout)
         return jnp.einsum("bhqk,bkhd->bqhd", w, v)
+    tiles = tile_map(mask) if has_mask else jnp.zeros((1, 1, 1, 1), jnp.uint8)
     return _flash(q, k, v, mask, tiles, key, scale, has_mask, bool(is_causal), rate,
                   bool(broadcast_dropout))

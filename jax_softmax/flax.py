@@ -472,10 +472,11 @@ def dot_product_attention(
     dropout = not deterministic and dropout_rate > 0.0
     custom = bool(precision or einsum_dot_general or qk_attn_weights_einsum or force_fp32_for_softmax)
     flash_default = implementation is None and dropout and (is_causal or mask is not None)
+    # The mask as both kernels' routes take it: bool, of the query's rank.
+    routed_mask = None if mask is None else _with_leading_dims(_as_bool_mask(mask), query.ndim)
     if implementation == "flash" or flash_default:
-        flash_mask = None if mask is None else _with_leading_dims(_as_bool_mask(mask), query.ndim)
         reason = flash_unsupported_reason(
-            query, key, value, bias=bias, mask=flash_mask, sowing=module is not None,
+            query, key, value, bias=bias, mask=routed_mask, sowing=module is not None,
             custom=custom, flax_bits=flax_dropout_bits,
             cuda=_cuda_compute_capability() is not None and _ffi.has_platform("cuda"))
         if implementation == "flash" and reason is not None:
@@ -484,15 +485,14 @@ def dot_product_attention(
             from jax_softmax import flash
 
             return flash.flash_attention(
-                query, key, value, mask=flash_mask, is_causal=is_causal,
+                query, key, value, mask=routed_mask, is_causal=is_causal,
                 dropout_rate=dropout_rate if dropout else 0.0,
                 dropout_rng=dropout_rng if dropout else None, broadcast_dropout=broadcast_dropout)
 
     if implementation not in ("jax_softmax", "flash"):
-        cudnn_mask = None if mask is None else _with_leading_dims(_as_bool_mask(mask), query.ndim)
         cudnn_bias = None if bias is None else _with_leading_dims(jnp.asarray(bias), query.ndim)
         reason = cudnn_unsupported_reason(
-            query, key, value, bias=cudnn_bias, mask=cudnn_mask, is_causal=is_causal,
+            query, key, value, bias=cudnn_bias, mask=routed_mask, is_causal=is_causal,
             dropout=dropout, sowing=module is not None, custom=custom,
             compute_capability=_cuda_compute_capability())
         if implementation == "cudnn" and reason is not None:
@@ -502,7 +502,7 @@ def dot_product_attention(
                 cudnn_bias = cudnn_bias.astype(dtype)
             try:
                 return jax.nn.dot_product_attention(
-                    query, key, value, bias=cudnn_bias, mask=cudnn_mask,
+                    query, key, value, bias=cudnn_bias, mask=routed_mask,
                     scale=1.0 / math.sqrt(query.shape[-1]), is_causal=is_causal,
                     implementation="cudnn")
             except (NotImplementedError, RuntimeError, ValueError):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import DTYPE_IDS, assert_close, np_attention, poison, rounded, run
+from conftest import DTYPE_IDS, assert_close, jnp_attention, np_attention, poison, rounded, run
 
 from jax_softmax import _philox
 from jax_softmax import flash as jsf
@@ -42,18 +42,10 @@ def np_flash(q, k, v, mask, causal, scale, keep, rate):
 
 
 def jnp_flash(keep, rate, mask, causal, scale):
-    """The same in jnp (float32), for the reference gradients."""
+    """The same in jnp (float32, conftest's jnp_attention), for the reference gradients."""
     def f(q, k, v):
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
-        valid = jnp.ones(s.shape, bool) if mask is None else jnp.broadcast_to(mask, s.shape)
-        if causal:
-            valid = valid & (jnp.arange(s.shape[-1])[None, :] <= jnp.arange(s.shape[-2])[:, None])
-        s = jnp.where(valid, s, -jnp.inf)
-        m = jnp.max(s, -1, keepdims=True)
-        m = jnp.where(jnp.isfinite(m), m, 0.0)
-        e = jnp.where(valid, jnp.exp(s - m), 0.0)
-        tot = jnp.sum(e, -1, keepdims=True)
-        w = jnp.where(tot > 0, e / jnp.where(tot > 0, tot, 1.0), 0.0) * keep / (1.0 - rate)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        w = jnp_attention(s, scale, None, mask, causal) * keep / (1.0 - rate)
         return jnp.einsum("bhqk,bkhd->bqhd", w, v).astype(jnp.float32)
     return f
 
