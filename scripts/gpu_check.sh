@@ -151,24 +151,10 @@ test_part() { [ "$TEST_PART" = all ] || [ "$TEST_PART" = "$1" ]; }
 if want test; then
   # The suite in parallel processes (a GPU test spends most of its time in XLA's compiler, on the
   # CPU; one process ran past a device call's 10 minutes). -k selects by test and module name;
-  # the shards cover every test once: the kernel-tier module in thirteen (the staged-ring,
-  # dependent-call and causal-size tests were one shard until session 28, which ran past 320 s
-  # beside the others; the odd-row tests one with the rest until session 38, past 470 s on the
-  # H100; the past-top rows of session 41 their own, tiers_odd already taking 437 s there, with
-  # the wide-block rows since session 42; the odd-row tiers apart from the rings and gaps since
-  # session 46, when the three together ran past 470 s on the H100 with 5 of 6 done; the long
-  # staged rows of session 52 beside the causal sizes, whose shard took 27 s then; the block rows
-  # since session 54, when the module's other tests, one shard, ran past 495 s on the H200 with
-  # 46 of 54 done, and alone took 381 s, 155 of them in these four tests; session 55's thin
-  # reread rows apart, tiers_odd having taken 437 s on the H100; the staged-ring rows in a shard
-  # per dtype since session 56, when as one they took 480 s of the 495 allowed on the H200; the
-  # broadcast-operand and padding-mask tests apart since session 69, when the module's other tests,
-  # one shard, ran past 520 s on the H200 with 24 of 51 done, with the large causal sizes since
-  # session 70, when the module's other tests ran past 540 s with 22 of 23 done: the last,
-  # causal_attention_large at 4097 float64, unfinished; alone the eight took 65 s), the rest in
-  # two.
-  # The kernel-tier module's own shards (name:selection); tiers_rest takes the module's other
-  # tests, so the selections are written once here and joined for it.
+  # the shards cover every test once. The kernel-tier module's shards were split off one at a
+  # time, each where a shard ran past a call's limit beside the others (the timings that decided
+  # each split are in git's log of this file); tiers_rest takes the module's other tests, so the
+  # selections (name:selection) are written once here and joined for it.
   tier_shards=(
     "tiers_boundaries:tier_boundaries"
     "tiers_long:two_pass or many_long_rows"
