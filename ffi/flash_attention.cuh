@@ -154,18 +154,40 @@ __device__ __forceinline__ void load_b_trans(uint32_t (&b)[4], uint32_t tile, in
 }
 
 // Rows [row0, row0 + R) of one (batch, head) of a (B, S, H, D) tensor into a tile (zeros past
-// `rows`), by all threads, one cp.async group's worth (the caller commits).
+// `rows`), by all threads, one cp.async group's worth (the caller commits). A pass of the CTA
+// moves kThreads / (D / 8) whole rows (16 or 8), so a thread keeps its chunk and its row's
+// swizzle in every pass: its addresses are computed once and step by a pass's rows. (A loop
+// from threadIdx.x that the compiler could not count cost ~25 instructions per 16-byte copy,
+// sm_90a SASS.)
 template <int R, int D>
 __device__ __forceinline__ void load_tile(uint32_t tile, const uint16_t* base, int64_t stride,
                                           int row0, int rows) {
   constexpr int kChunks = D / 8;
+  constexpr int kPassRows = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0 && R % kPassRows == 0 && kPassRows % 8 == 0,
+                "a pass moves whole rows, a multiple of the swizzle's 8");
+  const int r = threadIdx.x / kChunks, c = threadIdx.x % kChunks;
+  const uint32_t dst = tile + swizzled<D>(r, c);
+  const uint16_t* src = base + (row0 + r) * stride + c * 8;
 #pragma unroll
-  for (int i = threadIdx.x; i < R * kChunks; i += kThreads) {
-    const int r = i / kChunks, c = i % kChunks;
-    const bool valid = row0 + r < rows;
-    cp_async16(tile + swizzled<D>(r, c), base + (valid ? (row0 + r) * stride : 0) + c * 8, valid);
+  for (int i = 0; i < R / kPassRows; ++i) {
+    const bool valid = row0 + r + i * kPassRows < rows;
+    cp_async16(dst + i * kPassRows * D * 2, valid ? src + i * kPassRows * stride : base, valid);
   }
 }
+
+// exp2 without the denormal fix-up (ex2.approx.ftz): exp2f's costs a compare and two predicated
+// multiplies per call; a weight below 2^-126 flushed to 0 changes no sum beyond rounding.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// CTAs an SM that each kernel's register budget leaves room for: three at D = 64 (168 registers
+// at most: dq took 174 when free, which leaves two), what fits at D = 128 (two).
+template <int D>
+constexpr int FlashMinBlocks() { return D == 64 ? 3 : 1; }
 
 // Row / column reductions over the four lanes that share an accumulator row.
 __device__ __forceinline__ float quad_max(float x) {
@@ -315,7 +337,7 @@ template <int D>
 constexpr int FwdSmemBytes() { return 3 * kTile * D * 2; }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FlashParams p) {
+__global__ void __launch_bounds__(kThreads, FlashMinBlocks<D>()) flash_fwd_kernel(const FlashParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   const uint32_t s_q = smem_addr(smem), s_k = s_q + kTile * D * 2, s_v = s_k + kTile * D * 2;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -394,7 +416,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FlashParams p
     for (int r = 0; r < 2; ++r) {
       const float m_new = fmaxf(m[r], quad_max(mx[r]));
       shift[r] = m_new == -INFINITY ? 0.f : m_new;  // no valid key yet: exp2(-inf) = 0 throughout
-      const float alpha = exp2f(m[r] - shift[r]);
+      const float alpha = fast_exp2(m[r] - shift[r]);
       m[r] = m_new;
       l[r] *= alpha;
 #pragma unroll
@@ -407,7 +429,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(const FlashParams p
     for (int nb = 0; nb < kTile / 8; ++nb) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        s[nb][i] = exp2f(s[nb][i] - shift[i >> 1]);
+        s[nb][i] = fast_exp2(s[nb][i] - shift[i >> 1]);
         l[i >> 1] += s[nb][i];
       }
     }
@@ -470,7 +492,7 @@ __device__ __forceinline__ void row_stats(const FlashParams& p, int bh, int row,
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) flash_dq_kernel(const FlashParams p) {
+__global__ void __launch_bounds__(kThreads, FlashMinBlocks<D>()) flash_dq_kernel(const FlashParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   constexpr uint32_t kTileBytes = kTile * D * 2;
   // K_j and V_j in buffer j % 2: the next live key tile loads while this one is used.
@@ -533,7 +555,7 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(const FlashParams p)
           const int r = i >> 1;
           bool live = lse2[r] != -INFINITY;
           if (edge) live = live && valid_at(p, mask_bh, r ? r_hi : r_lo, k0 + (nb + bb) * 8 + 2 * (lane & 3) + (i & 1));
-          const float pv = live ? exp2f(s[nb + bb][i] * p.scale_log2 - lse2[r]) : 0.f;
+          const float pv = live ? fast_exp2(s[nb + bb][i] * p.scale_log2 - lse2[r]) : 0.f;
           float g = dp[nb + bb][i];
           if (p.dropout) g = kept(w[r][bb], i & 1, p.keep_from) ? g * p.multiplier : 0.f;
           s[nb + bb][i] = pv * (g - delta[r]);  // ds
@@ -558,21 +580,22 @@ __global__ void __launch_bounds__(kThreads) flash_dq_kernel(const FlashParams p)
 // The dropout bits of a (query, 8 keys) group spread over 8 lanes here: each lane draws one call
 // of the warp's 32 (two 8-query blocks x two 8-key groups x 8 queries) into shared memory, and
 // reads the 16-bit uniforms of its own positions back.
-// kRows queries per step: 64, 32 at D = 128 (dk and dv take 128 registers there).
-template <int D>
-constexpr int DkdvRows() { return D > 64 ? 32 : 64; }
+// kDkdvRows queries per step, at every D: with 64 at D = 64 the kernel took 224-240 registers
+// (two CTAs an SM), with 32 it fits 164 (three; H100, bfloat16, dropout 0.1, 16K tokens x 8 heads:
+// dk/dv 1762-1770 -> 1222-1230 us at causal S = 4096, 494-499 -> 351-353 at padding + causal 2048).
+constexpr int kDkdvRows = 32;
 // Shared memory: K and V, two buffers of (Q, dO, lse, delta) (the next query tile loads while
 // this one is used), the dropout words.
 template <int D>
-constexpr int DkdvBufferBytes() { return 2 * DkdvRows<D>() * D * 2 + 2 * DkdvRows<D>() * 4; }
+constexpr int DkdvBufferBytes() { return 2 * kDkdvRows * D * 2 + 2 * kDkdvRows * 4; }
 template <int D>
 constexpr int DkdvSmemBytes() {
   return 2 * kTile * D * 2 + 2 * DkdvBufferBytes<D>() + (kThreads / 32) * 512;
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const FlashParams p) {
-  constexpr int kRows = DkdvRows<D>();
+__global__ void __launch_bounds__(kThreads, FlashMinBlocks<D>()) flash_dkdv_kernel(const FlashParams p) {
+  constexpr int kRows = kDkdvRows;
   extern __shared__ __align__(128) uint8_t smem[];
   const uint32_t s_k = smem_addr(smem), s_v = s_k + kTile * D * 2;
   uint8_t* const buffers = smem + 2 * kTile * D * 2;  // [2] of (Q, dO, lse2, delta)
@@ -654,7 +677,7 @@ __global__ void __launch_bounds__(kThreads) flash_dkdv_kernel(const FlashParams 
           const float lse2 = s_lse2[qi];
           bool live = lse2 != -INFINITY;
           if (edge) live = live && valid_at(p, mask_bh, q0 + qi, r ? c_hi : c_lo);
-          const float pv = live ? exp2f(st[nb + bb][i] * p.scale_log2 - lse2) : 0.f;
+          const float pv = live ? fast_exp2(st[nb + bb][i] * p.scale_log2 - lse2) : 0.f;
           float g = dpt[nb + bb][i], pd = pv;
           if (p.dropout) {
             const uint32_t u = xbuf16[((bb * 2 + r) * 8 + 2 * (lane & 3) + e) * 8 + (lane >> 2)];
