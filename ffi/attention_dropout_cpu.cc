@@ -254,7 +254,7 @@ ffi::Error DropoutBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
   return Run(pool, dp, x.element_type(), false);
 }
 
-// Philox-4x32-10 of each (counter, key) row: the known-answer tests of the C++ generator.
+// Philox-4x32-7 of each (counter, key) row: the known-answer tests of the C++ generator.
 ffi::Error PhiloxImpl(ffi::Buffer<ffi::U32> counters, ffi::Buffer<ffi::U32> keys,
                       ffi::Result<ffi::Buffer<ffi::U32>> out) {
   const auto cd = counters.dimensions();
@@ -268,7 +268,7 @@ ffi::Error PhiloxImpl(ffi::Buffer<ffi::U32> counters, ffi::Buffer<ffi::U32> keys
   const uint32_t* k = keys.typed_data();
   uint32_t* o = out->typed_data();
   for (int64_t i = 0; i < cd[0]; ++i) {
-    const Philox4 r = Philox4x32_10(c[4 * i], c[4 * i + 1], c[4 * i + 2], c[4 * i + 3], k[2 * i],
+    const Philox4 r = Philox4x32(c[4 * i], c[4 * i + 1], c[4 * i + 2], c[4 * i + 3], k[2 * i],
                                     k[2 * i + 1]);
     for (int w = 0; w < 4; ++w) o[4 * i + w] = r.v[w];
   }

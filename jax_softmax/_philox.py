@@ -1,7 +1,7 @@
-"""jnp Philox-4x32-10 and the attention-dropout formulas.
+"""jnp Philox-4x32-7 and the attention-dropout formulas.
 
 The bits follow ffi/philox.h exactly (its comment is the contract): element (row r, column c)
-of the dense (rows, cols) view draws from Philox-4x32-10 with counter (c // 8, r_lo32, r_hi32, 0)
+of the dense (rows, cols) view draws from Philox-4x32-7 with counter (c // 8, r_lo32, r_hi32, 0)
 and the key's two data words; column c takes 16 bits of that call's output and is kept iff they
 are >= t = min(65535, round(rate * 65536)). Everything here is uint32 arithmetic (the 64-bit
 products are built from 16-bit halves), so it runs with or without jax_enable_x64.
@@ -22,6 +22,7 @@ import numpy as np
 
 from jax_softmax import _reference
 
+ROUNDS = 7  # ffi/philox.h's kPhiloxRounds
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85
 _U32 = jnp.uint32
@@ -39,12 +40,12 @@ def _mulhilo(a: int, b):
     return hi, lo
 
 
-def philox4x32_10(counter, key):
-    """Philox-4x32-10: `counter` a tuple of 4 uint32 arrays (broadcast together), `key` a tuple of
+def philox4x32(counter, key):
+    """Philox-4x32-7: `counter` a tuple of 4 uint32 arrays (broadcast together), `key` a tuple of
     2 uint32 arrays (broadcastable to them). Returns the 4 output words."""
     c0, c1, c2, c3 = (jnp.asarray(c, _U32) for c in counter)
     k0, k1 = (jnp.asarray(k, _U32) for k in key)
-    for _ in range(10):
+    for _ in range(ROUNDS):
         hi0, lo0 = _mulhilo(_M0, c0)
         hi1, lo1 = _mulhilo(_M1, c2)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
@@ -133,7 +134,7 @@ def uniforms16(keys, shape, *, broadcast: bool, place=None):
         which = jnp.minimum(place[:, 0], _U32(num_keys - 1)).astype(jnp.int32)
         lo, hi = place[:, 1][:, None], jnp.zeros((1, 1), _U32)
     k0, k1 = keys[which, 0][:, None], keys[which, 1][:, None]
-    words = philox4x32_10((g, lo, hi, _U32(0)), (k0, k1))
+    words = philox4x32((g, lo, hi, _U32(0)), (k0, k1))
     w = jnp.stack(words, axis=-1)  # (rows, groups, 4)
     u = jnp.stack([w & _U32(0xFFFF), w >> _U32(16)], axis=-1)  # (rows, groups, 4, 2)
     return u.reshape(-1, groups * 8)[:, :cols].reshape(shape)

@@ -239,7 +239,7 @@ def attention_softmax(scores, *, scale=1.0, bias=None, mask=None, is_causal: boo
     Dropout: the kept weights are multiplied by ``1 / (1 - dropout_rate)``, the dropped ones are
     0; the kernels draw the bits themselves (no mask tensor is stored; the backward regenerates
     them from the key). Element (row r, column c) of the (rows, Sk) view of the scores draws 16
-    bits from Philox-4x32-10 keyed by the key's two words, counter (c // 8, r mod 2^32, r >> 32,
+    bits from Philox-4x32-7 keyed by the key's two words, counter (c // 8, r mod 2^32, r >> 32,
     0) (r modulo Sq with ``broadcast_dropout``), and is kept iff they are >= t =
     ``min(65535, round(rate * 65536))``: the keep probability is ``1 - t / 65536`` (the rate
     quantised to 1/65536). The bits depend only on the key, the rate and the element's index,

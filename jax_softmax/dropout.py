@@ -177,7 +177,7 @@ fused_dropout.defvjp(_fused_fwd, _fused_bwd)
 
 # --- the generator through the C++ code (tests) -----------------------------------------------------
 def _philox_cpu(counters, keys):
-    """Philox-4x32-10 of uint32 (n, 4) counters under (n, 2) keys, computed by ffi/philox.h on the
+    """Philox-4x32-7 of uint32 (n, 4) counters under (n, 2) keys, computed by ffi/philox.h on the
     CPU (the known-answer tests of the C++ generator)."""
     counters = jnp.asarray(counters, np.uint32)
     call = jax.ffi.ffi_call(PHILOX_TARGET, jax.ShapeDtypeStruct(counters.shape, np.uint32))

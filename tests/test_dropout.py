@@ -30,11 +30,11 @@ import jax_softmax as js
 from jax_softmax import _philox
 from jax_softmax import dropout as jsd
 
-KAT = [  # Random123's kat_vectors for philox4x32_10: counter, key -> output
-    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+KAT = [  # Random123's kat_vectors for philox4x32_7: counter, key -> output
+    ((0, 0, 0, 0), (0, 0), (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662)),
     ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+     (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A)),
 ]
 
 
@@ -60,7 +60,7 @@ def attn(scores, key, rate, *, scale=1.0, bias=None, mask=None, causal=False, br
 # --- the generator ---------------------------------------------------------------------------------
 def test_philox_known_answers_jnp():
     for counter, key, expect in KAT:
-        out = _philox.philox4x32_10(tuple(np.uint32(c) for c in counter), tuple(np.uint32(k) for k in key))
+        out = _philox.philox4x32(tuple(np.uint32(c) for c in counter), tuple(np.uint32(k) for k in key))
         assert tuple(int(w) for w in out) == expect
 
 
@@ -73,7 +73,7 @@ def test_philox_known_answers_cpp(rng):
     # and the jnp generator agrees with the C++ one on random inputs
     counters = rng.integers(0, 2**32, (257, 4), dtype=np.uint32)
     keys = rng.integers(0, 2**32, (257, 2), dtype=np.uint32)
-    ours = np.stack(_philox.philox4x32_10(tuple(counters.T), tuple(keys.T)), axis=-1)
+    ours = np.stack(_philox.philox4x32(tuple(counters.T), tuple(keys.T)), axis=-1)
     np.testing.assert_array_equal(run(cpu, jsd._philox_cpu, counters, keys), np.asarray(ours))
 
 
@@ -84,7 +84,7 @@ def test_element_layout_matches_contract():
     shape = (3, 70, 21)
     u = np.asarray(_philox.uniforms16(key_rows(key), shape, broadcast=False)).reshape(-1, 21)
     for r, c in [(0, 0), (0, 1), (0, 7), (0, 8), (0, 20), (5, 3), (209, 15), (128, 9)]:
-        words = _philox.philox4x32_10(tuple(np.uint32(v) for v in (c // 8, r, 0, 0)), (k0, k1))
+        words = _philox.philox4x32(tuple(np.uint32(v) for v in (c // 8, r, 0, 0)), (k0, k1))
         w = int(words[(c % 8) // 2])
         assert int(u[r, c]) == (w >> 16 if c % 2 else w & 0xFFFF), (r, c)
 
