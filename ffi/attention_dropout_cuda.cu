@@ -57,12 +57,21 @@ ffi::Error LaunchRowsOfWidth(const DropoutRows& d, const LaunchCtx& c, int64_t m
   return LaunchRegisterRows<T, kVec, kGroup, kPacks, kBwd, kForm>(d, c);
 }
 
+// Forward rows that take four vectors a thread where their form's default is two (DropoutPacks,
+// dropout_rows.cuh says why): causal rows from kCausalFourPacksFrom vectors; rows of a mask or
+// bias when there is no bias (a bias is not fetched ahead at four).
+template <DropoutForm kForm>
+bool FourPacksForward(const DropoutRows& d, int64_t width) {
+  if constexpr (kForm == DropoutForm::kCausal) return width >= kCausalFourPacksFrom;
+  else return kForm == DropoutForm::kGeneral && !d.rows.bias.data;
+}
+
 template <typename T, int kVec, bool kBwd, DropoutForm kForm, int kPacks = DropoutPacks(kBwd, kForm)>
 ffi::Error LaunchRows(const DropoutRows& d, const LaunchCtx& c, bool vectors) {
   if (!vectors) return LaunchStream<T, 1, kBwd, kForm>(d, c);
   const int64_t width = d.rows.cols / kVec;
-  if constexpr (kForm == DropoutForm::kCausal && !kBwd && kPacks == 2) {
-    if (width >= kCausalFourPacksFrom) return LaunchRows<T, kVec, kBwd, kForm, 4>(d, c, vectors);
+  if constexpr (!kBwd && kPacks == 2) {
+    if (FourPacksForward<kForm>(d, width)) return LaunchRows<T, kVec, kBwd, kForm, 4>(d, c, vectors);
   }
   if (width > int64_t{kPacks} * DropoutMaxRowThreads(kPacks)) return LaunchStream<T, kVec, kBwd, kForm>(d, c);
   return LaunchRowsOfWidth<T, kVec, kBwd, kForm, kPacks>(d, c, (width + kPacks - 1) / kPacks);
