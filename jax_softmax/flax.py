@@ -190,13 +190,14 @@ CUDNN_MIN_KV_LENGTH = 512
 # With dropout the default takes jax_softmax's flash kernels (jax_softmax.flash) where whole 64 x 64
 # tiles of the scores drop out: causal attention (is_causal: the tiles past the diagonal) and mask
 # arrays (tiles with no valid position skipped, the mask read only in tiles with some), at every
-# length. H100, session 87, bf16, 16K tokens, dropout 0.1, training step over Flax's default: NNX
-# LM (is_causal) S = 512 / 1024 / 2048 / 4096 flash 1.37 / 1.42 / 1.37 / 1.44x against the fused
-# softmax's 1.26 / 1.31 / 1.31 / 1.38x; Linen stack (padding + causal mask array) S = 512 / 2048 /
-# 4096 flash 1.22 / 1.50 / 1.62x against 1.12 / 1.22 / 1.22x. Attention forward+backward alone
-# (scripts/flash_timing.py): an encoder's padding mask (39% of the tiles live) flash 1.19-1.25x
-# faster than the softmax path; neither causal nor masked 0.58-0.73x, so that keeps the fused
-# softmax (as would a mask array with no dead tile: implementation="jax_softmax").
+# length. H100, session 88, bf16, 16K tokens, dropout 0.1, training step over Flax's default: NNX
+# LM (is_causal) S = 512 / 1024 / 2048 / 4096 flash 1.51 / 1.62 / 1.64 / 1.80x against the fused
+# softmax's 1.37 / 1.38 / 1.32 / 1.39x; Linen stack (padding + causal mask array) flash 1.30 /
+# 1.53 / 1.79 / 2.00x against 1.13 / 1.19 / 1.25 / 1.26x. Attention forward+backward alone
+# (scripts/flash_timing.py, session 87's kernels, ~25% slower than today's): an encoder's padding
+# mask (39% of the tiles live) flash 1.19-1.25x faster than the softmax path; neither causal nor
+# masked 0.58-0.73x, so that keeps the fused softmax (as would a mask array with no dead tile:
+# implementation="jax_softmax").
 
 
 def _cuda_compute_capability() -> tuple[int, int] | None:
