@@ -5,13 +5,20 @@ bfloat16, 16384 tokens a call (B = 16384 / S), H heads of D.
 
     python scripts/flash_timing.py [--seqs 512 2048 4096] [--heads 8] [--dim 64]
         [--masks none causal padcausal] [--rates 0.1 0] [--modes fwd fwdbwd]
-        [--paths softmax flash cudnn]
+        [--paths softmax flash cudnn] [--kernels]
+
+--kernels adds, below each line that timed the flash path, its kernels' median GPU time (forward,
+dq, dk/dv) from a jax.profiler trace of 15 calls: what an A/B of the kernels compares, without the
+host's dispatch and the tile map's XLA reduction.
 
 Masks: none; causal (is_causal=True); padcausal (a (B, 1, S, S) mask array as Flax's lm1b-style
 decoders build it: causal and padding, the batch's entries of S, 3/4 S, S/2 and S/4 tokens);
 padding (the same padding alone, as an encoder's).
 """
 import argparse
+import os
+import sys
+import tempfile
 import time
 
 import jax
@@ -20,6 +27,12 @@ import numpy as np
 
 import jax_softmax as js
 from jax_softmax import flash
+
+# The benchmark suite's GPU timeline (benchmarks/jax_softmax_bench), as profile_cases.py takes it.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks"))
+from jax_softmax_bench.timeline import gpu_timeline  # noqa: E402
+
+FLASH_KERNELS = ("flash_fwd", "flash_dq", "flash_dkdv")
 
 
 def softmax_path(q, k, v, causal, mask, rate, key):
@@ -59,6 +72,24 @@ def timed(fn, *args, reps=20):
     return float(np.median(ts)) * 1e6
 
 
+def kernel_times(fn, *args, reps=15):
+    """Median GPU time (us) of each flash kernel over `reps` calls of fn: {name: us}; empty
+    without a GPU timeline (CPU)."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(reps):
+                out = fn(*args)
+            jax.block_until_ready(out)
+        events = gpu_timeline(trace_dir)
+    per = {}
+    for _, duration_ns, name in events:
+        for kernel in FLASH_KERNELS:
+            if kernel in name:
+                per.setdefault(kernel, []).append(duration_ns / 1e3)
+    return {k: float(np.median(v)) for k, v in per.items()}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seqs", type=int, nargs="+", default=[512, 2048, 4096])
@@ -69,6 +100,7 @@ def main():
     p.add_argument("--rates", type=float, nargs="+", default=[0.1, 0.0])
     p.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     p.add_argument("--paths", nargs="+", default=["softmax", "flash", "cudnn"], choices=["softmax", "flash", "cudnn"])
+    p.add_argument("--kernels", action="store_true", help="the flash kernels' GPU time per call, too")
     args = p.parse_args()
     key = jax.random.key(0)
     paths = [(n, f) for n, f in (("softmax", softmax_path), ("flash", flash_path), ("cudnn", cudnn_path))
@@ -83,7 +115,7 @@ def main():
             mask = padding_mask(b, s, masks == "padcausal") if masks in ("padcausal", "padding") else None
             for rate in args.rates:
                 for mode in args.modes:
-                    res = {}
+                    res, kernels = {}, {}
                     for name, path in paths:
                         if name == "cudnn" and rate:
                             continue
@@ -99,6 +131,8 @@ def main():
                             fn, args_ = jax.jit(fb), (q, k, v, g, mask)
                         try:
                             res[name] = timed(fn, *args_)
+                            if name == "flash" and args.kernels:
+                                kernels = kernel_times(fn, *args_)
                         except Exception as e:  # noqa: BLE001 - report and go on
                             print(f"  {name} failed: {type(e).__name__}: {str(e)[:200]}")
                     flops = 4 * b * args.heads * s * s * args.dim * (0.5 if "causal" in masks else 1) * (1 if mode == "fwd" else 3.5)
@@ -106,6 +140,10 @@ def main():
                     print(f"{s:5d} {masks:>9} {rate:4.1f} {mode:>6} {res.get('softmax', float('nan')):10.0f} "
                           f"{res.get('flash', float('nan')):9.0f} {res.get('cudnn', float('nan')):9.0f} "
                           f"{res.get('softmax', np.nan) / res.get('flash', np.nan):7.2f} {tf:7.0f}", flush=True)
+                    if args.kernels and "flash" in res:
+                        print("      flash kernels (us): " + ("  ".join(
+                            f"{k[6:]} {kernels[k]:.1f}" for k in FLASH_KERNELS if k in kernels)
+                            or "no GPU timeline"), flush=True)
 
 
 if __name__ == "__main__":
