@@ -269,7 +269,7 @@ ffi::Error PhiloxImpl(ffi::Buffer<ffi::U32> counters, ffi::Buffer<ffi::U32> keys
   uint32_t* o = out->typed_data();
   for (int64_t i = 0; i < cd[0]; ++i) {
     const Philox4 r = Philox4x32(c[4 * i], c[4 * i + 1], c[4 * i + 2], c[4 * i + 3], k[2 * i],
-                                    k[2 * i + 1]);
+                                 k[2 * i + 1]);
     for (int w = 0; w < 4; ++w) o[4 * i + w] = r.v[w];
   }
   return ffi::Error::Success();

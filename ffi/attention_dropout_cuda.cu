@@ -58,8 +58,8 @@ ffi::Error LaunchRowsOfWidth(const DropoutRows& d, const LaunchCtx& c, int64_t m
 }
 
 // Forward rows that take four vectors a thread where their form's default is two (DropoutPacks,
-// dropout_rows.cuh says why): causal rows from kCausalFourPacksFrom vectors; rows of a mask or
-// bias when there is no bias (a bias is not fetched ahead at four).
+// dropout_rows.cuh says why): causal rows from kCausalFourPacksFrom vectors; general rows (a
+// mask, perhaps a causal limit) without a bias (a bias is not fetched ahead at four).
 template <DropoutForm kForm>
 bool FourPacksForward(const DropoutRows& d, int64_t width) {
   if constexpr (kForm == DropoutForm::kCausal) return width >= kCausalFourPacksFrom;

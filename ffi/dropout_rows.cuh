@@ -24,23 +24,23 @@
 
 namespace jax_softmax {
 
-// Vectors per thread of the register kernel (and of a streaming chunk of 16-byte vectors): two,
-// but four for forward rows without a bias (the launch, FourPacksForward, also takes four for
-// causal rows of kCausalFourPacksFrom vectors and more, and for mask rows without a bias). 16 bytes of x (and of dy) in
-// flight twice per thread, with 1024 or more threads an SM, are 32 KiB and more per SM: above what
-// the H200's DRAM needs in flight (bandwidth x latency / SMs, ~25 KiB). At four, a thread holds
-// 128 registers (512 threads an SM, the same bytes in flight) and the row's setup, key and
-// reductions are paid once per 32 16-bit values instead of 16. Measured (H100, session 85,
-// bfloat16 B*H*S*S of 256 MiB, us per call, two vectors -> four): plain forward S = 512 194 -> 189,
-// 2048 206 -> 190, 4096 219 -> 192; causal forward 221 -> 219; but a forward with a bias 265 -> 376
-// (its bias is no longer fetched ahead, kBiasAhead), the plain backward 261 -> 275 and the causal
-// one 251 -> 273. (Four at 64 registers spilled: 16-bit forward 52-100 bytes, the 16-bit backward
-// 270-410.) Rows of a causal limit only (kCausal) take four from kCausalFourPacksFrom vectors a
-// row: H100, session 86, bfloat16 forward, two -> four vectors: S = 512 (64 vectors) 196 -> 201,
-// 2048 (256) 208 -> 207, 4096 (512) 214 -> 191. Rows of a mask without a bias take four at every
-// width: H100, session 88, bfloat16 forward, a (B, 1, 1, S) padding mask S = 2048 236 -> 205,
-// 4096 242 -> 210, a (B, H, S, S) mask 4096 253 -> 227 (measured with Philox-4x32-7 against 10
-// rounds, whose own share, the plain forward's control, was 194 -> 190).
+// Vectors per thread of the register kernel (and of a streaming chunk of 16-byte vectors): two, but
+// four for forward rows without a bias, mask or causal limit (and, FourPacksForward in the launch,
+// for causal rows of kCausalFourPacksFrom vectors and more and for mask rows without a bias). 16
+// bytes of x (and of dy) in flight twice per thread, with 1024 or more threads an SM, are 32 KiB
+// and more per SM: above what the H200's DRAM needs in flight (bandwidth x latency / SMs, ~25 KiB).
+// At four, a thread holds 128 registers (512 threads an SM, the same bytes in flight) and the row's
+// setup, key and reductions are paid once per 32 16-bit values instead of 16. Measured (H100,
+// session 85, bfloat16 B*H*S*S of 256 MiB, us per call, two vectors -> four): plain forward S = 512
+// 194 -> 189, 2048 206 -> 190, 4096 219 -> 192; causal forward 221 -> 219; but a forward with a
+// bias 265 -> 376 (its bias is no longer fetched ahead, kBiasAhead), the plain backward 261 -> 275
+// and the causal one 251 -> 273. (Four at 64 registers spilled: 16-bit forward 52-100 bytes, the
+// 16-bit backward 270-410.) Rows of a causal limit only (kCausal) take four from
+// kCausalFourPacksFrom vectors a row: H100, session 86, bfloat16 forward, two -> four vectors: S =
+// 512 (64 vectors) 196 -> 201, 2048 (256) 208 -> 207, 4096 (512) 214 -> 191. Rows of a mask without
+// a bias take four at every width: H100, session 88, bfloat16 forward, a (B, 1, 1, S) padding mask
+// S = 2048 236 -> 205, 4096 242 -> 210, a (B, H, S, S) mask 4096 253 -> 227 (measured with
+// Philox-4x32-7 against 10 rounds, whose own share, the plain forward's control, was 194 -> 190).
 // What a call's rows carry, and so which loader and value path the kernels compile:
 //   kPlain:   no bias, mask or causal limit (Access::kPlain: x only);
 //   kCausal:  a causal limit only (the general loader for its limit; no mask bytes or bias, and

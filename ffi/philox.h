@@ -1,13 +1,13 @@
 // Philox-4x32-7 and the attention-dropout bits built from it: the contract that every kernel
-// (CPU and CUDA) and the jnp reference (jax_softmax/_philox.py) follow,
-// so that a key gives the same mask on every device, tier and launch shape.
+// (CPU and CUDA) and the jnp reference (jax_softmax/_philox.py) follow, so that a key gives the
+// same mask on every device, tier and launch shape.
 //
 // Generator: Philox-4x32 with 7 rounds (Salmon, Moraes, Dror, Shaw, "Parallel random numbers:
-// as easy as 1, 2, 3", SC 2011; 7 is the paper's fewest rounds that pass TestU01's Crush batteries,
-// 10 its default with a margin). Seven, not ten: a call is ~6 instructions a
-// round and the flash kernels draw one per 8 weights three times (forward, dq, dk/dv); 7 rounds
-// are 64-72 fewer static instructions in each flash kernel (sm_90a), and the attention-dropout
-// forward of bfloat16 rows of 4096 took 194 -> 190 us (H100, 256 MiB). A round maps the counter
+// as easy as 1, 2, 3", SC 2011: 7 rounds pass TestU01's Crush batteries, 10 is the paper's
+// default with a margin). Seven, not ten: a call is ~6 instructions a round, and the flash
+// kernels draw one per 8 weights three times (forward, dq, dk/dv); 7 rounds are 64-72 fewer
+// static instructions in each flash kernel (sm_90a), and the attention-dropout forward of
+// bfloat16 rows of 4096 took 194 -> 190 us (H100, 256 MiB). A round maps the counter
 // (c0, c1, c2, c3) with the key (k0, k1):
 //   (hi0, lo0) = M0 * c0, (hi1, lo1) = M1 * c2   (32x32 -> 64-bit products)
 //   c' = (hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0)
@@ -49,7 +49,7 @@ constexpr int kPhiloxRounds = 7;
 
 // Philox-4x32-7 of counter (c0, c1, c2, c3) under key (k0, k1).
 JS_HOST_DEVICE Philox4 Philox4x32(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
-                                     uint32_t k0, uint32_t k1) {
+                                  uint32_t k0, uint32_t k1) {
   constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
   constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
   for (int round = 0; round < kPhiloxRounds; ++round) {
@@ -132,7 +132,7 @@ struct DropoutRows {
 // One Philox call: the bits of columns [8 * group, 8 * group + 8) of the row of `key`.
 JS_HOST_DEVICE Philox4 DropoutBits(const DropoutKey& key, int64_t group) {
   return Philox4x32(static_cast<uint32_t>(group), static_cast<uint32_t>(key.index),
-                       static_cast<uint32_t>(key.index >> 32), 0u, key.k0, key.k1);
+                    static_cast<uint32_t>(key.index >> 32), 0u, key.k0, key.k1);
 }
 
 }  // namespace jax_softmax
