@@ -27,6 +27,7 @@
 
 #include <cstdint>
 
+#include "device_types.cuh"
 #include "philox.h"
 
 namespace jax_softmax {
@@ -174,14 +175,6 @@ __device__ __forceinline__ void load_tile(uint32_t tile, const uint16_t* base, i
     const bool valid = row0 + r + i * kPassRows < rows;
     cp_async16(dst + i * kPassRows * D * 2, valid ? src + i * kPassRows * stride : base, valid);
   }
-}
-
-// exp2 without the denormal fix-up (ex2.approx.ftz): exp2f's costs a compare and two predicated
-// multiplies per call; a weight below 2^-126 flushed to 0 changes no sum beyond rounding.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // CTAs an SM that each kernel's register budget leaves room for: three at D = 64 (168 registers
@@ -416,7 +409,7 @@ __global__ void __launch_bounds__(kThreads, FlashMinBlocks<D>()) flash_fwd_kerne
     for (int r = 0; r < 2; ++r) {
       const float m_new = fmaxf(m[r], quad_max(mx[r]));
       shift[r] = m_new == -INFINITY ? 0.f : m_new;  // no valid key yet: exp2(-inf) = 0 throughout
-      const float alpha = fast_exp2(m[r] - shift[r]);
+      const float alpha = exp2_acc(m[r] - shift[r]);
       m[r] = m_new;
       l[r] *= alpha;
 #pragma unroll
@@ -429,7 +422,7 @@ __global__ void __launch_bounds__(kThreads, FlashMinBlocks<D>()) flash_fwd_kerne
     for (int nb = 0; nb < kTile / 8; ++nb) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        s[nb][i] = fast_exp2(s[nb][i] - shift[i >> 1]);
+        s[nb][i] = exp2_acc(s[nb][i] - shift[i >> 1]);
         l[i >> 1] += s[nb][i];
       }
     }
@@ -555,7 +548,7 @@ __global__ void __launch_bounds__(kThreads, FlashMinBlocks<D>()) flash_dq_kernel
           const int r = i >> 1;
           bool live = lse2[r] != -INFINITY;
           if (edge) live = live && valid_at(p, mask_bh, r ? r_hi : r_lo, k0 + (nb + bb) * 8 + 2 * (lane & 3) + (i & 1));
-          const float pv = live ? fast_exp2(s[nb + bb][i] * p.scale_log2 - lse2[r]) : 0.f;
+          const float pv = live ? exp2_acc(s[nb + bb][i] * p.scale_log2 - lse2[r]) : 0.f;
           float g = dp[nb + bb][i];
           if (p.dropout) g = kept(w[r][bb], i & 1, p.keep_from) ? g * p.multiplier : 0.f;
           s[nb + bb][i] = pv * (g - delta[r]);  // ds
@@ -677,7 +670,7 @@ __global__ void __launch_bounds__(kThreads, FlashMinBlocks<D>()) flash_dkdv_kern
           const float lse2 = s_lse2[qi];
           bool live = lse2 != -INFINITY;
           if (edge) live = live && valid_at(p, mask_bh, q0 + qi, r ? c_hi : c_lo);
-          const float pv = live ? fast_exp2(st[nb + bb][i] * p.scale_log2 - lse2) : 0.f;
+          const float pv = live ? exp2_acc(st[nb + bb][i] * p.scale_log2 - lse2) : 0.f;
           float g = dpt[nb + bb][i], pd = pv;
           if (p.dropout) {
             const uint32_t u = xbuf16[((bb * 2 + r) * 8 + 2 * (lane & 3) + e) * 8 + (lane >> 2)];

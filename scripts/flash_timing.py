@@ -30,7 +30,7 @@ from jax_softmax import flash
 
 # The benchmark suite's GPU timeline (benchmarks/jax_softmax_bench), as profile_cases.py takes it.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks"))
-from jax_softmax_bench.timeline import gpu_timeline  # noqa: E402
+from jax_softmax_bench.timeline import gpu_timeline, kernel_medians  # noqa: E402
 
 FLASH_KERNELS = ("flash_fwd", "flash_dq", "flash_dkdv")
 
@@ -81,13 +81,8 @@ def kernel_times(fn, *args, reps=15):
             for _ in range(reps):
                 out = fn(*args)
             jax.block_until_ready(out)
-        events = gpu_timeline(trace_dir)
-    per = {}
-    for _, duration_ns, name in events:
-        for kernel in FLASH_KERNELS:
-            if kernel in name:
-                per.setdefault(kernel, []).append(duration_ns / 1e3)
-    return {k: float(np.median(v)) for k, v in per.items()}
+        medians = kernel_medians(gpu_timeline(trace_dir))
+    return {k: us for name, (_, us) in medians.items() for k in FLASH_KERNELS if k in name}
 
 
 def main():

@@ -250,10 +250,7 @@ def trace_case(fn, args, k=4, pipeline=10):
     jax.block_until_ready(outs)
     jax.profiler.stop_trace()
     events = timeline.gpu_timeline(d)
-    names = {}
-    for _, dur, name in events:
-        names.setdefault(name, []).append(dur / 1e3)
-    kernels = {n: (len(v), sorted(v)[len(v) // 2]) for n, v in names.items()}
+    kernels = timeline.kernel_medians(events)
     gaps = sorted(b[0] - (a[0] + a[1]) for a, b in zip(events, events[1:]))
     per_call = timeline.timeline_summary(events, pipeline * k).get("span_us", float("nan"))
     return kernels, (gaps[len(gaps) // 2] / 1e3 if gaps else float("nan")), per_call

@@ -26,6 +26,15 @@ def gpu_timeline(trace_dir: str) -> list:
     return events
 
 
+def kernel_medians(events: list) -> dict:
+    """{kernel name: (launches, median us)} of a GPU timeline (gpu_timeline's events); the median
+    is the middle duration (the upper one of an even count)."""
+    durations = {}
+    for _, duration_ns, name in events:
+        durations.setdefault(name, []).append(duration_ns / 1e3)
+    return {n: (len(v), sorted(v)[len(v) // 2]) for n, v in durations.items()}
+
+
 def timeline_summary(events: list, units: int, top: int = 12) -> dict:
     """A GPU timeline of `units` repetitions (training steps, chained calls), per repetition: the
     span from the first event's start to the last one's end, the time some kernel runs (busy: the
