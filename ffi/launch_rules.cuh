@@ -28,8 +28,8 @@ inline bool PrefetchEnabled(const DeviceInfo& dev) { return dev.cc_major >= 9 &&
 
 // Tiles per CTA for 16-bit odd rows (windowed) of W window offsets, E values per thread, on the
 // staged row tiers; also plain 16-bit rows on the gap tiers (the gap tiers, kForwardTiers). Two on the tiers of
-// 16 E + 1 to 128 E and 512 E + 1 to 1024 E (every row on GPUs with the H200's DRAM bandwidth per
-// SM cycle, else to 96 E; s37, H200: 2049 218 -> 195 us, 16385 172 -> 148), and on the staged
+// 16 E + 1 to 128 E (every row on GPUs with the H200's DRAM bandwidth per SM cycle, else to 96 E;
+// s37, H200: 2049 218 -> 195 us), and on the staged
 // 256- and 512-thread blocks for rows that fill at most 15/16 of their warps on such GPUs (s54:
 // 4097 156 -> 149; full rows lost 2-4 us). A second tile keeps the next row's copy in flight while
 // one is reduced.
@@ -46,8 +46,7 @@ constexpr bool ThinOddBlockRow(int64_t width) {
 }
 template <int kE>
 int OddRowTilesPerCta(const DeviceInfo& dev, int64_t width) {
-  const bool ring_tiers = (width > 16 * kE && width <= 128 * kE) ||
-                          (width > 512 * kE && width <= 1024 * kE);
+  const bool ring_tiers = width > 16 * kE && width <= 128 * kE;
   const bool two = ring_tiers && (AmpleDramPerSm(dev) || width <= 96 * kE);
   const bool thin_block = ThinOddBlockRow<kE>(width) && AmpleDramPerSm(dev);
   return two || thin_block ? 2 : 1;

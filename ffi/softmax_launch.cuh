@@ -212,7 +212,7 @@ Launched LaunchTierRow(const LaunchCtx& c, int64_t n) {
       return LaunchStagedCluster<T, row.group, kElems, kVec, row.cluster, kAccess>(c);
     } else {
       constexpr int kE = U::kE;
-      int tiles = row.tiles == Tiles::kTwo ? 2 : row.tiles == Tiles::kThree ? 3 : 1;
+      int tiles = row.tiles == Tiles::kTwo ? 2 : 1;
       if constexpr (row.tiles == Tiles::kOddRow ||
                     (row.tiles == Tiles::kPerRows && kAccess == Access::kWindowed &&
                      sizeof(T) == 2))

@@ -109,7 +109,6 @@ enum class Rows : uint8_t {
 enum class Tiles : uint8_t {
   kOne,
   kTwo,
-  kThree,
   kOddRow,   // OddRowTilesPerCta
   kPerRows,  // 16-bit odd rows OddRowTilesPerCta, rows with a mask, bias or causal limit
              // GeneralRowTilesPerCta, else one
@@ -234,13 +233,7 @@ inline constexpr TierRow kForwardTiers[] = {
         .Why("as above, past the H100's 64-thread gap tier (s41)"),
     RegisterOnly().Need(k16Bit | kPlain).After(E(512).Minus(1)).UpTo(E(2048))
         .Why("rows of 256 E + 1 to 512 E - 1 stay staged (s51, the 40-register block: 8200 173 -> 136 us)"),
-    // sm_90+: the wide blocks, one staged CTA of as many warps as the row needs, not clusters.
-    StagedRows(1024, E(1)).Need(k16Bit | kWindowed).After(E(512)).MinCtas(2).WithTiles(Tiles::kOddRow)
-        .Why("16-bit odd rows of 512 E + 1 to 1024 E, two CTAs an SM (s33, H100: 16385 233 -> 196 us)"),
-    StagedRows(1024, E(1)).Need(k16Bit | kWindowed).On(kLessDram).After(E(512)).UpTo(E(896))
-        .WithTiles(Tiles::kThree).Why("else one CTA of 3 tiles (s44, H100: 24577 212 -> 194 us; the H200 lost, s45)"),
-    StagedRows(1024, E(1)).Need(k16Bit | kWindowed).On(kLessDram).After(E(896))
-        .WithTiles(Tiles::kTwo).Why("or 2 tiles (s44)"),
+    // sm_90+: the float32 wide block, one staged CTA of as many warps as the row needs, not a cluster.
     StagedRows(1024, E(1)).Need(kF32).Deny(kGeneral).After(E(512)).WithTiles(Tiles::kTwo)
         .Why("float32 rows with two tiles (s42, H200: 16392 161 -> 137 us)"),
     RegisterOnly().Need(kWindowedF32).UpTo(E(2048))
@@ -267,12 +260,11 @@ inline constexpr TierRow kForwardTiers[] = {
     GapRows(16, E(5, 4)).On(kLessDram).UpTo(E(18)).Why("gap tier to 18 E on the H100 (s38-41)"),
     GapRows(32, E(3, 4)).On(kAmpleDram).Why("gap tier"),
     StagedRows(32, EB(1)).Deny(kWindowedF32).WithTiles(Tiles::kPerRows).Why("32 lanes"),
-    StagedRows(32, E(1)).Deny(kWindowedF32).WithTiles(Tiles::kPerRows)
-        .Why("wider rows hold E values: what a staged tier has in flight (float32 padding mask S = 8192: 512 x 16 155 us, 256 x 32 137)"),
     GapRows(32, E(5, 4)).Why("gap tier"),
     GapRows(32, E(3, 2)).On(kAmpleDram).Why("gap tier"),
     GapRows(32, E(7, 4)).On(kAmpleDram).Why("gap tier"),
-    StagedRows(64, E(1)).Deny(kWindowedF32).WithTiles(Tiles::kPerRows).Why("blocks"),
+    StagedRows(64, E(1)).Deny(kWindowedF32).WithTiles(Tiles::kPerRows)
+        .Why("blocks hold E values: what a staged tier has in flight (float32 padding mask S = 8192: 512 x 16 155 us, 256 x 32 137)"),
     GapRows(64, E(5, 4)).Need(kPlain).On(kAmpleDram).Why("gap tier past the 64-thread block (s40: plain 1032 197 -> 135 us)"),
     GapRows(64, E(5, 4)).Need(kPlain).On(kLessDram).UpTo(E(72)).Why("gap tier, on the H100 to 72 E (s41)"),
     GapRows(64, E(5, 4)).Need(kWindowed).On(kAmpleDram).After(E(72))
@@ -285,8 +277,7 @@ inline constexpr TierRow kForwardTiers[] = {
         .Why("rows split over 7 of a fitted 8-CTA cluster: 2 CTAs of 1024 threads (s32, H100: 49153 212 -> 201 us; the H200 lost, s36)"),
     StagedCluster(1024, E(1), 4).Need(k16Bit).Deny(kGeneral).On(kLessDram).After(E(6 * 512)).UpTo(E(7 * 512))
         .Why("and 4 CTAs of 1024 threads (s32)"),
-    StagedCluster(256, E(1), 4).Deny(kGeneral | kWindowedF32).Why("256-thread CTAs, four an SM, as the register clusters"),
-    StagedCluster(256, E(1), 8).Deny(kGeneral | kWindowedF32).Why("256-thread CTAs"),
+    StagedCluster(256, E(1), 8).Deny(kGeneral | kWindowedF32).Why("256-thread CTAs, four an SM, as the register clusters"),
     StagedCluster(512, E(1), 2).Deny(kWindowedF32).Why("512-thread CTAs"),
     StagedCluster(512, E(1), 4).Deny(kWindowedF32).Why("512-thread CTAs"),
     StagedCluster(512, E(1), 8).Why("512-thread CTAs"),

@@ -245,10 +245,8 @@ def test_seven_chunk_rows(backend, device, rng, dtype):
 # each pass) do not take the row.
 # 16-bit: odd rows, since session 49 on the reread blocks (the stage's window made whole vectors
 # first: -inf around the row, a wrapping row's last columns moved into its first vector), whose
-# one 512-thread CTA and its stage fit every sm_90 GPU: the wide blocks (two CTAs per SM up to
-# 24 warps; on GPUs without the H200's DRAM bandwidth per SM cycle one with three tiles to 28
-# warps and two past it) and the staged clusters behind them are left only for rows that no
-# reread block fits, which these sizes do not reach on the H100 or H200. Both ends of the range
+# one 512-thread CTA and its stage fit every sm_90 GPU (the 16-bit wide blocks, which it left
+# unused, are gone). Both ends of the range
 # and one past each, warp counts between, both sides of 24 and of 28 warps (the wide blocks'
 # bounds until session 49), and the last widths of the reread blocks, 32759 (W = 32760), 32761
 # and 32767 (W = 32768, 16 warps). Rows of cols % 8 == 7 (16391, 24575, 28671, 32759, 32767) wrap
