@@ -30,12 +30,8 @@ __device__ __forceinline__ void load_vec(const T* src, T (&dst)[N]) {
 }
 // Stores go to global memory (the outputs), or without kAsmStore anywhere (backward_row_reread's
 // shared-memory slots). kAsmStore: a 16-byte store written as one st.global.v4, for the block
-// tiers of a run-time pack stride (kRuntimeWarps). Written as a copy of a 16-byte word, the
-// compiler split their stores into four 4-byte ones (2 of 8 float32 vector stores left whole,
-// sm_90a PTX, session 20), though every address is the row's 16-byte-aligned window start plus
-// whole vectors. Not everywhere: the asm (ordered with the kernel's other accesses, as the store
-// it replaces) cost the 16-bit backward tiers of 32 values 28-40 bytes of spills, which they did
-// not have.
+// tiers of a run-time pack stride (kRuntimeWarps), whose 16-byte stores the compiler otherwise
+// split into 4-byte ones (session 20). Not everywhere: the asm made other tiers spill.
 template <int N, bool kAsmStore = false, typename T>
 __device__ __forceinline__ void store_vec(T* dst, const T (&src)[N]) {
   using W = typename VecWord<N * sizeof(T)>::type;
@@ -148,14 +144,11 @@ __device__ __forceinline__ float2 unpack_pair(PairWord<T> w) {
 
 // scale * x + b for N values of T (a vector as loaded, b the bias's), in the accumulation type:
 // one FFMA each (contracted, as nvcc does by default: one rounding). bfloat16 pairs are converted
-// from their 32-bit words, one shift or mask per value (unpack_pair); one by one, the odd values
-// took a PRMT and a shift each (RowLoader::load_fwd's general rows: the staged 16 x 32 kernel,
-// S = 512, 3688 -> 3632 SASS instructions). Two helpers rather than one per-value accessor: with
-// the accessor the optimiser split the first FFMA of each bfloat16 vector into the other
-// branch's FMUL and an FADD (two roundings; s75). Other types convert each value inside its
-// FFMA: converted into an array first, the float16 lane groups of four rows spilled 24-96 bytes
-// (ptxas sm_90a, s75). Plain rows convert one value at a time too (RowLoader::plain_values): the
-// pairs gave bfloat16's windowed lane groups of four rows 8-16 bytes of spills.
+// from their 32-bit words, one shift or mask per value (unpack_pair: fewer instructions than one
+// by one). Two helpers rather than one per-value accessor: with the accessor the optimiser split
+// the first FFMA of each bfloat16 vector into an FMUL and an FADD (two roundings; s75). Other
+// types, and plain rows (RowLoader::plain_values), convert each value on its own (as an array
+// first, or as pairs, they spilled).
 template <int N, typename T>
 __device__ __forceinline__ void scale_add_vec(acc_t<T> scale, const T (&x)[N], const T (&b)[N],
                                               acc_t<T> (&z)[N]) {
@@ -236,9 +229,8 @@ template <typename T, int N>
 __device__ __forceinline__ Pairs<N> pack_pairs(const float (&src)[N]) {
   static_assert(sizeof(T) == 2, "16-bit values");
   using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
-  // Built as elements, then read back as words: with the pairs moved into words directly, ptxas
-  // allocated the bfloat16 general two-pass forward differently (64 registers and 8 bytes of
-  // spills instead of 83 and none).
+  // Built as elements, then read back as words: moved into words directly, the pairs made the
+  // bfloat16 general two-pass forward spill.
   alignas(16) T values[N];
 #pragma unroll
   for (int e = 0; e < N; e += 2) {
@@ -467,11 +459,10 @@ __device__ __forceinline__ void bulk_store_wait_read() {
 
 // Waits until the phase with parity `parity` of `bar` has completed. kClusterScope: the wait also
 // acquires, at cluster scope, what other CTAs' st.async released into this CTA (cluster_allreduce).
-// The suspend-time hint compiles (sm_90a) to TRYWAIT, then NANOSLEEP.SYNCS and a phase check in
-// the loop: the warp sleeps between checks instead of issuing, but it wakes at every event of the
-// CTA's barriers, so the loop still runs ~17-23 times per warp and row of a bfloat16 cluster row
-// (ncu source counters, sessions 9 and 27; ~19 spins without the hint, session 8): ~90
-// instructions. Hence one warp per CTA waits on the cluster's exchange (cluster_row_allreduce).
+// With the suspend-time hint the warp sleeps between checks (TRYWAIT, NANOSLEEP.SYNCS), but it
+// wakes at every event of the CTA's barriers, so the loop still spins ~20 times per warp and row
+// (sessions 8, 9, 27): hence one warp per CTA waits on the cluster's exchange
+// (cluster_row_allreduce).
 constexpr uint32_t kMbarrierSuspendNs = 1000000;
 template <bool kClusterScope = false>
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {

@@ -88,10 +88,9 @@ __device__ __forceinline__ S group_allreduce(S v) {
 // The two halves of a block's reduction over shared memory, after each warp holds its value in
 // every lane: each warp's lane 0 writes it to slots[warp], then the block's barrier; then
 // merge_warp_slots. Every group of kWarps lanes reads every warp's value (lane % kWarps), so that
-// log2(kWarps) rounds reach the block's value in every lane (padding to 32 lanes with the identity
-// took 5 rounds: a round of (max, sum) merges is two shuffles and two exps on the row's critical
-// path). A block of fewer warps (kRuntimeWarps: blockDim.x / 32 of them) pads its group with the
-// identity, which every merge returns exactly: the same bits in every lane, run to run.
+// log2(kWarps) rounds, not 5, reach the block's value in every lane (each round is on the row's
+// critical path). A block of fewer warps (kRuntimeWarps: blockDim.x / 32 of them) pads its group
+// with the identity, which every merge returns exactly: the same bits in every lane, run to run.
 template <typename S>
 __device__ __forceinline__ void publish_warp_value(S v, S* slots) {
   if (threadIdx.x % 32 == 0) slots[threadIdx.x / 32] = v;
@@ -125,14 +124,12 @@ __device__ __forceinline__ S block_allreduce(S v, S* slots) {
 
 // --- the cluster step of a row reduction (sm_90+) ------------------------------------------------
 // Each CTA sends its block-wide value to every CTA of the cluster with st.async, which counts the
-// bytes on the receiver's mbarrier, and then waits on its own mbarrier only. It replaced a cluster
-// barrier per row (thread 0 writes its slot; barrier.cluster.arrive.release + wait by every thread
-// of every CTA; read the others' slots), whose release orders each thread's earlier global stores
-// (the previous row's output) before its arrival: 16-CTA clusters ran 1.3-1.6x faster with the
-// exchange (TUNING.md, session 5). Two buffers alternate by row, as block_allreduce's: buffer b
-// receives row i + 2's values only from CTAs that hold this CTA's value of row i + 1, which it
-// sends after reading buffer b for row i; and the phase of row i + 2 cannot begin on b's barrier
-// before row i's completed.
+// bytes on the receiver's mbarrier, and then waits on its own mbarrier only: a cluster barrier's
+// release would order each thread's earlier global stores (the previous row's output) before its
+// arrival (16-CTA clusters: 1.3-1.6x faster with the exchange, TUNING.md, session 5). Two buffers
+// alternate by row, as block_allreduce's: buffer b receives row i + 2's values only from CTAs that
+// hold this CTA's value of row i + 1, which it sends after reading buffer b for row i; and the
+// phase of row i + 2 cannot begin on b's barrier before row i's completed.
 
 // This CTA's rank in its cluster (0 outside one).
 __device__ __forceinline__ unsigned cluster_rank() {
@@ -243,13 +240,12 @@ __device__ __forceinline__ S cluster_allreduce(S v, ClusterSlots<S> x) {
 // row's block slots (block_allreduce's alternating buffers) and exchange buffer. Warp 0 alone
 // merges the warps' values, exchanges the CTA's value with the cluster, merges the cluster's and
 // hands the row's value to the other warps through slots[0], while they wait at a second barrier.
-// (Every warp merging and waiting on the exchange, the row's reduction took ~190 of a bfloat16
-// cluster row's ~620 instructions per warp: the merges' exps and shuffles, and the wait's loop,
-// ~17 rounds per warp and row; ncu source counters, session 27.) Slots are reused as
-// block_allreduce's: a buffer's partial values of row i + 2 are written after row i + 1's first
-// barrier, which every reader of row i's value in slots[0] has passed. Warp 0's lanes read
-// slots[0] before lane 0 writes the row's value there: that value depends, through the shuffles,
-// on every lane's read, and a __syncwarp says so to compute-sanitizer's racecheck.
+// (With every warp merging and waiting on the exchange, the reduction took ~30% of a cluster row's
+// instructions, session 27.) Slots are reused as block_allreduce's: a buffer's partial values of
+// row i + 2 are written after row i + 1's first barrier, which every reader of row i's value in
+// slots[0] has passed. Warp 0's lanes read slots[0] before lane 0 writes the row's value there:
+// that value depends, through the shuffles, on every lane's read, and a __syncwarp says so to
+// compute-sanitizer's racecheck.
 template <int kBlock, int kCluster, bool kWarpReduced = false, typename S>
 __device__ __forceinline__ S cluster_row_allreduce(S v, S* slots, ClusterSlots<S> cluster) {
   static_assert(kBlock > 32, "clusters split rows of whole blocks");

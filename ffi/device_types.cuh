@@ -97,15 +97,13 @@ __device__ __forceinline__ A row_max(A a, A b) {
 }
 
 // --- programmatic dependent launch (sm_90+) ---------------------------------------------------
-// Kernels are launched with programmatic stream serialization (DependentLaunchEnabled in
-// launch_device.cuh): a grid may be scheduled before the kernel ahead of it in the stream has
-// finished. So every kernel calls this first, before any access to global memory, reads and
-// writes alike (the kernel ahead may still read a buffer this one writes). It waits until the
-// grids ahead have completed and their writes are visible (griddepcontrol.wait), then lets the
-// next kernel in the stream be scheduled once every CTA of this grid has started
-// (griddepcontrol.launch_dependents): its CTAs take the SMs that this grid's last wave leaves
-// idle and wait there, instead of launching after this grid's end. Without the launch attribute
-// (or before sm_90) both are no-ops.
+// Kernels are launched with programmatic stream serialization (DependentLaunchEnabled), so a grid
+// may be scheduled before the kernel ahead of it has finished. Every kernel calls this first,
+// before any access to global memory, reads and writes alike (the kernel ahead may still read a
+// buffer this one writes): it waits until the grids ahead have completed and their writes are
+// visible (griddepcontrol.wait), then lets the next kernel's CTAs take the SMs that this grid's
+// last wave leaves idle (griddepcontrol.launch_dependents). Without the launch attribute (or
+// before sm_90) both are no-ops.
 __device__ __forceinline__ void wait_prior_grids_release_next() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

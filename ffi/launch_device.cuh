@@ -153,9 +153,7 @@ inline bool AmpleDramPerSm(const DeviceInfo& dev) {
 // Programmatic dependent launch (sm_90+): every kernel is launched with programmatic stream
 // serialization, so it may be scheduled while the kernel before it in the stream is still running
 // its last CTAs, and it lets the kernel after it do the same (wait_prior_grids_release_next in
-// device_types.cuh says what each kernel does about it). Without it our kernels had 1.2-2.2 us of
-// idle GPU before each, where XLA's follow each other at once (s12, H200: float32 N = 32 135.5 ->
-// 134.1 us).
+// device_types.cuh). Without it our kernels had 1.2-2.2 us of idle GPU before each (s12).
 // JAX_SOFTMAX_PDL=0 launches without it (read once), for comparison.
 inline bool DependentLaunchEnabled() {
   static const bool enabled = EnvKnob("JAX_SOFTMAX_PDL", 1) != 0;
@@ -222,10 +220,8 @@ int ActiveClusters(int device, int cluster, size_t smem = 0) {
 // The CTAs a cluster tier launches per row of window width n (FitCluster): ceil(n / chunk), at
 // least 2, rather than the tier's kCluster, where that size holds at least 10% more clusters (rows
 // in flight) on the GPU: tiers are powers of two, so a row just past one leaves up to half of its
-// cluster's CTAs empty. How CTAs pack into the GPU's processor clusters is the occupancy
-// calculator's answer (H200: 8-CTA clusters of 512 threads 30 at once, of 5 CTAs 47). Measured
-// (s23, H200, us per call, fitted / kCluster): bfloat16 forward 32769 170 / 249, 65537 199 / 283;
-// but 100003 (7 of 8, 32 clusters against 30) 206 / 192, hence the 10%.
+// cluster's CTAs empty (s23, H200: bfloat16 32769 249 -> 170 us; but 100003 on 7 of 8 CTAs, 32
+// clusters against 30, lost 192 -> 206: hence the 10%).
 constexpr int64_t CtasForRow(int64_t n, int64_t chunk) { return (n + chunk - 1) / chunk; }
 
 // The cluster size to launch and how many such clusters the GPU holds at once; {0, 0} where

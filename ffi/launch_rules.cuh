@@ -19,20 +19,18 @@ namespace jax_softmax {
 inline bool PrefetchEnabled(const DeviceInfo& dev) { return dev.cc_major >= 9 && AmpleDramPerSm(dev); }
 
 // Tiles per CTA of the staged row tiers: one by default, so that the block scheduler balances the
-// CTAs and the SM's other CTAs overlap one's reduction (s4: 1.0-1.15x faster than a persistent
+// CTAs and the SM's other CTAs overlap one's reduction (s4: up to 1.15x faster than a persistent
 // ring); two where one CTA's rows leave too few bytes in flight (OddRowTilesPerCta,
-// GeneralRowTilesPerCta, the float32 wide blocks). The cluster tiers always run one persistent
-// wave with a ring of 1..kMaxStages stages. PlanStages fits as many CTAs per SM as registers allow,
-// then as many stages as fit (float32 clusters: two CTAs of one stage 4-8% faster than one of
-// three); stages == 0 where not even one CTA's tile fits (the register kernel runs instead).
+// GeneralRowTilesPerCta, the float32 wide block). The cluster tiers run one persistent wave with a
+// ring of 1..kMaxStages stages. PlanStages fits as many CTAs per SM as registers allow, then as
+// many stages as fit (more CTAs beat more stages: float32 clusters 4-8%); stages == 0 where not
+// even one CTA's tile fits (the register kernel runs instead).
 
 // Tiles per CTA for 16-bit odd rows (windowed) of W window offsets, E values per thread, on the
-// staged row tiers; also plain 16-bit rows on the gap tiers (the gap tiers, kForwardTiers). Two on the tiers of
-// 16 E + 1 to 128 E (every row on GPUs with the H200's DRAM bandwidth per SM cycle, else to 96 E;
-// s37, H200: 2049 218 -> 195 us), and on the staged
-// 256- and 512-thread blocks for rows that fill at most 15/16 of their warps on such GPUs (s54:
-// 4097 156 -> 149; full rows lost 2-4 us). A second tile keeps the next row's copy in flight while
-// one is reduced.
+// staged row tiers (and plain 16-bit rows on the gap tiers): two on the tiers of 16 E + 1 to 128 E
+// (to 96 E on GPUs without the H200's DRAM bandwidth per SM cycle; s37: 2049 218 -> 195 us) and on
+// the 256- and 512-thread blocks for rows that fill at most 15/16 of their warps on such GPUs
+// (s54: 4097 156 -> 149; full rows lost): a second tile keeps the next row's copy in flight.
 constexpr int64_t RowWarps(int64_t width, int elems) {
   return (width + 32 * int64_t(elems) - 1) / (32 * int64_t(elems));
 }
@@ -62,11 +60,10 @@ int GeneralRowTilesPerCta(int64_t width) {
 }
 
 // Where the staged one-row tiles of windowed rows (and the reread blocks' rows) start their copies
-// into shared memory: on 128 bytes (s50: a copy that starts 16 bytes into a 32-byte sector ran
-// 3% slower, bfloat16 24577 138 -> 134 us; s52-53 the same for the other one-row blocks). The plain
-// 16-bit reread kernel's own rounding spilled, so its rows of an odd number of vectors take the
-// windowed kernel (s51: 16392 138 -> 134); on the other blocks that route lost (s52: 2056 137 /
-// 142). The other windowed row tiers keep 16 (1-6 more registers).
+// into shared memory: on 128 bytes (s50, s52-53: a copy that starts 16 bytes into a 32-byte sector
+// ran 3% slower). The plain 16-bit reread kernel's own rounding spilled, so its rows of an odd
+// number of vectors take the windowed kernel (s51: 16392 138 -> 134 us); on the other blocks that
+// route lost (s52). The other windowed row tiers keep 16 (it costs registers).
 inline constexpr int kCopyAlignBytes = 128;
 // Plain rows of an odd number of 16-byte vectors: every other row starts 16 bytes into a sector.
 template <int kVec>
@@ -93,9 +90,8 @@ inline bool SharedMaskRow(const RowParams& p) {
 // copy by copy where memory order would lose the operand from L2 between copies: every present
 // operand broadcast there (the merged row axes are common to all of them), some inner axis not, and
 // the bytes that pass through L2 between one copy's read of an operand row and the next more than a
-// quarter of L2. Where they fit, reordering only scatters the reads of x (s11: a (1, 1, S, S) mask
-// at S = 128-1024 3-7% slower reordered, at 4096 1.09x faster; s31, H100, half of L2 as the bound
-// left a bfloat16 (1, 16, 512, 512) bias at 84% of the copy: 213 -> 195 us with a quarter).
+// quarter of L2. Where they fit, reordering only scatters the reads of x (s11: 3-7% slower at
+// S = 128-1024; s31: half of L2 as the bound left a bias at 84% of the copy).
 // passes: tensors of x's type read or written per element (forward 2: x, y; backward 3: y, dy, dx).
 inline RowOrder OperandReuseOrder(const RowParams& p, int passes, size_t elem_bytes,
                                   const DeviceInfo& dev) {
@@ -171,15 +167,13 @@ bool AllowDynamicSmem(int device, const DeviceInfo& dev) {
 template <typename T, int kVec>
 constexpr bool kStageable = kVec > 1 && sizeof(T) <= 4;
 // 16-bit rows of odd length read through windows: the rows that the staged tiers' odd-row rules
-// serve (odd warp counts in TierThreads, OddRowTilesPerCta, the gap tiers, kForwardTiers). The staged tiers' other
-// windowed rows are float32 (kStageable).
+// serve (TierThreads, OddRowTilesPerCta, the gap tiers). Their other windowed rows are float32.
 template <typename T, Access kAccess>
 constexpr bool kOdd16Rows = kAccess == Access::kWindowed && sizeof(T) == 2;
 // The access mode a reread block of kElems values per thread runs a row of kAccess with: plain
 // rows take the windowed kernel (a plain row is a window of shift 0 that never wraps) where the
-// plain instantiation spilled (ptxas sm_90a): float32 ones, 32-48 bytes at every register bound
-// from 40 to 64 (s50; windowed: none at 64), and 16-bit ones of more than 64 values (of 128: 40
-// bytes at 64, s52; those of 80 take the windowed kernel untried).
+// plain instantiation spilled (ptxas sm_90a): float32 ones (s50) and 16-bit ones of more than 64
+// values (s52).
 template <typename T, int kElems, Access kAccess>
 constexpr Access kRereadAccess =
     kAccess == Access::kPlain && (sizeof(T) == 4 || kElems > 64) ? Access::kWindowed : kAccess;
@@ -191,12 +185,11 @@ constexpr bool kNarrowGeneralTiers =
     !kBwd && kAccess == Access::kGeneral && sizeof(T) == 4 && kVec > 1;
 
 // Whether rows with a mask, bias or causal limit take the staged tiers (x staged; bias and mask
-// read from global memory by every thread, as in the register tiers): short rows (cols <=
-// short_cols; s6, bfloat16 attention S = 128-256: 1.17-1.37x faster staged), and longer rows whose
-// only operand is a mask where the register tier that would take the row does not fetch its mask
-// bytes ahead (s10, float32 full mask S = 1024-4096: 1.10-1.18x staged; with a bias 0.94-0.98x,
-// causal 0.86x), or a shared mask row on float32 rows past 4096 columns (s22: 8192 134 staged,
-// 139-140 on the register tiers; shorter shared mask rows run faster there, skipping x).
+// read from global memory, as in the register tiers): short rows (cols <= short_cols; s6: S =
+// 128-256 1.17-1.37x faster staged), longer rows whose only operand is a mask where the register
+// tier that would take the row does not fetch its mask bytes ahead (s10: 1.10-1.18x; with a bias
+// or causal limit staged lost), or a shared mask row on float32 rows past 4096 columns (s22: 8192
+// 134 staged, 139 on the register tiers, which win on shorter ones by skipping x).
 inline bool StageGeneralRows(const RowParams& p, size_t elem_bytes, int64_t short_cols,
                              bool register_tiers_ahead) {
   if (p.cols <= short_cols) return true;
@@ -215,11 +208,10 @@ constexpr int64_t WindowWidth(int64_t cols) {
 
 // Block tiers of a run-time width (kRuntimeWarps): threads of a CTA of the tier of `group` threads
 // per row holding `elems` values each, for rows of W window offsets: as many warps as the row
-// needs, an even count below 8 (s20: bfloat16 4097 175 us against 201 on the whole tier; multiples
-// of 4 were 7-11% slower). keep_filled (16-bit forward rows on the register tiers): the whole tier
-// where the row fills more than 5/8 of it (s20: 12000 on 12 of 16 warps 187 / 156). even_warps =
-// false (16-bit odd rows on the staged tiers, the caller's the three-warp row of kForwardTiers): odd counts too, for
-// more rows per SM (s37, H200: bfloat16 2049 195 -> 159 us).
+// needs, an even count below 8 (s20: bfloat16 4097 201 -> 175 us; multiples of 4 were slower).
+// keep_filled (16-bit forward rows on the register tiers): the whole tier where the row fills more
+// than 5/8 of it (s20). even_warps = false (16-bit odd rows on the staged tiers, and the caller's
+// three-warp row of kForwardTiers): odd counts too, for more rows per SM (s37: 2049 195 -> 159 us).
 inline int RowThreads(int64_t width, int group, int elems, bool keep_filled,
                       bool even_warps = true) {
   int64_t warps = RowWarps(width, elems);
@@ -232,8 +224,7 @@ inline int RowThreads(int64_t width, int group, int elems, bool keep_filled,
 
 // Threads of a CTA of a row tier (kRuntimeWarps: as many warps as the row needs, RowThreads).
 // kRegisterTier: the register kernel (softmax_rows_kernel), not the staged one. even_warps =
-// false: the caller's rule takes an odd count of warps where the row needs one
-// (the three-warp row of kForwardTiers).
+// false: an odd count of warps where the row needs one (the three-warp row of kForwardTiers).
 template <typename Loader, int kGroup, int kElems, Access kAccess, bool kRegisterTier>
 int TierThreads(int64_t cols, bool even_warps = true) {
   if constexpr (kRuntimeWarps<Loader, kGroup, kElems, 1>) {

@@ -1,5 +1,5 @@
-// Launching the short-row kernels (which rows take them: tier_table.cuh): their tiles (ShortRowsTuningFor, PickShortRowsTile), the spacing of a warp's
-// rows (ShortRowsSpacing) and the lanes per row.
+// Launching the short-row kernels (which rows take them: tier_table.cuh): their tiles
+// (ShortRowsTuningFor, PickShortRowsTile), the spacing of a warp's rows and the lanes per row.
 #pragma once
 
 #include <algorithm>
@@ -15,17 +15,14 @@
 namespace jax_softmax {
 
 // Tiles of the short-row kernels (softmax_short_rows_kernel and its backward): whole passes of
-// kShortRowsBlock / kGroup rows (at most 16), copied in and out by bulk copies (cp.async.bulk, one
-// thread hands a span's whole vectors to the copy engine; s68: bfloat16 forward 125 156 -> 133 us,
-// backward 163 214 -> 193). The tile's size over all operands, and the units its bytes come in
+// kShortRowsBlock / kGroup rows (at most 16), copied in and out by bulk copies (s68: bfloat16
+// forward 125 156 -> 133 us). The tile's size over all operands, and the units its bytes come in
 // (PickShortRowsTile):
-// - forward, 16-bit: the whole-sector pass count nearest 12 KiB among those of at least 9 KiB (s71-72:
-//   tiles of 10-14.5 KB ran at 128-130 us, 19-24.5 KB at 131-133, 8.2-8.4 KB at 138-142);
+// - forward, 16-bit: the whole-sector pass count nearest 12 KiB among those of at least 9 KiB
+//   (s71-72: tiles of 10-14.5 KB were the fastest);
 // - forward, float32: 12 KiB of whole 32-byte sectors, rounded down (s64, s71: a span that starts
-//   16 bytes into a sector splits its bulk copies over one more sector at each end; bfloat16 511
-//   137 -> 130 us);
-// - backward: 24 KiB of whole 16-byte vectors, rounded up (s64-68; sector tiles did not gain, 46 KiB
-//   tiles lost at every point).
+//   16 bytes into a sector splits its bulk copies over one more sector at each end);
+// - backward: 24 KiB of whole 16-byte vectors, rounded up (s64-68).
 // Which of the pass counts whose tiles are whole units of align_bytes and fit a tile takes, against
 // n, the count that tile_kib gives: kTilesUp the fewest of at least n (else the most below it),
 // kTilesDown the most of at most n (else the fewest above it), kTilesNearest the one whose bytes
@@ -43,14 +40,11 @@ constexpr ShortRowsTuning ShortRowsTuningFor(bool bwd, size_t elem_bytes) {
 }
 
 // How far apart a warp's rows sit in the short-row kernels' tiles (for_short_tile_rows): the
-// spacing of 1, 2 or 4 rows with the fewest shared-memory bank conflicts, counted for a warp's
-// first access to its rows (the value at column lane) where the warp's first row starts at a
-// 16-byte boundary, plus (16-bit) where it starts one element past one (with spacings 2 and 4 half
-// of the warps' first rows have an odd index, so for odd cols they start at an odd element). A
-// warp's word addresses rise with its lanes, so a bank's distinct words are counted as changes of
-// word. The count runs once per element size and lane count, over every row length that lane count
-// takes (a table, not per call). Measured (s65, H200, rows consecutive / spaced): forward bfloat16
-// 65 289 / 249 us, backward 17 241 / 204.
+// spacing of 1, 2 or 4 rows with the fewest shared-memory bank conflicts (s65: bfloat16 forward 65
+// 289 -> 249 us), counted for a warp's first access to its rows where its first row starts at a
+// 16-byte boundary, plus (16-bit) one element past one (half the warps' first rows have an odd
+// index). A warp's word addresses rise with its lanes, so a bank's distinct words are counted as
+// changes of word. Counted once per element size and lane count, into a table.
 inline int ShortRowsBankWays(int64_t cols, int elem_bytes, int group, int spacing) {
   int ways = 0;
   for (int lead = 0; lead < (elem_bytes < 4 ? 2 : 1); ++lead) {
@@ -208,12 +202,10 @@ Launched LaunchShortRows(const LaunchCtx& c) {
 // kGroup (the fewest that hold them) or, where the spacing count (ShortRowsBankWays, at each lane
 // count's best spacing) gives at most half the bank ways on more lanes, and each lane still takes
 // 5 columns or more, the fewest of kGroup * 2, * 4, ..., up to kMaxGroup, that give the fewest.
-// The backward kernel holds nothing of a row in registers, so its lane count is free, and on 32
-// lanes a warp reads one row's consecutive elements, no conflict at all; but more lanes cost
-// shuffles and loop steps, which a smaller gain in the count does not pay for (s68, H200,
-// bfloat16, fewest lanes -> this rule: 191 287 -> 257 us; where the count only went from 3 to 2
-// ways, or a lane kept under 5 columns, more lanes lost: 65 226 -> 375). Forward rows on more
-// lanes ran at half the speed (s70) and keep the fewest.
+// The backward kernel holds nothing of a row in registers, so its lane count is free, but more
+// lanes cost shuffles and loop steps, which a smaller gain in the count does not pay for (s68:
+// 191 287 -> 257 us; 65, where the count only went from 3 to 2 ways, 226 -> 375). Forward rows on
+// more lanes ran at half the speed (s70) and keep the fewest.
 template <int kElemBytes, int kGroup, int kMaxGroup>
 int ShortRowsBwdGroup(int64_t cols) {
   static_assert(kGroup <= kMaxGroup && kMaxGroup <= 32, "lane counts of the backward kernel");

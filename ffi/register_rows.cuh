@@ -19,23 +19,19 @@ constexpr bool kRereadRows = Loader::kBackward && !Loader::kRawBwd && kElems > 1
 // 16-bit backward cluster rows of up to 16 values per thread, plain or windowed (y and dy held
 // through the reduction as loaded pairs): where RowParams::copy_next_row says so, a CTA copies its
 // next row's y and dy into shared memory (cp.async, each thread its own vectors) as soon as it has
-// this row's partial dot product, so that they are in flight through this row's block and cluster
-// reduction and its stores. The register kernel otherwise has only the loads of the rows it is
-// reducing in flight, and a row took about 3 us whatever its length (H200: 50257 ran at 70% of
-// the copy). Rows of 32769-131072 columns take the kSmemRowBwd tiers; these serve 16385-32768.
+// this row's partial dot product, so that they are in flight through this row's reduction and
+// stores (otherwise only the loads of the rows being reduced are in flight).
 template <typename Loader, int kCluster, int kRows, int kElems>
 constexpr bool kAsyncNextRow =
     Loader::kRawBwd && Loader::kPlain && kCluster > 1 && kRows == 1 && kElems <= 16;
 
-// 16-bit backward cluster rows of 32 values per thread (4, 8 and 16 x 512 and 16 x 1024 threads:
-// rows of 32769-524288 columns, LaunchTier), whose 32 words of y and dy spill where held
-// through the reduction (finish_batch_raw): where RowParams::row_in_smem says so, each CTA copies
-// its chunk of the row into shared memory (cp.async; 64 KiB per 512-thread CTA, dynamic) and reads
-// it from there twice, for the partial dot product and, after the row's reduction, for the
-// output, instead of reading y and dy again from L2 (ncu, s13: 1.3x the must-move DRAM bytes at
-// 262144, the second read missing L2 in part). The copies of the CTA's next row go out as soon as
-// this row's second read of the buffer has returned, in flight through its output and stores
-// (s25, H100, bfloat16: 262144 310 -> 275 us).
+// 16-bit backward cluster rows of 32 values per thread (4, 8 and 16 x 512 and 16 x 1024 threads),
+// whose 32 words of y and dy spill where held through the reduction (finish_batch_raw): where
+// RowParams::row_in_smem says so, each CTA copies its chunk of the row into shared memory
+// (cp.async; 64 KiB per 512-thread CTA, dynamic) and reads it from there twice, for the partial
+// dot product and for the output, instead of reading y and dy again from L2, where the second read
+// partly missed (s13). The copies of the CTA's next row go out as soon as this row's second read
+// of the buffer has returned (s25, H100: 262144 310 -> 275 us).
 template <typename Loader, int kCluster, int kRows, int kElems>
 constexpr bool kSmemRowBwd =
     Loader::kRawBwd && Loader::kPlain && kCluster > 1 && kRows == 1 && kElems > 16;
@@ -116,13 +112,10 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
     const int stride = pack_stride<Loader, kGroup, kPacks * kVec, kCluster>();
     const int64_t row0 = ordered_row<kAccess, kRowsPerBlock>(p, mem0);
     // Ask L2 for this CTA's next batch (this batch was asked for one iteration ago): its loads
-    // then wait for L2, not DRAM, and DRAM stays busy while this batch is reduced. Issued before
-    // this batch's loads so that its address registers are dead before the loaded values live.
-    // Only forward rows with 16-byte vectors, whose buffers are known to be aligned, of 16-bit
-    // types: it helped them by 7-20% from N = 4096 and slowed float32 by 5-20%, whose batches are
-    // twice the bytes and whose loads then queue behind the prefetch; the 16-bit backward cluster
-    // rows ran 1.08-1.27x faster without it (s13: 262144 281 -> 239 us). Only CTAs with a next
-    // batch prefetch: those of the persistent (cluster) grids, see PersistentGrid; and only on
+    // then wait for L2, not DRAM. Issued before this batch's loads so that its address registers
+    // are dead before the loaded values live. Only 16-bit forward rows of 16-byte vectors (aligned
+    // buffers): it slowed float32, whose loads queue behind it, and the 16-bit backward (s13).
+    // Only CTAs with a next batch prefetch (the persistent grids, PersistentGrid), and only on
     // GPUs with the H200's DRAM bytes per SM cycle (PrefetchEnabled).
     constexpr bool kPrefetch = kVec > 1 && sizeof(T) == 2 && !kBwd;
     if (kPrefetch && p.prefetch && threadIdx.x < 32) {
@@ -203,9 +196,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
             }
           }
         } else {
-          // The loads of the tiers below, for this one row. (One path for both, the slots' read
-          // ahead of the shared loads, spilled 150-650 bytes in the clusters of 32 values and 4 in
-          // those of 16: ptxas sm_90a, session 25.)
+          // The loads of the tiers below, for this one row (one path for both spilled, s25).
 #pragma unroll
           for (int k = 0; k < kPacks; ++k)
             keep[0][k] = loaders[0].template fetch_bwd<true>(first_col + k * stride, ys[0][k],

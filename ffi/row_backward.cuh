@@ -43,9 +43,7 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
 
 // Whether a 16-bit backward tier of kElems values per thread (all its rows) reads a windowed row's
 // partial end vectors whole (RowLoader::vecs_inside, fetch_bwd / keep_bwd): every tier but the
-// 512-thread block of 32 values (rows of 8193-16384 columns), which spilled 32 bytes with it (ptxas
-// sm_90a) and ran 3-7% slower (s24, H200: 8193 258 -> 277 us; elsewhere it gained, 4097 256 ->
-// 218).
+// 512-thread block of 32 values, which spilled with it and ran 3-7% slower (s24).
 template <int kCluster, int kElems>
 constexpr bool kVectorEndsBwd = kCluster > 1 || kElems <= 16;
 
@@ -125,11 +123,10 @@ struct SlotsReread {
 // (finish_batch_raw), either
 //   kHold:  the pairs (and a general row's mask bytes) held through the row's reduction (tiers of
 //           up to 16 values per thread), or
-//   re-read: y, dy and the mask bytes read again after the reduction (from L1 or L2: this CTA read
-//           them a reduction ago), so that only the dot product is live through it. Tiers of 32
-//           values per thread: holding their 32 words through the reduction spilled 68-92 bytes
-//           at 64 registers (TUNING.md, session 8). Their plain and windowed cluster rows read
-//           both times from a copy in shared memory instead (kSmemRowBwd, SlotsReread).
+//   re-read: y, dy and the mask bytes read again after the reduction (from L1 or L2), so that
+//           only the dot product is live through it: tiers of 32 values per thread, whose 32 words
+//           held spilled (TUNING.md, session 8). Their plain and windowed cluster rows read both
+//           times from a copy in shared memory instead (kSmemRowBwd, SlotsReread).
 template <typename T, int kPacks, int kVec>
 __device__ __forceinline__ float raw_dot(const Pairs<kVec> (&ys)[kPacks],
                                          const Pairs<kVec> (&gs)[kPacks], bool log) {
@@ -216,9 +213,8 @@ __device__ __forceinline__ bool finish_batch_raw(
       }
     }
     T* dst = loader.out_row(p, row);
-    // Plain rows: one test for all of the thread's vectors, even where it holds one: through
-    // store_row (one test per vector there) the lane groups took 64 registers instead of 56
-    // (ptxas sm_90a).
+    // Plain rows: one test for all of the thread's vectors, even where it holds one (store_row's
+    // test per vector cost the lane groups 8 registers).
     bool inside = false;
     if constexpr (Loader::kPlain)
       inside = loader.holds(first_col, first_col + (kPacks - 1) * stride);
@@ -247,16 +243,13 @@ __device__ __forceinline__ bool finish_batch_raw(
 // 16 x 512 and 16 x 1024 threads of 32 values, kRereadBwd): y and dy of 32 values would take 64
 // registers, so they are read twice, as the 16-bit rows of 32 values read their pairs
 // (finish_batch_raw): for the row's partial dot product, kAtOnce vectors of each at a time with
-// all their loads in flight, and again after the row's reduction for the output (from L2: the
-// cluster read them a reduction ago; the first read marks its lines evict_last so that the rows
-// in flight and the output's lines do not push them out first). Only the
-// dot product is live through the reduction. The tier it serves replaced 16 x 1024 threads of 16
-// values, one CTA per SM (TUNING.md, session 14).
+// all their loads in flight, and again after the row's reduction for the output (from L2; the
+// first read marks its lines evict_last so that the rows in flight and the output's lines do not
+// push them out first). Only the dot product is live through the reduction (TUNING.md, s14).
 //
 // RowParams::reread_smem (LaunchCluster, where the buffer fits): the first read also leaves this
-// thread's vectors of y in its RowSlots in shared memory, where the second read takes them. Each
-// thread reads back only what it wrote, so no barrier; the slots of a thread that reads per vector
-// (a row's ends) stay unused, and so do the wrap slots.
+// thread's vectors of y in its RowSlots, where the second read takes them. Each thread reads back
+// only what it wrote, so no barrier; threads that read per vector (a row's ends) leave them unused.
 template <int kGroup, int kCluster, int kPacks, typename Loader, typename S>
 __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Loader& loader,
                                                     int64_t row, int first_col, S* block_slots,
@@ -272,11 +265,9 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
   // Rows whose vectors all lie inside the row (plain rows) or wholly at or before its limit (rows
   // with a mask or causal limit, whose vectors never straddle the row's end) load them without
   // per-vector tests (fetch_bwd's early returns and windowed ends), so that every load of a chunk
-  // is in flight. A chunk's mask words go first and are unpacked after all its loads. Through
-  // the per-vector path (session 14's load_bwd; fetch_bwd + flags_bwd since session 16, which
-  // still leave every vector's loads in one register quad here, 8 bytes spilled) or with y and dy
-  // loaded predicated (zeros past the limit), each vector's loads waited a memory latency behind
-  // the last (sm_90a SASS, TUNING.md, sessions 15-16). Other threads take the per-vector path.
+  // is in flight; a chunk's mask words go first and are unpacked after all its loads. On the
+  // per-vector path each vector's loads waited a memory latency behind the last (TUNING.md,
+  // sessions 15-16). Other threads take the per-vector path.
   const int last_col = first_col + (kPacks - 1) * stride;
   bool inside;
   if constexpr (Loader::kPlain)
@@ -285,8 +276,7 @@ __device__ __forceinline__ void backward_row_reread(const RowParams& p, const Lo
     inside = last_col + kVec - 1 <= loader.limit;  // the limit is -1 for a row past the end
   // L2 priorities: the first read's lines stay (evict_last) until the second read lets them go
   // (evict_first), and the output's lines, which this kernel never reads, leave first (s26: 262144
-  // 277 -> 242 us). (The per-vector path, a thread or two at the row's ends, reads and stores
-  // without.)
+  // 277 -> 242 us). The per-vector path (a row's end threads) reads and stores without.
   const uint64_t keep_in_l2 = l2_policy<L2Evict::kLast>();
   const uint64_t let_go = l2_policy<L2Evict::kFirst>();
   // Whether y is kept in shared memory (the per-vector path keeps none); its first read then lets

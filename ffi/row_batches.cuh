@@ -13,10 +13,8 @@
 namespace jax_softmax {
 
 // Kernels that follow RowOrder: rows with a bias or mask (the only ones it reorders) in batches of
-// fewer than 32 rows. Plain and windowed rows, and the short-row tiers' batches of 32 or more
-// rows (rows of up to 16 vectors), carry none of its index math: there a copy's operand would
-// outgrow L2 only with hundreds of heads, and the index math cost the bfloat16 attention rows of
-// S = 128 3-5% (TUNING.md, session 11).
+// fewer than 32 rows. Others carry none of its index math: their operands would outgrow L2 only
+// with hundreds of heads, and the math cost S = 128 attention rows 3-5% (TUNING.md, session 11).
 template <Access kAccess, int kBatch>
 constexpr bool kFollowsOrder = kAccess == Access::kGeneral && kBatch < 32;
 
@@ -37,21 +35,16 @@ __device__ __forceinline__ int64_t ordered_row(const RowParams& p, int64_t mem0)
 // window offset first + k * stride. The operands first (mask bytes and bias, where kAhead and
 // kBiasAhead say; the staged kernel fetches them before it waits for its stage), then x, then the
 // values (RowLoader::fetch_x says why). kFetchX: x comes from global memory (the register and
-// two-pass kernels), not from a stage in shared memory.
-//   16-bit rows: mask bytes and bias ahead for one or two rows per thread. Batches of more rows
-//     fetch them vector by vector, just before the values: ahead, the eight float32 rows of a
-//     short staged tier spilled 112-140 bytes.
+// two-pass kernels), not from a stage in shared memory. Which batches split is set by registers:
+//   16-bit rows: mask bytes and bias ahead for one or two rows per thread; batches of more rows
+//     fetch them vector by vector, just before the values (ahead, they spilled).
 //   Float32 rows with a mask, bias or causal limit, one or two per thread, of at most 16 values
 //     per thread (kNarrowF32): as 16-bit rows, mask bytes and bias ahead.
 //   Such rows of 32 values per thread from a stage: the mask bytes ahead (one register per
-//     vector), the bias with its vector (ahead, 32 more registers: the staged clusters spilled
-//     64-144 bytes). Before, each vector was loaded and computed in one step, in its own basic
-//     block (load_fwd_direct), so one vector's mask bytes were waited for (from L2, for a padding
-//     mask that many rows share) before the next one's were asked for.
-//   Other float32 rows and float64 rows load with load_fwd_direct. In the register tiers of 32
-//     values the split spilled 20-300 bytes at 64 registers, with x fetched four vectors ahead
-//     (with or without their operands) and with x of every vector loaded first into the values'
-//     registers and the operands one vector at a time (TUNING.md, session 10).
+//     vector), so that one vector's mask bytes are not waited for before the next one's are asked
+//     for; the bias with its vector (ahead, its 32 more registers spilled).
+//   Other float32 rows and float64 rows load with load_fwd_direct: every form of the split tried
+//     in the register tiers of 32 values spilled (TUNING.md, session 10).
 template <typename Loader, int kRows, int kPacks, bool kFetchX>
 struct BatchOperands {
   using T = typename Loader::Elem;
@@ -88,20 +81,17 @@ __device__ __forceinline__ void fetch_batch_operands(const Loader (&loaders)[kRo
 
 // Float32 plain and windowed forward rows: the threads of a warp take one path for a batch's loads
 // and stores, the whole-vector one only where every thread of the warp can (whole_vector_path,
-// in batch_inside and store_row). A row's end threads (its first vector partial, its last vector partial or past
-// the row) take the per-vector path; where a warp also held threads whose vectors all lay inside,
-// it ran both paths, one after the other. Rows of a few vectors per lane, several rows per warp,
-// have end threads in every warp, which then ran both paths (ncu, s61: 22 global load requests
-// per warp instead of 14, for the same DRAM bytes). With the vote (s61, H200: float32 odd rows
-// 233 on 16 lanes 142 -> 136 us, on 8 lanes 171 -> 136; plain rows unchanged). 16-bit rows and
-// the backward keep their per-thread paths (not measured).
+// in batch_inside and store_row). Otherwise a warp that holds a row's end threads and threads
+// wholly inside runs both paths, one after the other, as rows of a few vectors per lane do in
+// every warp (s61, H200: float32 odd rows 233 on 8 lanes 171 -> 136 us). 16-bit rows and the
+// backward keep their per-thread paths (not measured).
 template <typename Loader>
 constexpr bool kWarpUniformEnds =
     Loader::kPlain && !Loader::kBackward && std::is_same_v<typename Loader::Elem, float>;
 
 // Whether this thread takes the whole-vector path, given whether its own vectors allow it
-// (`inside`): where kWarpUniformEnds and `on`, only if every active
-// thread of the warp may; the per-vector path is right for any vector.
+// (`inside`): where kWarpUniformEnds and `on`, only if every active thread of the warp may; the
+// per-vector path is right for any vector.
 template <typename Loader>
 __device__ __forceinline__ bool whole_vector_path(bool inside, bool on) {
   if constexpr (kWarpUniformEnds<Loader>) {
@@ -112,9 +102,9 @@ __device__ __forceinline__ bool whole_vector_path(bool inside, bool on) {
 
 // Plain and windowed rows whose vectors all lie inside the row (RowLoader::holds, for every row of
 // the batch; all but the threads at a row's ends, a cluster's last CTA and rows past the end):
-// every load issued first, then the values, the scale tested once. The per-vector tests of
-// load_fwd (a -inf fill and two branches per vector) were a tenth of a bfloat16 cluster row's
-// instructions (ncu source counters, session 8). Float32 and float64 load straight into v.
+// every load issued first, then the values, the scale tested once (load_fwd's per-vector tests
+// were a tenth of a cluster row's instructions, session 8). Float32 and float64 load straight
+// into v.
 // warp_uniform: the warp votes for the float32 rows of kWarpUniformEnds (whole_vector_path).
 template <int kPacks, typename Loader, int kRows>
 __device__ __forceinline__ bool batch_inside(const Loader (&loaders)[kRows], int first, int stride,
@@ -189,17 +179,15 @@ __device__ __forceinline__ void load_batch_split(const Loader (&loaders)[kRows],
 }
 
 // kFetchX: x comes from global memory, so a 16-bit batch fetches it ahead, four vectors (64 bytes,
-// 16 registers) at a time: four loads in flight per thread where there was one. The staged kernels
-// (x from shared memory, whose latency is short) fetch each vector just before its values. Plain
-// batches whose vectors all lie inside their rows skip all of this (load_batch_inside).
+// 16 registers) at a time; the staged kernels (x from shared memory, whose latency is short)
+// fetch each vector just before its values. Plain batches whose vectors all lie inside their rows
+// skip all of this (load_batch_inside).
 // skip_masked (RowParams): batches that fetch x and the mask bytes ahead do not read x where a
-// vector's mask bytes are all zero (the register and two-pass kernels: kFetchX). unmasked
-// (RowParams): the staged kernels' batches select per position only at or past the causal limit
-// (see the branch below; the register kernels leave it at false).
+// vector's mask bytes are all zero (kFetchX). unmasked (RowParams): the staged kernels' batches
+// select per position only at or past the causal limit (the register kernels pass false).
 // kVectorEnds: a windowed row's partial end vectors are read as whole vectors, with the batch's
-// other loads (RowLoader::vector_partial). The register kernel's one-row batches only: in its four-row
-// lane groups it spilled 20-40 bytes, and the two-pass kernel went from 63 to 100 registers
-// (ptxas sm_90a, bfloat16); the staged kernels read their ends from shared memory.
+// other loads (RowLoader::vector_partial). The register kernel's one-row batches only (elsewhere
+// it spilled or took far more registers); the staged kernels read their ends from shared memory.
 template <bool kFetchX, bool kVectorEnds = false, typename Loader, int kRows, int kPacks, int kVec,
           typename A>
 __device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], int first, int stride,
@@ -223,8 +211,7 @@ __device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], i
     }
     return;
   }
-  // Not rows read element by element (kVec == 1), whose clusters then spilled 52 bytes (ptxas
-  // sm_90a, bfloat16).
+  // Not rows read element by element (kVec == 1): their clusters spilled.
   if constexpr (kFetchX && Ops::kAhead && kVec > 1) {
     if (skip_masked) {
       load_batch_split<true, kVectorEnds, false>(loaders, first, stride, ops, v, any);
@@ -233,12 +220,9 @@ __device__ __forceinline__ void load_batch_fwd(const Loader (&loaders)[kRows], i
   }
   // Rows without a mask: a copy of the batch's loads without the per-position selects (one
   // uniform branch per batch, not one per vector; RowParams::unmasked). Only the staged kernels'
-  // batches (x from shared memory: !kFetchX) that fetch their bias ahead (16-bit rows and float32
-  // ones of up to 16 values, one or two rows per thread) of 16-byte vectors (s76, H200, bfloat16
-  // attention: bias S = 512 144 -> 142 us, causal 133 -> 131). Not the register kernels (the warp
-  // of S = 1024 lost with a bias, 143 -> 146), nor float32 clusters of 32 values or rows of
-  // kVec == 1: with the copy, the 16-bit register lane groups of four rows spilled 48-56 bytes
-  // more, the float32 staged clusters 156-268 bytes, the kVec == 1 clusters 12-16 (ptxas sm_90a).
+  // batches (!kFetchX) that fetch their bias ahead, of 16-byte vectors (s76, H200, bfloat16
+  // attention: bias S = 512 144 -> 142 us). Not the register kernels (S = 1024 with a bias lost,
+  // 143 -> 146), nor the other batches (with the copy, they spilled).
   if constexpr (!kFetchX && Ops::kBiasAhead && kVec > 1) {
     if (unmasked) {
       load_batch_split<false, kVectorEnds, true>(loaders, first, stride, ops, v, any);
@@ -311,9 +295,8 @@ template <typename A, int N>
 __device__ __forceinline__ A exp_sum(A (&v)[N], A m, bool any, bool log) {
   A shift = m == neg_inf<A>() ? A(0) : m;
   // The kernels branch on log once per row, and both sides start with these same exps; left
-  // alone, the compiler merges them ahead of the branch, and then z (for log-softmax) and
-  // exp(z - shift) (for softmax) are both live through the row's reduction (24 bytes of spills
-  // at 512 threads, plain bfloat16). An opaque shift on one side keeps the two apart.
+  // alone, the compiler merges them ahead of the branch, and then z and exp(z - shift) are both
+  // live through the row's reduction (spills). An opaque shift on one side keeps the two apart.
   if (log) shift = opaque(shift);
   A s = A(0);
 #pragma unroll

@@ -27,9 +27,8 @@ __device__ __forceinline__ S row_allreduce(S v, S* block_slots, ClusterSlots<S> 
 // shuffles only: the max first, then the sum of exp(z - row max); two short shuffle chains cost
 // less than one chain of (max, sum) merges, each of which rescales by an exp. Wider tiers do the
 // same within each warp, then merge the warps' (max, sum) pairs in one pass, so that a block
-// needs one barrier (and a cluster one exchange). (Merging pairs from the first shuffle on cost
-// 5 merges of ~14 instructions and 2 exps each per warp and row: 20% of a bfloat16 cluster
-// row's instructions, ncu source counters, session 8.)
+// needs one barrier (and a cluster one exchange). (Merging pairs from the first shuffle on was
+// 20% of a cluster row's instructions, session 8.)
 // `any`: some position of this thread's part of the row takes part. Returns whether the row is
 // a NaN row (nan_row_output), whose output the caller must write again once it has the loader.
 template <bool kLog, int kGroup, int kCluster, typename Loader, typename S, typename A, int kPacks,
@@ -75,8 +74,7 @@ template <bool kAsmStore, typename Loader, typename A, int kPacks, int kVec>
 __device__ __forceinline__ void store_row(const RowParams& p, const Loader& loader, int64_t row,
                                           int first_col, int stride, const A (&out)[kPacks][kVec]) {
   auto* dst = loader.out_row(p, row);
-  // Several vectors per thread: one test for all of them (one vector: its own test is as cheap,
-  // and the extra path cost the 16-bit backward lane groups 3-4 points, bench session 8).
+  // Several vectors per thread: one test for all of them (one vector: the extra path lost, s8).
   if constexpr (Loader::kPlain && kPacks > 1) {
     if (whole_vector_path<Loader>(loader.holds(first_col, first_col + (kPacks - 1) * stride),
                                   true)) {
@@ -152,8 +150,8 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
 // - RawPacksStaged (the staged tiers' reread blocks, softmax_rows_staged_kernel's kReread): the
 //   pairs loaded again from the CTA's stage in every pass, so that no value of the row stays in a
 //   register through its reduction and a thread can take more of a row than it could hold. The
-//   reread blocks take float32 rows too (session 50), as pairs of floats (PairsOf): the passes
-//   are the same, with float conversions that are copies.
+//   reread blocks take float32 rows too, as pairs of floats (PairsOf): the passes are the same,
+//   with float conversions that are copies.
 template <int kPacks, int kVec>
 struct RawPacksHeld {
   const Pairs<kVec> (&xs)[kPacks];
@@ -190,8 +188,7 @@ struct RawPacksStaged {
 
 // The max pass takes the pairs' max as they are (max_pair: exact, NaN dropped as row_max does)
 // and converts one pair per row. Converting every pair, as the other passes do, ptxas kept the
-// max pass's float values for the sum pass (the same conversions of the same words): float16
-// blocks spilled 92-112 bytes at 40 registers, bfloat16 ones 16-36 (sm_90a, nvcc 13.0); none now.
+// max pass's float values for the sum pass, and the 40-register blocks spilled.
 template <typename T, int kPacks, int kVec, typename Packs>
 __device__ __forceinline__ float raw_max(const Packs& pack) {
   PairWord<T> m2 = neg_inf_pair<T>();

@@ -15,17 +15,13 @@ namespace jax_softmax {
 // How a kernel reads a row:
 //   kGeneral:  any bias / mask / causal limit; validity per element, which the forward applies
 //              once, at load time (-inf where a position does not take part).
-//   kPlain:    no bias, mask or causal limit, cols % kVec == 0: validity per vector, and the
-//              per-element mask/bias code is not compiled in (the forward's per-element work is
-//              what limits it once loads are 16 bytes wide; bfloat16 moves twice the elements per
-//              byte of float32).
-//   kWindowed: plain, but cols % kVec != 0 (odd rows such as a 50257-entry vocabulary): each row is
-//              read through the 16-byte-aligned window that starts `shift` elements before it;
-//              only its first and last vectors are partial and go element by element. The
-//              window is W = cols rounded up to whole vectors wide, and the columns that would
-//              lie past it (cols + shift > W) wrap around into the first vector's slots before
-//              the row, which hold nothing: so a row takes the tier of W window offsets, not of
-//              cols + shift (at N = 2^k - 1 that was a tier twice as wide, half empty).
+//   kPlain:    no bias, mask or causal limit, cols % kVec == 0: validity per vector, and no
+//              per-element mask/bias code (per-element work limits the 16-byte-load forward).
+//   kWindowed: plain, but cols % kVec != 0: each row is read through the 16-byte-aligned window
+//              that starts `shift` elements before it; only its first and last vectors are
+//              partial. The window is W = cols rounded up to whole vectors, and the columns past
+//              it (cols + shift > W) wrap into the first vector's empty slots before the row, so
+//              a row takes the tier of W window offsets, not of cols + shift.
 enum class Access { kGeneral, kPlain, kWindowed };
 
 // n rounded down / up to whole vectors of kVec elements (n >= 0): a windowed row's window start
@@ -42,10 +38,9 @@ __host__ __device__ constexpr I round_up_vec(I n) {
 
 // Windowed rows: whether the window's vectors and the wrap vector after it (window offsets 0 ..
 // W + kVec) all lie inside x (all rows but the last one or two of x). A partial vector at the row's
-// ends, and the wrapped columns, are then read as whole 16-byte-aligned vectors and the positions
-// outside the row dropped after the load (RowLoader::vector_partial, keep_bwd), not element by
-// element. A base of RowLoader, empty for other rows: as a field of every loader, the general
-// lane groups of four rows spilled 16-40 bytes more (ptxas sm_90a).
+// ends, and the wrapped columns, are then read as whole vectors and the positions outside the row
+// dropped after the load (RowLoader::vector_partial, keep_bwd). An empty base of RowLoader for
+// other rows: a field in every loader made the general lane groups spill.
 template <bool kWindowed>
 struct WindowVectors {
   static constexpr bool vecs_inside = false;
@@ -61,8 +56,7 @@ struct WindowVectors<true> {
 // w < nwrap() (in the first vector, before the row) hold the columns after it, limit + 1 + w,
 // which lie W elements further on: in x at in + w + (kWrapSlot ? kWrapSlot : W) (a staged cluster
 // keeps them in a slot of its own, kWrapSlot elements after the start of its first CTA's stage),
-// in y, dy and the output at W. (Kept as fields, nwrap and the wrap distance cost the 16-bit
-// four-row lane groups 16-28 bytes of spills and the 16-bit backward clusters 56-68.)
+// in y, dy and the output at W. nwrap and the wrap distance are computed, not fields (spills).
 template <typename T, int kVec, bool kBwd, Access kAccess, int kWrapSlot = 0>
 struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
   using A = acc_t<T>;
@@ -147,10 +141,8 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
   // --- forward: fetch, then compute ---
   // A forward vector is read in two steps, so that a thread has every load of its batch in flight
   // before it uses the first: fetch_x() and fetch_mask() only load (predicated, no branch around
-  // them), and load_fwd() turns what they fetched into values. Before this split each vector's
-  // load sat in its own basic block with its conversion (behind an early return, a partial-vector
-  // branch or a scale test), and the SASS reused one register quad for every pack: one 16-byte
-  // load in flight per thread and row, a full memory latency per pack (session 7, TUNING.md).
+  // them), and load_fwd() turns what they fetched into values. In one step, one load per thread
+  // and row was in flight (TUNING.md, session 7).
 
   // x (or y): the vector at window offset w into xs if it lies wholly inside the row and at or
   // before the limit; zeros otherwise (vectors past the limit are never read). kVectorEnds: a
@@ -170,8 +162,7 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
   // The mask bytes of the (general-access) vector at window offset w as stored: byte e nonzero
   // iff column w + e is unmasked (all bytes set without a mask; not read past the limit, where
   // limit_bytes() clears them all anyway). kLive: the caller knows the vector lies at or before
-  // the limit, and the test is left out (where ptxas could not prove it true, it cost the float32
-  // re-read clusters 8-12 bytes of spills).
+  // the limit, and the test is left out (where ptxas could not prove it true, it spilled).
   template <bool kLive = false>
   __device__ __forceinline__ Bytes fetch_mask(int w) const {
     static_assert(!kPlain, "plain rows have no mask");
@@ -182,10 +173,8 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
   }
 
   // The bias of the (general-access) vector at window offset w into bs (zeros without a bias or
-  // past the limit). A batch fetches it ahead with x and the mask only for 16-bit types and one or
-  // two rows per thread (BatchOperands): a float32 bias would take 32 more registers per thread of
-  // a 32-value tier, and the four-row lane groups spilled; other rows load theirs in load_fwd,
-  // after the fetches.
+  // past the limit). Fetched ahead with x and the mask only where BatchOperands says so (it costs
+  // registers); other rows load theirs in load_fwd, after the fetches.
   __device__ __forceinline__ void fetch_bias(int w, T (&bs)[kVec]) const {
     static_assert(!kPlain, "plain rows have no bias");
     zero_vec(bs);
@@ -248,9 +237,8 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
   __device__ __forceinline__ int nwrap() const { return limit < 0 ? 0 : cols - 1 - limit; }
   // Windowed rows: whether the vector at window offset w has wrapped slots (the first vector of a
   // row that wraps). The partial paths handle them in a block of their own, after the slots read
-  // at their own offset, so that rows which do not wrap run the code of before (an offset chosen
-  // per element, 0 or the wrap, grew the windowed kernels' PTX by 30% and made bfloat16 N = 1001,
-  // which never wraps, 17% slower).
+  // at their own offset, so that rows which do not wrap skip it (an offset chosen per element
+  // made bfloat16 N = 1001, which never wraps, 17% slower).
   // (Window offsets are multiples of kVec and nwrap() < kVec: only offset 0 can. Tested as
   // w == 0, which the compiler can rule out for a thread's later vectors, w = first + k * stride.)
   __device__ __forceinline__ bool wraps_at(int w) const {
@@ -278,10 +266,8 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
 
   // A windowed row's partial vector (column c = w - shift) from the whole vector xs that fetch_x
   // read (vecs_inside): -inf outside the row; the row's wrapped columns, in the first vector's
-  // slots before the row, from the vector after the window (one load; element by element, as
-  // partial_values reads them, each load waited for the one before in the SASS: a latency per
-  // pair of loads on the critical path of the row's reduction). Only the values inside the row
-  // are scaled, as in partial_values.
+  // slots before the row, from the vector after the window (one load: partial_values' element
+  // loads wait for each other). Only the values inside the row are scaled, as in partial_values.
   __device__ __forceinline__ void vector_partial(int w, int c, const T (&xs)[kVec],
                                                  A (&v)[kVec]) const {
     const bool wraps = wraps_at(w);
@@ -335,8 +321,7 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
   // as fetch_x's.
   // kUnmasked (rows without a mask, RowParams::unmasked; mask_bytes unused): a position takes part
   // unless it lies past the limit, so only the vectors at or past it select per position, in a
-  // branch that the vectors inside the limit skip: they leave out the mask bytes' test and select
-  // per position (two instructions per value) and the limit's bytes (about ten per vector).
+  // branch that the vectors inside the limit skip.
   template <bool kBiasFetched, bool kVectorEnds = false, bool kUnmasked = false>
   __device__ __forceinline__ bool load_fwd(int w, const T (&xs)[kVec], Bytes mask_bytes,
                                            const T* fetched_bias, A (&v)[kVec]) const {
@@ -395,10 +380,9 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
     }
   }
 
-  // Forward, one vector loaded and computed in one step, as before the fetch/compute split: kept
-  // for float64 and for the float32 batches that BatchOperands leaves out of the split, where it
-  // made ptxas spill (20-300 bytes at 64 registers) and whose rows move twice the bytes per
-  // element, so that one load in flight carries more.
+  // Forward, one vector loaded and computed in one step: for float64 and the float32 batches that
+  // BatchOperands leaves out of the fetch/compute split, where the split spilled (and one load in
+  // flight carries twice the bytes per element).
   __device__ __forceinline__ bool load_fwd_direct(int w, A (&v)[kVec]) const {
     static_assert(!kBwd, "forward rows");
     const int c = w - shift;
@@ -481,9 +465,8 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
   // every load in flight before the first is used. fetch_bwd: y and dy of the vector at window
   // offset w as stored (predicated loads), zeros at the positions outside the row (they add 0 to
   // the dot product and are never stored); returns the vector's mask bytes as loaded (general
-  // rows; fetch_mask). Its caller runs fetch_bwd for all its vectors, then keep_bwd for each:
-  // with the mask bytes tested inside fetch_bwd (limit_bytes' branch), ptxas issued the next
-  // vector's mask load only after that test, a memory latency per vector (TUNING.md, session 15).
+  // rows; fetch_mask). Its caller runs fetch_bwd for all its vectors, then keep_bwd for each: a
+  // mask test in fetch_bwd delayed the next vector's loads (TUNING.md, session 15).
   // kVectorEnds: a windowed row's partial end vectors are read whole where vecs_inside (keep_bwd
   // then zeros their positions outside the row); otherwise element by element here.
   template <bool kVectorEnds>
@@ -524,10 +507,9 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
     static_assert(kRawBwd, "16-bit backward rows");
     if constexpr (kPlain) {
       // A windowed row's wrapped columns join its first vector here, after every fetch of the
-      // batch: in fetch_bwd, their block made bfloat16 N = 50257, which never wraps, 17% slower
-      // (H200, session 19). With kVectorEnds, where vecs_inside, fetch_bwd read the partial
-      // vectors whole: their positions outside the row are zeroed here, and the wrapped columns
-      // come from one load of the vector after the window (as vector_partial).
+      // batch (in fetch_bwd they slowed rows that never wrap, session 19). With kVectorEnds, where
+      // vecs_inside, fetch_bwd read the partial vectors whole: their positions outside the row are
+      // zeroed here, and the wrapped columns come from one load of the vector after the window.
       if constexpr (kWraps) {
         const int c = w - shift;
         if (kVectorEnds && this->vecs_inside && c <= limit && (c < 0 || c + kVec > end())) {
@@ -594,15 +576,12 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
 
   // Backward in float values (float32, float64, 16-bit rows of kVec == 1, the two-pass kernel), in
   // the same two steps as fetch_bwd / keep_bwd: the caller runs this fetch_bwd for all its
-  // vectors, then flags_bwd for each. Loaded and flagged in one step (load_bwd, before session
-  // 16), each vector's mask word was unpacked in the vector's own branch before the next vector's
-  // loads were issued: a memory latency per vector in every float32 general backward tier
-  // (TUNING.md, sessions 15-16). fetch_bwd: y into v and dy into g for the vector at window
-  // offset w (zeros where nothing is read: past the limit, and outside a windowed row, whose
-  // positions then add 0 to the dot product and are never stored); returns the mask bytes as
-  // loaded (general rows; fetch_mask), fetched before the limit test. Only loads and conversions
-  // sit behind its early returns. (Loaded predicated into zeroed vectors instead, the windowed
-  // 32-lane two-row kernel spilled 4 bytes.)
+  // vectors, then flags_bwd for each (in one step, a memory latency per vector: TUNING.md,
+  // sessions 15-16). fetch_bwd: y into v and dy into g for the vector at window offset w (zeros
+  // where nothing is read: past the limit, and outside a windowed row, whose positions then add 0
+  // to the dot product and are never stored); returns the mask bytes as loaded (general rows;
+  // fetch_mask), fetched before the limit test. Only loads and conversions sit behind its early
+  // returns (predicated loads into zeroed vectors spilled).
   __device__ __forceinline__ Bytes fetch_bwd(int w, A (&v)[kVec], A (&g)[kVec]) const {
     static_assert(kBwd, "backward rows");
     const int c = w - shift;
@@ -644,8 +623,8 @@ struct RowLoader : WindowVectors<kAccess == Access::kWindowed> {
   // After fetch_bwd: ok[e] says whether column w - shift + e takes part in the row (dx must be 0
   // where it does not, whatever dy holds there, so the flags stay per position). Plain and windowed
   // rows keep ok uniform over a vector: a windowed row's partial end vectors hold 0 outside the
-  // row, which drops out of the dot product, and are never stored there. (Per-element flags there
-  // cost ~40 registers: 103 vs 64 at 512 threads, bfloat16.)
+  // row, which drops out of the dot product, and are never stored there (per-element flags there
+  // cost ~40 registers).
   __device__ __forceinline__ void flags_bwd(int w, Bytes mask_bytes, bool (&ok)[kVec]) const {
     static_assert(kBwd, "backward rows");
     if constexpr (kPlain) {

@@ -13,16 +13,14 @@ namespace jax_softmax {
 // Rows of few columns whose length is not a multiple of the vector width (windowed rows: no
 // mask, bias or causal limit; the short-row rows of tier_table.cuh say which, and why). A CTA's
 // rows are consecutive, so its tile is one contiguous span of each operand whatever the rows'
-// alignment: the CTA copies it into shared memory with 16-byte loads
-// (the span's start aligned down to 16 bytes: that first vector's leading elements belong to the
-// rows before, inside the operand since it starts 16-byte aligned; the last partial vector
-// element by element, so that nothing past its end is read), each row is reduced by kGroup lanes
-// from shared memory (column c on lane c % kGroup), its outputs written back in place, and the
-// CTA stores the span with 16-byte stores (its first partial vector and last one element by
-// element, so that no element of another CTA's rows is written). A tile holds rows_per_cta rows,
-// a multiple of kShortRowsBlock / kGroup (one pass of rows): each thread takes its rows in turn,
-// so that a CTA's copies move more bytes at once than one pass holds (the launcher's table,
-// ShortRowsTuningFor, sizes the tiles).
+// alignment: the CTA copies it into shared memory with 16-byte loads (from the span's start
+// aligned down to 16 bytes, inside the operand since it starts 16-byte aligned; the last partial
+// vector element by element, so that nothing past its end is read), each row is reduced by kGroup
+// lanes from shared memory (column c on lane c % kGroup), its outputs written back in place, and
+// the CTA stores the span (its partial end vectors element by element, so that no element of
+// another CTA's rows is written). A tile holds rows_per_cta rows, a multiple of one pass
+// (kShortRowsBlock / kGroup rows), so that a copy moves more bytes than one pass holds
+// (ShortRowsTuningFor sizes it).
 constexpr int kShortRowsBlock = 128;
 constexpr int kShortRowValues = 32;  // per lane: a row of kGroup lanes has up to 32 kGroup columns
 
@@ -58,10 +56,9 @@ __device__ __forceinline__ ShortRowsSpan short_rows_span(const RowParams& p, int
 
 // Copies kSpans operands' spans into their tiles: one thread hands each span's whole vectors to
 // the copy engine (cp.async.bulk, completion counted on `bar`, a barrier in shared memory), so that
-// the whole tile is in flight at once without a register or an instruction per vector (s68: 1.0-1.2x
-// faster than the threads' own 16-byte copies); the threads copy the last partial vector element by
-// element meanwhile (nothing past the operand's end is read). Ends with the tile complete and
-// visible to all threads.
+// the whole tile is in flight at once (s68: 1.0-1.2x faster than the threads' own copies); the
+// threads copy the last partial vector element by element meanwhile (nothing past the operand's
+// end is read). Ends with the tile complete and visible to all threads.
 template <typename T, int kSpans>
 __device__ __forceinline__ void load_short_spans(T* const (&tiles)[kSpans],
                                                  const T* const (&srcs)[kSpans],
@@ -90,19 +87,14 @@ __device__ __forceinline__ void load_short_spans(T* const (&tiles)[kSpans],
 // in the tile. Every thread runs every pass (the group's shuffles), rows past the CTA's last
 // (live false) included.
 //
-// Which rows of a pass a warp takes: row_spacing (1, 2 or 4; 8 or 16 below; the launcher's
-// ShortRowsSpacing) consecutive warps interleave theirs, so that a warp's rows sit row_spacing rows
-// apart. Rows are laid end to end in the tile, so with consecutive rows a warp's lanes read the
-// same few banks wherever cols * sizeof(T) is close to a multiple of 128 bytes (65 bfloat16 columns
-// on 4 lanes: rows 130 bytes apart, a 4- to 5-way bank conflict on every access).
-//
-// Spacings 8 and 16 (the 4 warps cannot interleave more than 4 ways in one pass; the backward
-// kernel's 16-bit 129 and float32's odd 129-147 by default, PassWindowSpacing) take windows of
-// row_spacing / 4 passes: in each, the warps take the window's row_spacing interleaved slots 4 at a
-// time (the same first row as the formula gives for spacings 1-4, then 4 rows on per pass within
-// the window), so that a warp's rows still sit row_spacing rows apart. The launcher then makes
-// rows_per_cta whole windows, so that every thread still runs one row per pass. One loop for both,
-// not a second inlined copy of row_fn.
+// Which rows of a pass a warp takes: row_spacing (1, 2 or 4; 8 or 16 below; ShortRowsSpacing)
+// consecutive warps interleave theirs, so that a warp's rows sit row_spacing rows apart: rows lie
+// end to end in the tile, so with consecutive rows a warp's lanes hit the same few banks wherever
+// cols * sizeof(T) is close to a multiple of 128 bytes.
+// Spacings 8 and 16 (4 warps cannot interleave more than 4 ways in one pass; PassWindowSpacing)
+// take windows of row_spacing / 4 passes, in each the window's interleaved slots 4 at a time, so
+// that a warp's rows still sit row_spacing rows apart; rows_per_cta is then whole windows, so that
+// every thread still runs one row per pass. One loop for both, not a second copy of row_fn.
 template <int kGroup, typename RowFn>
 __device__ __forceinline__ void for_short_tile_rows(int rows_per_cta, const ShortRowsSpan& s,
                                                     int cols, int row_spacing, RowFn&& row_fn) {
@@ -112,8 +104,7 @@ __device__ __forceinline__ void for_short_tile_rows(int rows_per_cta, const Shor
   const int first = warp / row_spacing * (row_spacing * kRowsPerWarp) +
                     threadIdx.x % 32 / kGroup * row_spacing + warp % row_spacing;
   const int window_passes = row_spacing > 4 ? row_spacing / 4 : 1;
-  // Counted in elements, not rows: with a row index beside the offset the forward kernels of 2
-  // lanes or more spilled 4 bytes (ptxas). A tile holds less than 48 KiB, so ints do.
+  // Counted in elements, not rows (a row index beside it spilled); a tile holds < 48 KiB: ints.
   const int end = s.lead + rows_per_cta * cols, live_end = s.lead + s.rows_here * cols;
   const int pass_step = 4 * cols;  // within a window
   const int window_step = (kPassRows * window_passes - 4 * (window_passes - 1)) * cols;
@@ -130,11 +121,10 @@ __device__ __forceinline__ void for_short_tile_rows(int rows_per_cta, const Shor
 }
 
 // Calls fn(std::integral_constant<int, 4 * value_chunks>()): the short-row kernel's values per
-// lane, the fewest chunks of 4 that hold the lane's columns (the launcher's ShortValueChunks).
-// Each slot costs an exp whether or not a column fills it, so a row of 65 columns on 4 lanes
-// (17 each) takes 20 per lane, not kShortRowValues. The launcher takes the fewest lanes, so
-// past one lane a lane holds more than 16 columns (5 chunks or more) and only those cases are
-// compiled there: with the others every kernel of 2 lanes or more spilled 4 bytes (ptxas).
+// lane, the fewest chunks of 4 that hold the lane's columns (the launcher's ShortValueChunks):
+// each slot costs an exp whether or not a column fills it. The launcher takes the fewest lanes,
+// so past one lane a lane holds more than 16 columns and only those cases are compiled there
+// (with the others, they spilled).
 template <int kGroup, typename Fn>
 __device__ __forceinline__ void with_short_row_values(int value_chunks, Fn&& fn) {
   static_assert(kShortRowValues == 32, "cases of 4 to 32 values");
@@ -157,12 +147,10 @@ __device__ __forceinline__ void with_short_row_values(int value_chunks, Fn&& fn)
 
 // Stores a tile's span over dst (both from the aligned start) with 16-byte stores, its first
 // partial vector and last one element by element, so that no element of another CTA's rows is
-// written.
-// With lead 0 the whole vectors go out with one bulk copy from thread 0 instead (every thread's
-// writes of the tile made visible to the copy engine by the caller: fence_proxy_async_shared, then
-// __syncthreads), which waits until the copy has read the tile. PickShortRowsTile sizes tiles to
-// whole vectors (forward ones to whole 32-byte sectors), so every tile has lead 0; the threads'
-// stores are there for any other.
+// written. With lead 0 (every tile PickShortRowsTile sizes) the whole vectors go out with one bulk
+// copy from thread 0 instead (the caller makes every thread's writes of the tile visible to the
+// copy engine: fence_proxy_async_shared, then __syncthreads), which waits until the copy has read
+// the tile.
 template <typename T>
 __device__ __forceinline__ void store_short_span(T* dst, const T* tile, const ShortRowsSpan& s) {
   constexpr int kVec = 16 / int(sizeof(T));
@@ -226,8 +214,7 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
         constexpr bool kLog = decltype(log_tag)::value;
         const FwdStats<A> st = group_fwd_stats<kGroup>(v, true, kLog);
         // The store tests k < lane_cols, not c < cols as the load does: with the same test the
-        // compiler kept the load's kN predicates live across the reduction (49 P2R and 469 LOP3
-        // in the bfloat16 4-lane kernel; 0 and 132 with this; s66, H200: bfloat16 65 165 -> 149 us).
+        // compiler kept the load's predicates live across the reduction (s66: 65 165 -> 149 us).
         if (live) {
 #pragma unroll
           for (int k = 0; k < kN; ++k)
@@ -269,12 +256,9 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
   const bool log = p.log;
   // A row's columns on its lanes: the steps every lane takes (lane, lane + kGroup, ...), then the
   // lanes' one column past them where cols % kGroup != 0. Not one loop to c < cols: the lanes'
-  // trip counts would then differ, the compiler's remainder iterations (trip count mod 4, ahead
-  // of a body unrolled by 4) too, and at one load a row's lanes would sit up to 3 steps (48
-  // bytes) apart instead of side by side, defeating ShortRowsSpacing's bank count (ncu, s66: 7.3 M
-  // bank conflicts on 8.7 M loads at bfloat16 155 columns on 8 lanes, where the count gives
-  // none). Masking the last step of one loop of ceil(cols / kGroup) steps on every lane measured
-  // 10% slower where neither shape conflicts (s67: bfloat16 163, 199).
+  // trip counts (and the compiler's remainder iterations) would differ, a row's lanes would sit
+  // steps apart at one load, and ShortRowsSpacing's bank count would fail (s66). A masked last
+  // step on every lane was 10% slower (s67).
   const int full_steps = cols / kGroup;
   const int tail_col = full_steps * kGroup + lane;
   const auto for_row_columns = [&](auto&& fn) {
@@ -282,10 +266,8 @@ __global__ void __launch_bounds__(kShortRowsBlock, MinBlocksPerSm(kShortRowsBloc
     if (tail_col < cols) fn(tail_col);
   };
   // One branch on log for the whole tile (with_constant_flag), as the forward kernel's per row:
-  // with the run-time log in every step the compiler predicated the log-softmax's exp (FMUL,
-  // MUFU.EX2, FFMA) into each element's output, issued and switched off, 3 of the element's
-  // 20-odd instructions in a kernel near its issue limit (s73, H200: bfloat16 193 on 32 lanes
-  // 210 -> 203 us; other lengths unchanged).
+  // with the run-time log, the log-softmax's exp was issued (predicated off) for every element
+  // of a kernel near its issue limit (s73, H200: bfloat16 193 210 -> 203 us).
   with_constant_flag(log, [&](auto log_tag) {
     constexpr bool kLog = decltype(log_tag)::value;
     for_short_tile_rows<kGroup>(rows_per_cta, sp, cols, row_spacing, [&](bool live, int offset) {

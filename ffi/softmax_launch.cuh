@@ -3,12 +3,11 @@
 // per-dtype instantiation files only, so each dtype compiles in its own translation unit.
 //
 // The launchers and the rules that size a launch (threads, tiles, stages, clusters) are in
-// launch_rules.cuh, launch_short.cuh and launch_staged.cuh, each rule with what it won and where it
-// was measured; device properties, caches and launch plumbing in launch_device.cuh. Grids: one CTA
-// per batch of rows for the row tiers, one persistent wave for the clusters and the two-pass
-// kernel (PersistentGrid). Rows with a bias or mask broadcast over the outer row axes take their
-// batches copy by copy where the operand would fall out of L2 (OperandReuseOrder). Launches use
-// programmatic dependent launch on sm_90+ (DependentLaunchEnabled).
+// launch_rules.cuh, launch_short.cuh and launch_staged.cuh; device properties, caches and launch
+// plumbing in launch_device.cuh. Grids: one CTA per batch of rows for the row tiers, one persistent
+// wave for the clusters and the two-pass kernel (PersistentGrid). Rows with a bias or mask
+// broadcast over the outer row axes take their batches copy by copy where the operand would fall
+// out of L2 (OperandReuseOrder). Launches use programmatic dependent launch on sm_90+.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -11,26 +11,20 @@
 namespace jax_softmax {
 
 // --- staged tiers (sm_90, forward rows of whole vectors): the register tiers fed through shared memory
-// The register kernel has only what its registers hold in flight: a CTA loads a batch, then waits
-// for it, then reduces it, and DRAM idles unless other CTAs happen to be loading. The staged kernel
-// runs the same tiers (same threads per row, same values per thread, same reductions) but has one
-// thread of each CTA copy whole tiles (the CTA's batch of rows, or its chunk of a cluster's row)
-// into a ring of `stages` shared-memory buffers with cp.async.bulk. A tile is one contiguous byte
-// range (cols % kVec == 0 and aligned buffers; a cluster CTA's chunk of one row), so one copy
-// moves it. Rows with a mask, bias or causal limit (kGeneral) stage x only: their bias and mask
-// are broadcast operands, read from global memory (mostly L2) as the register tiers read them.
+// The register kernel has only what its registers hold in flight: a CTA loads a batch, waits for
+// it, reduces it. The staged kernel runs the same tiers (threads per row, values per thread,
+// reductions) but has one thread of each CTA copy whole tiles (the CTA's batch of rows, or its
+// chunk of a cluster's row) into a ring of `stages` shared-memory buffers with cp.async.bulk; a
+// tile is one contiguous byte range, so one copy moves it. Rows with a mask, bias or causal limit
+// (kGeneral) stage x only: their bias and mask are broadcast operands, read from global memory.
 // A stage is refilled as soon as every thread has copied it into registers, before the
-// reduction: tiles it + 1 .. it + stages are in flight while tile it is reduced (one stage
-// suffices for that; a CTA with a single tile has no refill at all).
-// Shared memory per stage: the tile of x, kRowsPerBlock rows of cols elements, or kChunk for a
-// cluster CTA. Windowed rows (cols % kVec != 0) are staged too: a tile then starts at its first
-// row's 16-byte window (a few elements of the row before it; the reread blocks' from the 128-byte
-// boundary before that, StagedTiles::copy_align) and ends at the vector holding its last element,
-// so that the copy and the stage's vector reads stay 16-byte aligned; each loader reads its row's
-// window at the offset its window start has from the tile's start (staged_tile).
-// Forward rows: a backward variant with y and dy in each stage, held through the reduction, was
-// 0-20% slower than the register kernel (s4); softmax_bwd_staged_kernel (s51-52) reads them from
-// the stage in each pass instead.
+// reduction: tiles it + 1 .. it + stages are in flight while tile it is reduced.
+// Windowed rows (cols % kVec != 0): a tile starts at its first row's 16-byte window (the reread
+// blocks' at the 128-byte boundary before that, StagedTiles::copy_align) and ends at the vector
+// holding its last element, so that the copy and the stage's vector reads stay 16-byte aligned;
+// each loader reads its row's window at its offset from the tile's start (staged_tile).
+// Forward rows only: a backward variant holding y and dy through the reduction was 0-20% slower
+// than the register kernel (s4); softmax_bwd_staged_kernel reads them from the stage in each pass.
 struct StagedTiles {
   int stages;            // 1 .. kMaxStages buffers in the ring
   uint32_t stage_bytes;  // distance between stages in dynamic shared memory (multiple of 128)
@@ -42,10 +36,8 @@ struct StagedTiles {
 constexpr int kMaxStages = 4;
 
 // The staged kernels whose windowed tiles start at StagedTiles::copy_align: one row per tile on
-// one CTA (the reread blocks and the other staged blocks: the launch sets copy_align). The lane
-// groups compiled
-// with it took 1-6 more registers (8-32 lanes, ptxas sm_90a), and a cluster CTA's chunk starts
-// where the chunk before it ends.
+// one CTA (the launch sets copy_align). Not the lane groups (it cost them registers) nor clusters
+// (a cluster CTA's chunk starts where the chunk before it ends).
 template <Access kAccess, int kCluster, int kRowsPerBlock>
 constexpr bool kCopyAligned = kAccess == Access::kWindowed && kCluster == 1 && kRowsPerBlock == 1;
 
@@ -56,13 +48,11 @@ template <typename T, int kVec, Access kAccess>
 __host__ __device__ constexpr uint64_t StagedTileBytes(uint64_t elems, int align_bytes) {
   return (elems + (kAccess == Access::kWindowed ? 2 * kVec : 0)) * sizeof(T) + (align_bytes - 16);
 }
-// The reread kernel's tiles of several one-warp rows (kRowSlots, since session 58) copy each row
-// into a slot of its own, a tile of one row in 128-byte multiples, as one-row tiles are copied: a
-// windowed reread row rewrites the slots around its window (whole_window), which a contiguous
-// tile of several rows would share with the neighbours.
-// Whether a staged kernel's stage holds its tile's rows in slots of their own (kRowSlots: reread
-// rows of one warp each, several per CTA), and how many rows each of its copies takes (one per
-// slot, else the whole tile): the launcher sizes the stage by these, the kernel fills it by them.
+// The reread kernel's tiles of several one-warp rows (kRowSlots) copy each row into a slot of its
+// own, in 128-byte multiples, as one-row tiles are copied: a windowed reread row rewrites the
+// slots around its window (whole_window), which a contiguous tile would share with its
+// neighbours. kStagedCopyRows: rows per copy. The launcher sizes the stage by these, the kernel
+// fills it by them.
 template <bool kReread, int kRowsPerBlock>
 constexpr bool kRereadRowSlots = kReread && kRowsPerBlock > 1;
 template <bool kReread, int kRowsPerBlock>
@@ -102,11 +92,8 @@ __device__ __forceinline__ StagedRange staged_range(const RowParams& p, int64_t 
 // the last row's last vector (a cluster CTA: its chunk of the row's W window offsets; the first
 // CTA's wrapped columns come through staged_wrap).
 // copy_align (StagedTiles): a CTA's tiles of windowed rows (not a cluster's chunks) start at x's
-// element index rounded down to it, a few elements of the row before them staged too
-// (LaunchStagedRows leaves room for them). Not plain rows: the run-time rounding cost the 16-bit
-// plain reread blocks 8 bytes of spills (ptxas sm_90a); the plain rows that gain from it take
-// the windowed kernel instead (float32 rows on the reread blocks, 16-bit rows of cols % 16 == 8,
-// kForwardTiers).
+// element index rounded down to it (LaunchStagedRows leaves room). Not plain rows (the run-time
+// rounding spilled): plain rows that gain from it take the windowed kernel (kRereadAccess).
 template <typename T, int kVec, int kRowsPerBlock, int kCluster, Access kAccess>
 __device__ __forceinline__ StagedRange staged_tile(const RowParams& p, int64_t row0, int64_t col_base,
                                                    int64_t chunk, int copy_align = 0) {
@@ -148,10 +135,9 @@ __device__ __forceinline__ StagedRange staged_wrap(const RowParams& p, int64_t r
 
 // A windowed row's window in a stage made whole vectors, so that a pass reads every vector as a
 // plain row's (the reread blocks, forward and backward): the first vector's slots before the row
-// take the wrapped columns (window offset W on) or `outside`, and where the row ends before W the
-// slots after it take `outside`. These slots are the row's own (its tile's copy, or its slot of
-// a stage of several rows: kRowSlots); t is the thread's index among the row's threads; the
-// caller syncs the block before the stage is read.
+// take the wrapped columns (window offset W on) or `outside`, and the slots after the row's end
+// `outside`. These slots are the row's own (kRowSlots included); t is the thread's index among
+// the row's threads; the caller syncs the block before the stage is read.
 template <typename Loader>
 __device__ __forceinline__ void whole_window(typename Loader::Elem* window, const Loader& l,
                                              typename Loader::Elem outside, int t) {
@@ -164,12 +150,10 @@ __device__ __forceinline__ void whole_window(typename Loader::Elem* window, cons
 // pass over the row (max, sum, output) loads its pairs from the stage again (RawPacksStaged)
 // instead of holding them in registers, and the stage is refilled only after the row's outputs are
 // stored; a thread can then take more values (kElems) than registers would hold. A windowed row's
-// stage is made whole vectors first, so that its passes read as a plain row's do (see the code
-// after the wait). 16-bit ones of up to 80 values per thread are held to 40 registers (as
-// kRawRows; 80 values spill 8 bytes there, ptxas sm_90a, but two CTAs of 23 warps fit an SM only
-// at 40: kForwardTiers); float32 ones, whose 64 values per thread take twice the registers, to
-// 64 (two CTAs of 512 threads per SM), and so would be 16-bit ones of 128 values (not
-// instantiated: at 40 they spilled 36-52 bytes, and they lost, s52-53).
+// stage is made whole vectors first, so that its passes read as a plain row's do. 16-bit ones of
+// up to 80 values per thread are held to 40 registers (as kRawRows: two CTAs of 23 warps then fit
+// an SM, for a few bytes of spills); float32 ones to 64 (two CTAs of 512 threads per SM). 16-bit
+// ones of 128 values are not instantiated (at 40 registers they spilled, and they lost: s52-53).
 template <typename T, int kGroup, int kElems, int kVec, int kCluster, Access kAccess, int kRows = 1,
           bool kReread = false>
 __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGroup, kElems))
@@ -192,8 +176,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
   using Loader = RowLoader<T, kVec, /*kBwd=*/false, kAccess, kStagesWrap ? int(kChunk) : 0>;
   static_assert(!kReread || (Loader::kPairFwd && kCluster == 1 && kRows == 1 && kGroup >= 32),
                 "reread rows: 16-bit or float32 plain or windowed rows, one per CTA or warp");
-  // Reread rows of one warp each, kRowsPerBlock per CTA (since session 58): each in a stage slot
-  // of its own (RereadSlotBytes), so that the CTA is not one warp (the SM holds at most 32 CTAs).
+  // Reread rows of one warp each, kRowsPerBlock per CTA: each in a stage slot of its own
+  // (RereadSlotBytes), so that the CTA is not one warp (the SM holds at most 32 CTAs).
   constexpr bool kRowSlots = kRereadRowSlots<kReread, kRowsPerBlock>;
 
   extern __shared__ __align__(128) unsigned char staged_smem[];
@@ -225,9 +209,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
     if constexpr (kRowSlots) {
       // Each row of the tile as a one-row tile into its slot; the ordinary loads of x's last
       // elements first, then one arrival for all the rows' bytes, then their bulk copies. Each
-      // row's range is worked out again for its copy rather than kept from the first loop: four
-      // ranges held across the arrival cost registers in a 40-register kernel, the arithmetic
-      // only thread 0's few instructions.
+      // row's range is worked out again for its copy: held across the arrival, it cost registers.
       const int nrows = static_cast<int>(std::min<int64_t>(p.rows - row0, kRowsPerBlock));
       uint32_t bytes = 0;
       for (int r = 0; r < nrows; ++r) {
@@ -294,8 +276,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
     const int64_t row0 = ordered_row<kAccess, kRowsPerBlock>(p, tile * kRowsPerBlock);
     // Kernels that follow RowOrder: the first row of the tile that would refill this tile's
     // stage, which thread 0 works out before the values are live and keeps in shared memory until
-    // the refill (worked out there, kept in registers, or only where a refill follows, RowOrder's
-    // index math spilled 44-100 bytes in the float32 clusters).
+    // the refill (anywhere else, RowOrder's index math spilled).
     constexpr bool kOrdered = kFollowsOrder<kAccess, kRowsPerBlock>;
     if (kOrdered && threadIdx.x == 0)
       refill_row0 =
@@ -303,8 +284,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
     // The loaders and the operands do not depend on the stage: tiles of one or two rows per
     // thread with a mask, bias or causal limit build them and fetch the mask bytes (and the bias,
     // where BatchOperands says) while its copy may still be in flight (a mask row that misses L1
-    // then waits with it); others after the wait, as before (8 rows' loaders live across it
-    // spilled, float32 with 1-8 lanes).
+    // then waits with it); others after the wait (8 rows' loaders live across it spilled).
     const T* stage_in = reinterpret_cast<const T*>(staged_smem + size_t(stage) * tiles.stage_bytes);
     Loader loaders[kRows];
     BatchOperands<Loader, kRows, kPacks, false> ops;
@@ -355,8 +335,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
       // they are (RawPacksStaged), -inf around the row (whole_window).
       if constexpr (kReread && Loader::kWraps) {
         if (!kRowSlots || row0 + group < p.rows)
-          // (A one-row block passes threadIdx.x, not the lane: keeping the lane live there spilled
-          // 8 bytes in a 512-thread kernel, session 58's branch.)
+          // (A one-row block passes threadIdx.x, not the lane: a live lane there spilled.)
           whole_window(const_cast<T*>(loaders[0].in), loaders[0], from_acc<T>(neg_inf<A>()),
                        kRowSlots ? lane : int(threadIdx.x));
         __syncthreads();
@@ -417,15 +396,13 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), StagedMinBlocksPerSm(kGr
 #endif
 }
 
-// --- staged backward rows (sm_90+; s51-52, LaunchTier) ---------------------------------------
+// --- staged backward rows (sm_90+, LaunchTier) --------------------------------------------------
 // 16-bit plain and windowed backward rows of up to kGroup x kElems columns, one per CTA of as many
 // warps as the row needs: thread 0 copies the row's y and dy into one stage (cp.async.bulk; y's
-// copy, then dy's at half the stage), and both passes read them from there, the dot product and,
-// after the row's reduction, the output, as the forward's reread blocks read x
-// (softmax_rows_staged_kernel's kReread). So y and dy are read once from device memory, where the
-// register tiers hold 16 values per thread on clusters (8 x 256 x E, five CTAs at 16385-20480
-// columns on the H200) or read them a second time from L2 (the 512-thread blocks of 5/2 E and 3E).
-// (s4's staged backward, slower by 0-20%, held the values through the reduction.)
+// copy, then dy's at half the stage), and both passes (the dot product and, after the reduction,
+// the output) read them from there, as the forward's reread blocks read x. So y and dy are read
+// once from device memory, where the register tiers spread them over a cluster or read them a
+// second time from L2.
 // A windowed row's stage is made whole vectors first, as the forward's: zeros around the row (they
 // add nothing to the dot product and are never stored), its wrapped columns moved into the first
 // vector's free slots.

@@ -1,28 +1,25 @@
-// The CUDA launcher's tuning tables: which kernel tier takes a row, one table per direction
-// (kForwardTiers, kBackwardTiers), written as data. LaunchTier (softmax_launch.cuh) walks its
-// direction's table top to bottom and launches the first row that matches the call; it holds no
-// row-length rule of its own.
+// The CUDA launcher's tuning tables, one per direction (kForwardTiers, kBackwardTiers), written as
+// data: LaunchTier (softmax_launch.cuh) walks its direction's table top to bottom and launches the
+// first row that matches the call; it holds no row-length rule of its own.
 //
 // A row matches where
 //  - the instantiation has the row's traits (element type, access mode, loader form: Trait; a
 //    row that does not apply is never instantiated),
-//  - the device and the call have the row's run-time properties (DeviceNeed: sm_90+, the staged
-//    kernels on, the H200's DRAM bandwidth per SM cycle or less, a scale the raw rows can take),
+//  - the device and the call have the row's run-time properties (DeviceNeed),
 //  - the row length lies in (After, UpTo] and the named rule `If` holds (Cond).
 // Lengths count window offsets W (the columns, rounded up to whole vectors for windowed rows) in
 // units of V (the 16-byte vector width), E (values per thread held in registers: 32 forward, 16
 // backward, halved for scalar access and for float64) and EB (E, or 16 for float32 forward rows
-// with a mask, bias or causal limit, so that all their loads are in flight at once: s11), or
-// columns (Cols: the short-row kernels' rules). UpTo defaults to the tier's capacity, group x
-// elems x cluster. The staged, short-row and staged backward tiers (Staged(): sm_90+) may decline
-// a call (no tile or stage fits, the cluster does not schedule): the walk then goes on. A
-// RegisterOnly row leaves the call to the register tiers: the walk skips the rest of the staged
-// rows. The last row (the two-pass kernel) takes every row.
+// with a mask, bias or causal limit: TierUnits), or columns (Cols: the short-row rules). UpTo
+// defaults to the tier's capacity, group x elems x cluster. The staged, short-row and staged
+// backward tiers (Staged(): sm_90+) may decline a call (no tile or stage fits, the cluster does
+// not schedule): the walk then goes on. A RegisterOnly row leaves the call to the register tiers
+// (the walk skips the rest of the staged rows). The last row (two-pass) takes every row.
 //
 // Reasons: what the row won and where it was measured, "sN" being session N of the tuning log
 // (git show debb461:benchmarks/results/TUNING.md; benchmarks/results/TUNING.md has the summary).
-// Rules measured on one GPU are keyed to the device property that told the GPUs apart (the DRAM
-// bytes per SM cycle, AmpleDramPerSm), never to a GPU's name.
+// Rules measured on one GPU are keyed to the device property that told the GPUs apart
+// (AmpleDramPerSm), never to a GPU's name.
 #pragma once
 
 #include <cstdint>
@@ -240,10 +237,9 @@ inline constexpr TierRow kForwardTiers[] = {
         .Why("float32 windowed rows of up to 4 x 512 x E stay on the register tiers (s19: 50257 167 / 152 us)"),
     RegisterOnly().Need(k16Bit | kWindowed).UpTo(V(8)).Why("16-bit odd rows of up to 8 V: never measured staged"),
     // sm_90+: the staged row tiers: 8-32 lanes of up to E values rather than one vector per lane
-    // and several rows (fewer shuffle rounds; fewer than 8 lanes read shared memory with bank
-    // conflicts), tiles of 128 x E elements up to 32 E; the gap tiers of 3/4-7/4 E between the
-    // power-of-two ones fill their lanes better (s38-41: bfloat16 1025 243 -> 137 us, plain 1032
-    // 197 -> 135; the H100 lost on 3/2 E, 7/4 E and 3/4 E and on 16 lanes past 18 E).
+    // (fewer shuffle rounds; fewer than 8 lanes read shared memory with bank conflicts); the gap
+    // tiers of 3/4-7/4 E between the power-of-two ones fill their lanes better (s38-41: bfloat16
+    // 1025 243 -> 137 us; the H100 lost on some of them: the rows say which).
     StagedRows(1, V(1), Rows::kFill).Deny(kWindowed).WithTiles(Tiles::kPerRows).Why("lane groups of one vector a lane"),
     StagedRows(2, V(1), Rows::kFill).Deny(kWindowed).WithTiles(Tiles::kPerRows).Why("lane groups"),
     StagedRows(4, V(1), Rows::kFill).Deny(kWindowed).WithTiles(Tiles::kPerRows).Why("lane groups"),
