@@ -272,6 +272,12 @@ int main() {
     Sweep<float, true>("float32", cols);
     Sweep<BFloat16Tag, false>("bfloat16", cols);
     Sweep<BFloat16Tag, true>("bfloat16", cols);
+#ifdef TIER_SELECTION_ALL_DTYPES
+    Sweep<Float16Tag, false>("float16", cols);
+    Sweep<Float16Tag, true>("float16", cols);
+    Sweep<double, false>("float64", cols);
+    Sweep<double, true>("float64", cols);
+#endif
   }
   return 0;
 }

@@ -5,9 +5,11 @@
 #   bash scripts/tier_selection.sh TREE [OUT.txt]          # TREE: a checkout (its ffi/ is used)
 #   bash scripts/tier_selection.sh --compare BASE_TREE TREE # prints the calls whose choice moved
 #
-# Env: TIER_SELECTION_FLAGS (extra nvcc flags; -DTIER_SELECTION_SHORT_COPY_ARG for trees before
-# the short-row kernels lost their copy-mode argument, debb461 and older), JAXLIB_INCLUDE (the
-# XLA FFI headers; default: the installed jaxlib's). Compiles PTX only (no ptxas): a few minutes.
+# Env: TIER_SELECTION_FLAGS (extra nvcc flags: -DTIER_SELECTION_ALL_DTYPES adds float16 and
+# float64 to float32 and bfloat16; -DTIER_SELECTION_SHORT_COPY_ARG for trees before the short-row
+# kernels lost their copy-mode argument, debb461 and older), JAXLIB_INCLUDE (the XLA FFI headers;
+# default: the installed jaxlib's); JAX_SOFTMAX_STAGED=0 in the environment gives that setting's
+# choices. Compiles PTX only (no ptxas): a few minutes.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 PY=${PYTHON:-python3}
