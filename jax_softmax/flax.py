@@ -42,8 +42,8 @@ with ``implementation="cudnn"``: a CUDA GPU of compute capability 8.0 or newer, 
 bfloat16, rank-4 inputs, a head dim that is a multiple of 8 and at most 256 (128 before Hopper),
 no dropout, no sowing, no custom einsum, precision or ``force_fp32_for_softmax``, a mask or bias
 whose last two axes are (q_length, kv_length) and then even lengths, and ``is_causal`` only for
-q_length == kv_length) and kv_length is at least ``CUDNN_MIN_KV_LENGTH`` (512, where it was
-measured to win), :func:`dot_product_attention` takes it by default: a flash-attention kernel never
+q_length == kv_length) and kv_length is at least ``CUDNN_MIN_KV_LENGTH`` (128, the shortest
+length where it was measured to win), :func:`dot_product_attention` takes it by default: a flash-attention kernel never
 writes the ``[..., heads, q, kv]`` weights, which no softmax kernel can beat. Elsewhere (and where
 JAX's own checks refuse the call while tracing it) it takes jax_softmax's fused softmax.
 ``implementation="jax_softmax"`` or ``"cudnn"`` forces either (``"cudnn"`` raises a ``ValueError``
@@ -182,11 +182,12 @@ def _promote(promote_fn, arrays, dtype):
 
 
 IMPLEMENTATIONS = (None, "jax_softmax", "cudnn", "flash")
-# The default takes cuDNN from this kv length on: the range where it was measured to win (issue
-# 88's H200 table, the NNX example LM's training step without dropout, S = 512 ... 4096: cuDNN
-# 1.20-1.83x over Flax's default, jax_softmax's kernels 1.08-1.31x). Shorter rows keep jax_softmax's
-# kernels until measured.
-CUDNN_MIN_KV_LENGTH = 512
+# The default takes cuDNN from this kv length on: where it was measured to win. Training steps
+# without dropout over Flax's default (bf16, 16K tokens): H100, session 89, S = 128 / 256: NNX LM
+# cuDNN 1.16 / 1.31x against jax_softmax's kernels 1.06 / 1.13x, Linen stack 1.09 / 1.19x against
+# 1.02 / 1.06x; S = 512 ... 4096 (H200, issue 88's table) cuDNN 1.20-1.83x, ours 1.08-1.31x.
+# Shorter rows keep jax_softmax's kernels (not measured).
+CUDNN_MIN_KV_LENGTH = 128
 # With dropout the default takes jax_softmax's flash kernels (jax_softmax.flash) where whole 64 x 64
 # tiles of the scores drop out: causal attention (is_causal: the tiles past the diagonal) and mask
 # arrays (tiles with no valid position skipped, the mask read only in tiles with some), at every
@@ -447,7 +448,7 @@ def dot_product_attention(
         ``einsum_dot_general``.
       attn_weights_value_einsum: custom einsum for ``weights @ v``.
       implementation: None (default): without dropout cuDNN's flash attention where it applies
-        and kv_length >= 512, with dropout jax_softmax's flash kernels for causal or masked
+        and kv_length >= 128, with dropout jax_softmax's flash kernels for causal or masked
         attention where they apply (see the module docstring), jax_softmax's fused softmax
         elsewhere; ``"jax_softmax"``, ``"cudnn"`` or ``"flash"`` forces one (the last two raise
         ``ValueError`` where they do not apply).

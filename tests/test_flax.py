@@ -641,7 +641,7 @@ def test_cudnn_route_on_gpu(masked):
     kw = dict(is_causal=True)
     if masked:
         mask = np.tril(np.ones((S_, S_), bool))[None, None].repeat(B_, 0)
-        mask[0, :, :, 400:] = False  # padded keys
+        mask[0, :, :, S_ * 3 // 4:] = False  # padded keys
         kw = dict(mask=jnp.asarray(mask))
 
     def loss(q, k, v, impl):
