@@ -16,15 +16,6 @@ namespace jax_softmax {
 template <typename Loader, int kElems>
 constexpr bool kRereadRows = Loader::kBackward && !Loader::kRawBwd && kElems > 16;
 
-// 16-bit backward cluster rows of up to 16 values per thread, plain or windowed (y and dy held
-// through the reduction as loaded pairs): where RowParams::copy_next_row says so, a CTA copies its
-// next row's y and dy into shared memory (cp.async, each thread its own vectors) as soon as it has
-// this row's partial dot product, so that they are in flight through this row's reduction and
-// stores (otherwise only the loads of the rows being reduced are in flight).
-template <typename Loader, int kCluster, int kRows, int kElems>
-constexpr bool kAsyncNextRow =
-    Loader::kRawBwd && Loader::kPlain && kCluster > 1 && kRows == 1 && kElems <= 16;
-
 // 16-bit backward cluster rows of 32 values per thread (4, 8 and 16 x 512 and 16 x 1024 threads),
 // whose 32 words of y and dy spill where held through the reduction (finish_batch_raw): where
 // RowParams::row_in_smem says so, each CTA copies its chunk of the row into shared memory
@@ -35,15 +26,6 @@ constexpr bool kAsyncNextRow =
 template <typename Loader, int kCluster, int kRows, int kElems>
 constexpr bool kSmemRowBwd =
     Loader::kRawBwd && Loader::kPlain && kCluster > 1 && kRows == 1 && kElems > 16;
-
-// The static buffer of the kAsyncNextRow tiers (up to 16 values per thread: 32 KiB per 512-thread
-// CTA); the kSmemRowBwd tiers' buffer is dynamic shared memory.
-template <int kBlock, int kPacks, bool kOn>
-struct NextRowBuffer {
-  uint4 v[RowSlots<kBlock, kPacks>::kVectors];
-};
-template <int kBlock, int kPacks>
-struct NextRowBuffer<kBlock, kPacks, false> {};
 
 // kRows: rows a lane group handles per iteration (lane-group tiers only). Their lanes hold one or
 // two vectors of a row, so several rows are loaded before the first shuffle to keep enough bytes
@@ -66,9 +48,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
 
   __shared__ S block_slots[2][32];
   __shared__ ClusterExchange<S, kCluster> exchange;
-  constexpr bool kAsync = kAsyncNextRow<Loader, kCluster, kRows, kElems>;
   constexpr bool kSmemRow = kSmemRowBwd<Loader, kCluster, kRows, kElems>;
-  __shared__ NextRowBuffer<kBlock, kPacks, kAsync> next_row;
   // kSmemRow: RowSlots' vectors; kRereadBwd: backward_row_reread's (LaunchCluster sizes it)
   extern __shared__ uint4 row_smem[];
   if constexpr (kCluster > 1) {
@@ -88,15 +68,14 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
   const int64_t unit = kCluster > 1 ? grid.index : blockIdx.x;
 
   uint32_t use = 0;  // rows (batches) this CTA has reduced: picks the reduction buffers
-  // kAsync, kSmemRow: rows go through the shared-memory slots where the launcher says so
-  // (RowParams::copy_next_row, row_in_smem); next_copied: the copies of the row this CTA reduces
-  // next are on their way.
+  // kSmemRow: rows go through the shared-memory slots where the launcher says so
+  // (RowParams::row_in_smem); next_copied: the copies of the row this CTA reduces next are on
+  // their way.
   RowSlots<kBlock, kPacks> slots{nullptr};
   bool via_slots = false;
-  if constexpr (kAsync) slots.base = next_row.v, via_slots = p.copy_next_row;
-  if constexpr (kSmemRow) slots.base = row_smem, via_slots = p.row_in_smem;
   bool next_copied = false;
-  if constexpr (kAsync || kSmemRow) {
+  if constexpr (kSmemRow) {
+    slots.base = row_smem, via_slots = p.row_in_smem;
     if (via_slots && unit < p.rows)
       next_copied = copy_next_row<Loader>(p, unit, first_col,
                                           pack_stride<Loader, kGroup, kPacks * kVec, kCluster>(),
@@ -151,7 +130,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
     // Backward: the mask bytes as fetched, then (kRawBwd) the positions that take part.
     typename Loader::Bytes keep[kRows][kPacks];
     A partial[kRows];       // backward, kRawBwd: this thread's part of each row's dot product
-    bool row_copied = false;   // kAsync, kSmemRow: this row came through the slots
+    bool row_copied = false;   // kSmemRow: this row came through the slots
     int64_t next_after = -1;   // kSmemRow: the next row, copied once this one's are read again
     bool any[kRows];               // forward: whether any of this thread's positions takes part
     // Built once per row: its bias/mask offsets and causal limit cost integer divisions.
@@ -166,7 +145,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
         const int64_t row = row0 + r * (kBlock / kGroup) + group;
         loaders[r] = Loader(p, row, row < p.rows);
       }
-      if constexpr (kAsync || kSmemRow) {
+      if constexpr (kSmemRow) {
         // One row per CTA (kRows == 1, group 0). Its copies, if issued, have landed after the wait;
         // rows left to fetch_bwd read as the other tiers do.
         cp_async_wait_all();
@@ -188,15 +167,14 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
                   wg = pairs_of<kVec>(slots.wrap(1));
                 }
                 l.trim_whole_bwd(c, wraps, ys[0][k], gs[0][k], wy, wg);
-                if constexpr (kSmemRow) {  // as trimmed, for finish_batch_raw's second read
-                  slots.at(k, 0) = vector_of<kVec>(ys[0][k]);
-                  slots.at(k, 1) = vector_of<kVec>(gs[0][k]);
-                }
+                // as trimmed, for finish_batch_raw's second read
+                slots.at(k, 0) = vector_of<kVec>(ys[0][k]);
+                slots.at(k, 1) = vector_of<kVec>(gs[0][k]);
               }
             }
           }
         } else {
-          // The loads of the tiers below, for this one row (one path for both spilled, s25).
+          // The loads of the tiers below, for this one row.
 #pragma unroll
           for (int k = 0; k < kPacks; ++k)
             keep[0][k] = loaders[0].template fetch_bwd<true>(first_col + k * stride, ys[0][k],
@@ -207,18 +185,10 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
                                                             ys[0][k], gs[0][k]);
         }
         partial[0] = raw_dot<T>(ys[0], gs[0], p.log);
+        // This row's second read of the slots comes first (finish_batch_raw).
         const int64_t next0 = mem0 + num_ctas * kRowsPerBlock;
-        if constexpr (kAsync) {
-          // The next row's copies go out now, in flight through this row's reduction and stores.
-          // They wait for the dot product, so this thread's reads of the buffer have returned.
-          next_copied = via_slots && next0 < p.rows &&
-                        copy_next_row<Loader>(p, next0, first_col, stride, slots,
-                                              __float_as_uint(partial[0]));
-        } else {
-          // This row's second read of the slots comes first (finish_batch_raw).
-          next_copied = false;
-          next_after = via_slots && next0 < p.rows ? next0 : -1;
-        }
+        next_copied = false;
+        next_after = via_slots && next0 < p.rows ? next0 : -1;
       } else if constexpr (Loader::kRawBwd) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r)

@@ -47,7 +47,7 @@ __device__ __forceinline__ void finish_batch(const RowParams& p, const Loader (&
 template <int kCluster, int kElems>
 constexpr bool kVectorEndsBwd = kCluster > 1 || kElems <= 16;
 
-// A thread's copies of a row in shared memory (kAsyncNextRow, kSmemRowBwd, backward_row_reread):
+// A thread's copies of a row in shared memory (kSmemRowBwd, backward_row_reread):
 // its kPacks vectors of y (j = 0) and dy (j = 1) at base[(j * kPacks + k) * kBlock + thread], so
 // that a warp's 16-byte accesses are contiguous and y's vectors come first (a buffer of
 // kPerTensor vectors holds y alone); then the two vectors after the window that hold a windowed

@@ -154,10 +154,8 @@ struct RowParams {
   // up to 16 values; load_batch_fwd) select -inf per position only in the vectors at or past the
   // limit (RowLoader::load_fwd's kUnmasked).
   bool unmasked = false;
-  // CUDA, 16-bit backward cluster rows held through the reduction (kAsyncNextRow): each CTA copies
-  // its next row into shared memory while it reduces this one. The launcher sets it where the
-  // row leaves some of the cluster's CTAs short of a whole chunk (LaunchCluster says why).
-  bool copy_next_row = false;
+  // Not read: keeps row_in_smem and reread_smem at their offsets in the kernels' parameters.
+  bool reserved = false;
   // CUDA, 16-bit backward cluster rows of 32 values per thread (kSmemRowBwd): each CTA reads its
   // chunk of the row through shared memory (dynamic, sized by the launcher), not twice from
   // global memory, and copies its next row there as soon as this one has been read again.

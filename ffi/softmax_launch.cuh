@@ -98,11 +98,6 @@ ffi::Error LaunchCluster(const LaunchCtx& c) {
       c.device, width, int64_t{kBlock} * kElems, smem);
   if (shape.active == 0) return LaunchTwoPass<T, kVec, kBwd, kAccess>(c);
   const int64_t clusters = PersistentGrid(c.p.rows, shape.active, shape.ctas);
-  // 16-bit backward rows held through the reduction: the next row's copies in flight
-  // (kAsyncNextRow) where some CTA of the cluster has less than a whole chunk (s24: 50257 267 ->
-  // 231 us; rows that fill every CTA lost, 65536 206 -> 236).
-  if constexpr (kAsyncNextRow<Loader, kCluster, 1, kElems>)
-    p.copy_next_row = width < int64_t(shape.ctas) * kBlock * kElems;
   return Launch(KernelLaunch(static_cast<unsigned>(clusters * shape.ctas), kBlock, smem, c.stream,
                              shape.ctas, c.dependent),
                 kernel, "softmax cluster kernel", p);

@@ -220,8 +220,7 @@ CASES = [  # (rows, cols, dtype)
     # the staged backward block (y and dy in one stage); from session 44 two CTAs of a
     # 4 x 512 x 32 cluster, the row through shared memory and the next row's copies issued after
     # its second read (RowParams::row_in_smem), which LaunchTier keeps for GPUs whose shared memory
-    # would not hold that stage (no sm_90 GPU). (Nor do the 8 x 256 clusters that copy their next
-    # row while they reduce this one, RowParams::copy_next_row, take any row on the H100 or H200.)
+    # would not hold that stage (no sm_90 GPU).
     # The `where` rows, element by element: 7 CTAs of the 8 x 512 x 8 clusters.
     (101, 24577, jnp.bfloat16),
     # 16-bit backward cluster rows of 32 values per thread read through shared memory

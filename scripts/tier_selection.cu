@@ -128,11 +128,10 @@ __host__ cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t* config, const
   char buf[512];
   std::snprintf(buf, sizeof buf,
                 "grid %u block %u smem %zu cluster %d pdl %d | prefetch %d skip %d unmasked %d "
-                "next_row %d row_smem %d reread_smem %d order %u",
+                "row_smem %d reread_smem %d order %u",
                 config->gridDim.x, config->blockDim.x, config->dynamicSmemBytes, cluster,
                 int(dependent), int(p.prefetch), int(p.skip_masked), int(p.unmasked),
-                int(p.copy_next_row), int(p.row_in_smem), int(p.reread_smem),
-                p.order.rows_per_copy);
+                int(p.row_in_smem), int(p.reread_smem), p.order.rows_per_copy);
   std::string extra;
   const std::string name = KernelName(func);
   if (name.find("short_rows") != std::string::npos) {
