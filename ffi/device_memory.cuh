@@ -305,7 +305,7 @@ __device__ __forceinline__ void prefetch_l2(const void* begin, const void* end, 
 // An access with .L2::cache_hint gives the L2 lines it touches the eviction priority of an opaque
 // policy (createpolicy; fraction 1.0: every access under it). An access under another priority
 // than evict_unchanged sets the line's priority again, so lines kept with evict_last for a second
-// read can be let go (evict_first) by that read. Before sm_80 the accesses below are plain.
+// read can be let go (evict_first) by that read.
 // A policy is a value without side effects (not volatile): the compiler may create it once per
 // kernel rather than once per row.
 enum class L2Evict { kNormal, kFirst, kLast };
@@ -335,9 +335,6 @@ __device__ __forceinline__ void load_vec_l2(const T* src, T (&dst)[N], uint64_t 
                : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
                : "l"(src), "l"(policy));
   memcpy(dst, &w, sizeof(w));
-#else
-  (void)policy;
-  load_vec<N>(src, dst);
 #endif
 }
 template <int N, typename T>
@@ -349,9 +346,6 @@ __device__ __forceinline__ void store_vec_l2(T* dst, const T (&src)[N], uint64_t
   asm volatile("st.global.L2::cache_hint.v4.b32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(dst), "r"(w.x),
                "r"(w.y), "r"(w.z), "r"(w.w), "l"(policy)
                : "memory");
-#else
-  (void)policy;
-  store_vec<N>(dst, src);
 #endif
 }
 
