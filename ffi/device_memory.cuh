@@ -9,6 +9,12 @@
 
 #include "device_types.cuh"
 
+// The kernels use sm_80 instructions (cp.async, L2 cache hints) with no fallback: a device pass
+// for an older architecture is refused here rather than compiled into kernels that skip accesses.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "jax_softmax's CUDA kernels need compute capability 8.0 or newer (JAX_SOFTMAX_CUDA_ARCHS)"
+#endif
+
 namespace jax_softmax {
 
 // --- vector memory access ---------------------------------------------------------------------

@@ -43,8 +43,9 @@ bfloat16, rank-4 inputs, a head dim that is a multiple of 8 and at most 256 (128
 no dropout, no sowing, no custom einsum, precision or ``force_fp32_for_softmax``, a mask or bias
 whose last two axes are (q_length, kv_length) and then even lengths, and ``is_causal`` only for
 q_length == kv_length) and kv_length is at least ``CUDNN_MIN_KV_LENGTH`` (128, the shortest
-length where it was measured to win), :func:`dot_product_attention` takes it by default: a flash-attention kernel never
-writes the ``[..., heads, q, kv]`` weights, which no softmax kernel can beat. Elsewhere (and where
+length where it was measured to win), :func:`dot_product_attention` takes it by default: a
+flash-attention kernel never writes the ``[..., heads, q, kv]`` weights, which no softmax kernel
+can beat. Elsewhere (and where
 JAX's own checks refuse the call while tracing it) it takes jax_softmax's fused softmax.
 ``implementation="jax_softmax"`` or ``"cudnn"`` forces either (``"cudnn"`` raises a ``ValueError``
 naming the reason where it does not apply). On the cuDNN path a fully masked query row attends

@@ -246,11 +246,11 @@ def test_seven_chunk_rows(backend, device, rng, dtype):
 # 16-bit: odd rows, since session 49 on the reread blocks (the stage's window made whole vectors
 # first: -inf around the row, a wrapping row's last columns moved into its first vector), whose
 # one 512-thread CTA and its stage fit every sm_90 GPU (the 16-bit wide blocks, which it left
-# unused, are gone). Both ends of the range
-# and one past each, warp counts between, both sides of 24 and of 28 warps (the wide blocks'
-# bounds until session 49), and the last widths of the reread blocks, 32759 (W = 32760), 32761
-# and 32767 (W = 32768, 16 warps). Rows of cols % 8 == 7 (16391, 24575, 28671, 32759, 32767) wrap
-# wherever their window starts 2-7 elements before them; rows of cols % 8 == 1 never do.
+# unused, are gone). Both ends of the range and one past each, warp counts between, both sides
+# of 24 and of 28 warps (the wide blocks' bounds until session 49), and the last widths of the
+# reread blocks, 32759 (W = 32760), 32761 and 32767 (W = 32768, 16 warps). Rows of cols % 8 == 7
+# (16391, 24575, 28671, 32759, 32767) wrap wherever their window starts 2-7 elements before them;
+# rows of cols % 8 == 1 never do.
 # (Plain 16-bit rows of these lengths: test_reread_block_rows.)
 # Float32: plain and odd rows, since session 50 on the reread blocks (512 threads of 64 values,
 # the windowed kernel for both, its copy from 128-byte boundaries) where two such CTAs fit an SM
