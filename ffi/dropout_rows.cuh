@@ -131,7 +131,7 @@ __device__ __forceinline__ typename Loader::Bytes valid_at(const Loader& loader,
 // and g = dy. valid[k]: the positions of vector k that take part; keep[k]: its keep words.
 // Returns whether any position takes part. (Fetched ahead, the bias of 32 16-bit values made the
 // forward spill 56-92 bytes at 64 registers: ptxas sm_90a.)
-template <int kPacks, bool kWithDy, bool kCausalOnly, typename Loader, typename A,
+template <int kPacks, bool kWithDy, bool kCausalOnly, bool kSkipDead, typename Loader, typename A,
           int kVec = Loader::kVecWidth>
 __device__ __forceinline__ bool load_part(const Loader& loader, const typename Loader::Elem* dy,
                                           int first, int stride, const DropoutKey& key,
@@ -183,11 +183,16 @@ __device__ __forceinline__ bool load_part(const Loader& loader, const typename L
       // the vector that holds the limit selects per position.
       valid[k] = loader.limit_bytes(w, Loader::kAllBytes);
       any |= w <= loader.limit;
+      if (kSkipDead && w > loader.limit) {
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) v[k][e] = loader.scale * to_acc(xs[k][e]);
-      if (w + kVec - 1 > loader.limit) {
+        for (int e = 0; e < kVec; ++e) v[k][e] = neg_inf<A>();
+      } else {
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) v[k][e] = w + e <= loader.limit ? v[k][e] : neg_inf<A>();
+        for (int e = 0; e < kVec; ++e) v[k][e] = loader.scale * to_acc(xs[k][e]);
+        if (w + kVec - 1 > loader.limit) {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) v[k][e] = w + e <= loader.limit ? v[k][e] : neg_inf<A>();
+        }
       }
     } else {
       const bool inside = w <= loader.limit;
@@ -205,6 +210,41 @@ __device__ __forceinline__ bool load_part(const Loader& loader, const typename L
     }
   }
   return any;
+}
+
+// A lane group's (max, sum of exp(z - max)) as group_maxsum's, for the causal forward's rows of
+// two vectors a thread: the packs wholly past the row's limit (live[k] false) hold -inf and would
+// add +0, so neither their max nor their exps are computed (the sum's bits are group_maxsum's),
+// and the kernel stores their zeros without the epilogue's arithmetic. H100, bfloat16, 4 rounds
+// alternating (these kernels' SASS): S = 1024 181 -> 175 us, 2048 178 -> 168. At four vectors a
+// thread (S = 4096) the same code lost, 168 -> 194 us (183 with no branch in the loads and the
+// max over every pack), and rows with a mask lost 15-37% (padding S = 2048 206 -> 241, a
+// (1, 1, S, S) mask 4096 228 -> 279): the branches cost more there than the exps they skip.
+template <int kGroup, typename A, int kPacks, int kVec>
+__device__ __forceinline__ MaxSum<A> live_group_maxsum(A (&v)[kPacks][kVec],
+                                                       const bool (&live)[kPacks], bool any) {
+  A m = neg_inf<A>();
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    if (live[k]) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) m = row_max(m, v[k][e]);
+    }
+  }
+  m = group_allreduce<kGroup>(Max<A>{m}).m;
+  const A shift = m == neg_inf<A>() ? A(0) : m;
+  A s = A(0);
+#pragma unroll
+  for (int k = 0; k < kPacks; ++k) {
+    if (live[k]) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        v[k][e] = exp_acc(v[k][e] - shift);
+        s += v[k][e];
+      }
+    }
+  }
+  return {m, group_allreduce<kGroup>(Sum<A>{any ? s : -A(0)}).s};
 }
 
 // The outputs of one vector at column c of a row whose statistics are finite: e_v holds
@@ -288,6 +328,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(Bl
   using A = acc_t<T>;
   using Loader = RowLoader<T, kVec, /*kBwd=*/false, FormAccess(kForm)>;
   constexpr bool kCausalOnly = kForm == DropoutForm::kCausal;
+  constexpr bool kSkipDead = kCausalOnly && !kBwd && kPacks == 2;  // live_group_maxsum says why
   using Bytes = typename Loader::Bytes;
   using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;
   constexpr int kBlock = BlockThreads(kGroup);
@@ -314,16 +355,23 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(Bl
     A g[kBwd ? kPacks : 1][kVec];
     Bytes valid[kPacks];
     KeepWords<kVec> keep[kPacks];
-    const bool any = load_part<kPacks, kBwd, kCausalOnly>(loader, dy, first, kStride, key, v, g, valid, keep);
+    const bool any = load_part<kPacks, kBwd, kCausalOnly, kSkipDead>(loader, dy, first, kStride, key,
+                                                                      v, g, valid, keep);
     T* dst = loader.out_row(p, row);
 
     if constexpr (!kBwd) {
       auto& vr = *reinterpret_cast<A(*)[kPacks * kVec]>(&v[0][0]);
+      bool live[kPacks];
+#pragma unroll
+      for (int k = 0; k < kPacks; ++k) live[k] = first + k * kStride <= loader.limit;
       FwdStats<A> st;
       if constexpr (kGroup <= 32) {
-        st = group_stats(group_maxsum<kGroup>(vr, any, /*log=*/false), false);
+        if constexpr (kSkipDead) st = group_stats(live_group_maxsum<kGroup>(v, live, any), false);
+        else st = group_stats(group_maxsum<kGroup>(vr, any, /*log=*/false), false);
       } else {
-        const MaxSum<A> warp = group_maxsum<32>(vr, any, /*log=*/false);
+        MaxSum<A> warp;
+        if constexpr (kSkipDead) warp = live_group_maxsum<32>(v, live, any);
+        else warp = group_maxsum<32>(vr, any, /*log=*/false);
         const MaxSum<A> total = block_allreduce<kBlock, /*kWarpReduced=*/true>(warp, slots[use & 1]);
         st = fwd_stats(warp.m, total, false);
       }
@@ -332,7 +380,11 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(Bl
       if (st.sum > A(0)) {
         const A fm = st.factor * mult;
 #pragma unroll
-        for (int k = 0; k < kPacks; ++k) store_dropped(loader, dst, first + k * kStride, v[k], fm, keep[k], thr);
+        for (int k = 0; k < kPacks; ++k) {
+          const int c = first + k * kStride;
+          if (!kSkipDead || live[k]) store_dropped(loader, dst, c, v[k], fm, keep[k], thr);
+          else store_zeros<Loader, A>(loader, dst, c);
+        }
       } else if (st.sum == A(0)) {  // nothing valid is finite
 #pragma unroll
         for (int k = 0; k < kPacks; ++k) store_zeros<Loader, A>(loader, dst, first + k * kStride);
@@ -400,7 +452,8 @@ __global__ void __launch_bounds__(512, 2) dropout_stream_kernel(const DropoutRow
     KeepWords<kVec> keep[kPacks];
     // Columns past the causal limit are not valid: not read, written as 0.
     const auto part = [&](int c0) {
-      return load_part<kPacks, kBwd, kCausalOnly>(loader, dy, c0 + first, kStride, key, v, g, valid, keep);
+      return load_part<kPacks, kBwd, kCausalOnly, false>(loader, dy, c0 + first, kStride, key, v, g,
+                                                         valid, keep);
     };
     if constexpr (!kBwd) {
       const int end = loader.limit + 1;
