@@ -180,7 +180,8 @@ __device__ __forceinline__ bool load_part(const Loader& loader, const typename L
       any |= loader.template load_fwd<kBiasAhead>(w, xs[k], mask[k], bs[kBiasAhead ? k : 0], v[k]);
     } else if constexpr (kCausalOnly) {
       // z = scale * x (as the general path's scale * x + 0) up to the limit, -inf past it; only
-      // the vector that holds the limit selects per position.
+      // the vector that holds the limit selects per position (kSkipDead: the vectors past it take
+      // -inf without the multiply, live_group_maxsum).
       valid[k] = loader.limit_bytes(w, Loader::kAllBytes);
       any |= w <= loader.limit;
       if (kSkipDead && w > loader.limit) {
