@@ -11,6 +11,7 @@
 
 // The kernels use sm_80 instructions (cp.async, L2 cache hints) with no fallback: a device pass
 // for an older architecture is refused here rather than compiled into kernels that skip accesses.
+// So the sm_80 asm below is guarded by `#ifdef __CUDA_ARCH__` alone (the host pass compiles none).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #error "jax_softmax's CUDA kernels need compute capability 8.0 or newer (JAX_SOFTMAX_CUDA_ARCHS)"
 #endif
@@ -319,7 +320,7 @@ enum class L2Evict { kNormal, kFirst, kLast };
 template <L2Evict kPriority>
 __device__ __forceinline__ uint64_t l2_policy() {
   uint64_t policy = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#ifdef __CUDA_ARCH__
   if constexpr (kPriority == L2Evict::kLast)
     asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
   else if constexpr (kPriority == L2Evict::kFirst)
@@ -335,7 +336,7 @@ __device__ __forceinline__ uint64_t l2_policy() {
 template <int N, typename T>
 __device__ __forceinline__ void load_vec_l2(const T* src, T (&dst)[N], uint64_t policy) {
   static_assert(N * sizeof(T) == 16, "16-byte vectors");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#ifdef __CUDA_ARCH__
   uint4 w;
   asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
                : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w)
@@ -346,7 +347,7 @@ __device__ __forceinline__ void load_vec_l2(const T* src, T (&dst)[N], uint64_t 
 template <int N, typename T>
 __device__ __forceinline__ void store_vec_l2(T* dst, const T (&src)[N], uint64_t policy) {
   static_assert(N * sizeof(T) == 16, "16-byte vectors");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#ifdef __CUDA_ARCH__
   uint4 w;
   memcpy(&w, src, sizeof(w));
   asm volatile("st.global.L2::cache_hint.v4.b32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(dst), "r"(w.x),
@@ -370,19 +371,19 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // the copy may overwrite them.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, uint32_t src_bytes,
                                            uint32_t after = 0) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#ifdef __CUDA_ARCH__
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2; // after %3" ::"r"(smem_addr(dst)),
                "l"(src), "r"(src_bytes), "r"(after)
                : "memory");
 #endif
 }
 __device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#ifdef __CUDA_ARCH__
   asm volatile("cp.async.commit_group;" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void cp_async_wait_all() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#ifdef __CUDA_ARCH__
   asm volatile("cp.async.wait_all;" ::: "memory");
 #endif
 }
