@@ -20,7 +20,11 @@ namespace {
 // more, two otherwise):
 //   W <= 2048: the register kernel on the fewest threads G (a power of two, 1-1024 at two vectors
 //     a thread, 1-512 at four) that hold the row at P vectors a thread: lane groups of G <= 32
-//     lanes in 128-thread CTAs, blocks of G threads above.
+//     lanes in 128-thread CTAs, blocks of G threads above. Causal-only forward rows of the call's
+//     own limits over Sq <= Sk: the pair kernel of the same G and P, two rows a lane group
+//     (CausalPairsOf; H100, session 92, bfloat16 256 MiB, us per call against the register
+//     kernel: S = 512 175 -> 164, 1024 175 -> 167, 2048 168 -> 166, 4096 168 -> 168, 8192
+//     175 -> 173; pairs at two vectors from S = 4096 on lost: 8192 173 -> 180).
 //   longer rows, and rows that are not whole aligned vectors: the streaming kernel (x read twice).
 // Rows without a bias, mask or causal limit take the kernels' plain form (Access::kPlain: no mask
 // bytes, no per-position selects; H100, session 85, bfloat16 S = 512-4096 at two vectors: forward
@@ -66,10 +70,50 @@ bool FourPacksForward(const DropoutRows& d, int64_t width) {
   else return kForm == DropoutForm::kGeneral && !d.rows.bias.data;
 }
 
+// Causal forward rows in pairs (dropout_pairs_kernel): rows of the call's own causal limits (no
+// place table's) over Sq <= Sk, on the pair kernel of the fewest threads G (a power of two) whose
+// G * P slots hold a row's vectors. The units of a query block: R / 2 pairs (R = Sq - kVec), the
+// middle row of an odd R, then the last kVec rows alone.
+template <int kVec>
+bool CausalPairsOf(const DropoutRows& d, CausalPairs& cp) {
+  const RowParams& p = d.rows;
+  const int64_t sq = p.causal.d;
+  if (sq <= 0 || sq > p.cols || d.dropout.place_causal || p.rows % sq != 0) return false;
+  const int64_t paired = sq > kVec ? sq - kVec : 0;
+  const int64_t per_block = paired / 2 + paired % 2 + (sq - paired);
+  cp.units = p.rows / sq * per_block;
+  cp.per_block = RowDivisor(per_block, cp.units < (int64_t{1} << 31));
+  cp.paired_rows = static_cast<int32_t>(paired);
+  return true;
+}
+
+template <typename T, int kVec, int kPacks, int kGroup = 1>
+ffi::Error LaunchPairs(const DropoutRows& d, const CausalPairs& cp, const LaunchCtx& c,
+                       int64_t min_threads) {
+  if constexpr (kGroup < DropoutMaxRowThreads(kPacks)) {
+    if (kGroup < min_threads) return LaunchPairs<T, kVec, kPacks, 2 * kGroup>(d, cp, c, min_threads);
+  }
+  constexpr int kBlock = BlockThreads(kGroup);
+  constexpr int kUnitsPerBlock = kBlock / kGroup;
+  const int64_t needed = (cp.units + kUnitsPerBlock - 1) / kUnitsPerBlock;
+  const int grid = static_cast<int>(std::min<int64_t>(needed, INT_MAX));
+  return Launch(KernelLaunch(grid, kBlock, 0, c.stream, 1, c.dependent),
+                dropout_pairs_kernel<T, kVec, kGroup, kPacks>, "dropout pair kernel", d, cp);
+}
+
 template <typename T, int kVec, bool kBwd, DropoutForm kForm, int kPacks = DropoutPacks(kBwd, kForm)>
 ffi::Error LaunchRows(const DropoutRows& d, const LaunchCtx& c, bool vectors) {
   if (!vectors) return LaunchStream<T, 1, kBwd, kForm>(d, c);
   const int64_t width = d.rows.cols / kVec;
+  if constexpr (!kBwd && kForm == DropoutForm::kCausal && kPacks == 2) {
+    CausalPairs cp;
+    if (CausalPairsOf<kVec>(d, cp)) {
+      if (width < kCausalFourPacksFrom && width <= 2 * DropoutMaxRowThreads(2))
+        return LaunchPairs<T, kVec, 2>(d, cp, c, (width + 1) / 2);
+      if (width <= 4 * DropoutMaxRowThreads(4))
+        return LaunchPairs<T, kVec, 4>(d, cp, c, (width + 3) / 4);
+    }
+  }
   if constexpr (!kBwd && kPacks == 2) {
     if (FourPacksForward<kForm>(d, width)) return LaunchRows<T, kVec, kBwd, kForm, 4>(d, c, vectors);
   }

@@ -417,6 +417,196 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(Bl
   }
 }
 
+// --- causal row pairs -----------------------------------------------------------------------------
+// A causal forward row of query q reads only its first min(q + 1, Sk) columns; on the register
+// kernel its lane group's slots past the limit hold no load, so a CTA keeps about half the bytes
+// of a plain row in flight for the same registers. A pair unit fills them: one lane group of
+// C = kGroup * kPacks vector slots takes rows q and R - 1 - q of a query block (R = Sq - kVec:
+// CausalPairs), whose live columns, (q + 1) + (R - q) = Sq - kVec + 1, fit ceil(Sq / kVec) <= C
+// vectors even where both rows end inside a vector; the last kVec rows (and the middle one of an
+// odd R) go alone. Row A's live vectors take slots [0, VA), row B's the last VB slots, and the
+// group's lanes share the zeros past both limits. Needs Sq <= Sk (then no row is longer than its
+// query index + 1) and the call's own causal limits (no place table's).
+struct CausalPairs {
+  int64_t units = 0;          // units of the whole call: (rows / Sq) * units_per_block
+  RowDivisor per_block;       // units per query block: R / 2 pairs, then the single rows
+  int32_t paired_rows = 0;    // R = max(0, Sq - kVec)
+
+  // The rows of `unit` (b = -1: a single row).
+  __device__ __forceinline__ void rows_of(int64_t unit, int64_t query_len, int64_t& a,
+                                          int64_t& b) const {
+    const int64_t block = per_block.quotient(unit);
+    const int64_t u = unit - block * per_block.d, first = block * query_len;
+    const int64_t pairs = paired_rows / 2, middle = paired_rows & 1;
+    if (u < pairs) {
+      a = first + u;
+      b = first + paired_rows - 1 - u;
+    } else {
+      const int64_t s = u - pairs;
+      a = first + (s < middle ? pairs : paired_rows + s - middle);
+      b = -1;
+    }
+  }
+};
+
+// Reduction state of a unit's two rows, reduced side by side.
+template <typename S>
+struct Both {
+  S a, b;
+  static __device__ __forceinline__ Both identity() { return {S::identity(), S::identity()}; }
+};
+template <typename S>
+__device__ __forceinline__ Both<S> combine(Both<S> x, Both<S> y) {
+  return {combine(x.a, y.a), combine(x.b, y.b)};
+}
+template <typename S>
+__device__ __forceinline__ Both<S> shfl_xor(Both<S> v, int offset) {
+  return {shfl_xor(v.a, offset), shfl_xor(v.b, offset)};
+}
+
+// One row's outputs at pack slots whose statistics are st: softmax / (1 - rate) at kept
+// positions of a finite row, 0 for a row with nothing finite, NaN at the valid kept positions of
+// a NaN row: store_dropped / store_zeros / store_nan_row's rule, chosen per vector (a unit's
+// vectors belong to two rows) and written against the row's limit and output pointer alone.
+// Through the row loaders (their mask pointers, ends and shifts live to the stores) and with the
+// slot decoding in a helper, ptxas sm_90a gave 2-30 registers more (bfloat16 two vectors 59-63 ->
+// 64, four 95-100 -> 104-107) and spilled the float64 blocks and the 16-bit lane groups.
+template <typename T, typename A, int kVec>
+__device__ __forceinline__ void store_pair_pack(T* dst, int c, int limit, const A (&e_v)[kVec],
+                                                A sum, A fm, const KeepWords<kVec>& keep,
+                                                uint32_t thr) {
+  A o[kVec];
+  if (sum > A(0)) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) o[e] = keep.kept(e, thr) ? e_v[e] * fm : A(0);
+  } else {
+    const A fill = sum == A(0) ? A(0) : A(NAN);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) o[e] = keep.kept(e, thr) && c + e <= limit ? fill : A(0);
+  }
+  store_vec_acc<kVec>(dst + c, o);
+}
+
+template <typename T, int kVec, int kGroup, int kPacks>
+__global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(BlockThreads(kGroup), kPacks))
+    dropout_pairs_kernel(const DropoutRows d, const CausalPairs cp) {
+  using A = acc_t<T>;
+  using Loader = RowLoader<T, kVec, /*kBwd=*/false, Access::kGeneral>;
+  constexpr int kBlock = BlockThreads(kGroup);
+  constexpr int kUnitsPerBlock = kBlock / kGroup;
+  constexpr int kSlots = kGroup * kPacks;
+  wait_prior_grids_release_next();
+  __shared__ Both<MaxSum<A>> slots[2][32];
+
+  const RowParams& p = d.rows;
+  const int lane = threadIdx.x % kGroup, group = threadIdx.x / kGroup;
+  const A mult = static_cast<A>(d.dropout.multiplier);
+  const uint32_t thr = d.dropout.threshold << 16;
+  const int width = static_cast<int>(p.cols / kVec);
+  uint32_t use = 0;
+  for (int64_t unit0 = int64_t(blockIdx.x) * kUnitsPerBlock; unit0 < cp.units;
+       unit0 += int64_t(gridDim.x) * kUnitsPerBlock, ++use) {
+    const int64_t unit = unit0 + group;
+    int64_t ra = 0, rb = -1;
+    if (unit < cp.units) cp.rows_of(unit, p.causal.d, ra, rb);
+    const bool a_ok = unit < cp.units, b_ok = rb >= 0;
+    const Loader la(p, ra, a_ok), lb(p, b_ok ? rb : 0, b_ok);  // limit -1 where not ok
+    const DropoutKey ka = a_ok ? d.dropout.KeyOf(ra) : DropoutKey{0, 0, 0};
+    const DropoutKey kb = b_ok ? d.dropout.KeyOf(rb) : DropoutKey{0, 0, 0};
+    const int va = (la.limit + kVec) / kVec, vb = (lb.limit + kVec) / kVec;
+    const int b_from = kSlots - vb;  // row B's slots: [b_from, kSlots); va <= b_from (CausalPairs)
+    T* const out_a = la.out_row(p, ra);
+    T* const out_b = lb.out_row(p, b_ok ? rb : 0);
+
+    // Every load first, then the keep bits while they are on their way (as load_part).
+    T xs[kPacks][kVec];
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int j = k * kGroup + lane;
+      const bool in_b = j >= b_from;
+      zero_vec(xs[k]);
+      if (j < va || in_b) load_vec<kVec>((in_b ? lb.in + (j - b_from) * kVec : la.in + j * kVec), xs[k]);
+    }
+    KeepWords<kVec> keep[kPacks];
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int j = k * kGroup + lane;
+      const bool in_b = j >= b_from;
+      keep[k] = j < va || in_b ? keep_words<kVec>(in_b ? kb : ka, (in_b ? j - b_from : j) * kVec)
+                               : KeepWords<kVec>{};
+    }
+    // The zeros past both limits, shared by the group's lanes while the loads are in flight.
+    const int dead_a = a_ok ? width - va : 0, dead = dead_a + (b_ok ? width - vb : 0);
+    for (int t = lane; t < dead; t += kGroup) {
+      const A zeros[kVec] = {};
+      if (t < dead_a) store_vec_acc<kVec>(out_a + (va + t) * kVec, zeros);
+      else store_vec_acc<kVec>(out_b + (vb + t - dead_a) * kVec, zeros);
+    }
+
+    // z = scale * x up to each row's limit, -inf past it and in the slots of neither row.
+    A v[kPacks][kVec];
+    Max<A> ma = Max<A>::identity(), mb = Max<A>::identity();
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int j = k * kGroup + lane;
+      const bool in_b = j >= b_from, live = j < va || in_b;
+      const int c = (in_b ? j - b_from : j) * kVec, limit = in_b ? lb.limit : la.limit;
+      A m = neg_inf<A>();
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        v[k][e] = live && c + e <= limit ? la.scale * to_acc(xs[k][e]) : neg_inf<A>();
+        m = row_max(m, v[k][e]);
+      }
+      if (in_b) mb.m = row_max(mb.m, m);
+      else ma.m = row_max(ma.m, m);
+    }
+    const Both<Max<A>> group_max = group_allreduce<kGroup <= 32 ? kGroup : 32>(Both<Max<A>>{ma, mb});
+    const A shift_a = group_max.a.m == neg_inf<A>() ? A(0) : group_max.a.m;
+    const A shift_b = group_max.b.m == neg_inf<A>() ? A(0) : group_max.b.m;
+    A sa = A(0), sb = A(0);
+    bool any_a = false, any_b = false;
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int j = k * kGroup + lane;
+      const bool in_b = j >= b_from;
+      const A shift = in_b ? shift_b : shift_a;
+      A s = A(0);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        v[k][e] = exp_acc(v[k][e] - shift);
+        s += v[k][e];
+      }
+      if (in_b) sb += s, any_b = true;
+      else if (j < va) sa += s, any_a = true;
+    }
+    // A thread with no position of a row reports -0 for it (exp_sum's convention).
+    const Both<Sum<A>> group_sum = group_allreduce<kGroup <= 32 ? kGroup : 32>(
+        Both<Sum<A>>{{any_a ? sa : -A(0)}, {any_b ? sb : -A(0)}});
+    FwdStats<A> st_a, st_b;
+    if constexpr (kGroup <= 32) {
+      st_a = group_stats(MaxSum<A>{group_max.a.m, group_sum.a.s}, false);
+      st_b = group_stats(MaxSum<A>{group_max.b.m, group_sum.b.s}, false);
+    } else {
+      const Both<MaxSum<A>> warp{{group_max.a.m, group_sum.a.s}, {group_max.b.m, group_sum.b.s}};
+      const Both<MaxSum<A>> total = block_allreduce<kBlock, /*kWarpReduced=*/true>(warp, slots[use & 1]);
+      st_a = fwd_stats(warp.a.m, total.a, false);
+      st_b = fwd_stats(warp.b.m, total.b, false);
+    }
+    if (lane == 0 && a_ok) static_cast<A*>(d.lse)[ra] = row_lse(st_a.max, st_a.sum);
+    if (lane == 0 && b_ok) static_cast<A*>(d.lse)[rb] = row_lse(st_b.max, st_b.sum);
+    const A fm_a = st_a.factor * mult, fm_b = st_b.factor * mult;
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+      const int j = k * kGroup + lane;
+      const bool in_b = j >= b_from;
+      if (in_b)
+        store_pair_pack<T>(out_b, (j - b_from) * kVec, lb.limit, v[k], st_b.sum, fm_b, keep[k], thr);
+      else if (j < va)
+        store_pair_pack<T>(out_a, j * kVec, la.limit, v[k], st_a.sum, fm_a, keep[k], thr);
+    }
+  }
+}
+
 // --- streaming rows --------------------------------------------------------------------------------
 // One row per CTA of kBlock threads, in chunks of kBlock * kPacks vectors: a first sweep for the
 // statistics (forward: running (max, sum) merged per chunk; backward: sum(y g)), a second for the

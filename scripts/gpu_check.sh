@@ -333,7 +333,7 @@ if want ncu; then
   # Our kernels (every __global__ of the kernel files that ffi/softmax_kernels.cuh includes: the short-row and staged backward
   # ones were missing until session 71, whose first profile caught nothing) and the benchmark's
   # Triton ones (fwd_tile, bwd_tile, ...).
-  ncu_kernels=${NCU_REGEX:-softmax_rows|softmax_short_rows|softmax_bwd_staged|dropout_rows|dropout_stream|fwd_tile|fwd_loop|bwd_tile|bwd_loop}
+  ncu_kernels=${NCU_REGEX:-softmax_rows|softmax_short_rows|softmax_bwd_staged|dropout_rows|dropout_pairs|dropout_stream|fwd_tile|fwd_loop|bwd_tile|bwd_loop}
   XLA_PYTHON_CLIENT_PREALLOCATE=false PROFILE_MIB=128 timeout "${NCU_TIMEOUT:-300}" \
     ncu --clock-control none -k "regex:$ncu_kernels" \
     $(for s in ${NCU_SECTIONS:-SpeedOfLight Occupancy LaunchStats WarpStateStats}; do echo --section $s; done) \

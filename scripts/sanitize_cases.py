@@ -295,6 +295,14 @@ def main():
                     a, scale=0.5, mask=mask, is_causal=causal, dropout_rate=0.2,
                     dropout_rng=jax.random.key(0)), s)
                 vjp(jnp.ones_like(y))[0].block_until_ready()
+            if cols <= 16384:
+                # Causal rows alone over up to 257 queries: the forward's pair kernel (two rows a
+                # lane group: rows q and Sq - V - 1 - q, the middle row, the last V rows alone).
+                sq = jnp.asarray(rng.standard_normal((1, 2, min(cols, 257), cols)), dtype)
+                y, vjp = jax.vjp(lambda a: jax_softmax.attention_softmax(
+                    a, scale=0.5, is_causal=True, dropout_rate=0.2,
+                    dropout_rng=jax.random.key(0)), sq)
+                vjp(jnp.ones_like(y))[0].block_until_ready()
             # A shard's causal rows (a place table: limits at query positions cols // 2 and on).
             shard = (1, 2, 4, cols)
             place = _philox.place_table(shard, (1, 2, cols, cols), (0, 0, cols // 2), 1,

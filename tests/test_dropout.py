@@ -323,29 +323,55 @@ def test_tier_lengths(backend, device, rng, dtype, variant):
         assert_close(dx, pull(g.astype(np.float64))[0], dtype, tol=GRAD_TOL, what=what + " dx")
 
 
+def check_causal_rows(device, rng, dtype, shape, key, rate, scale):
+    """Causal dropout attention over (B, H, Sq, Sk) scores without bias or mask: y and dx against
+    float64 references applying the same keep mask, and zeros past every query's limit."""
+    s = rounded(rng.standard_normal(shape) * 2, dtype)
+    g = rounded(rng.standard_normal(shape), dtype)
+
+    def fwd_bwd(s, g):
+        y, pull = jax.vjp(lambda s: attn(s, key, rate, scale=scale, causal=True), s)
+        return y, pull(g)[0]
+
+    y, dx = run(device, fwd_bwd, s, g)
+    keep = keep_of(key, shape, rate)
+    what = f"shape={shape}"
+    assert_close(y, np_dropout_attention(s, scale, None, None, True, keep, rate), dtype, what=what + " y")
+    sq, sk = shape[-2:]
+    assert np.all(np.triu(np.ones((sq, sk), bool), 1)[None, None] <= (y == 0)), what
+    _, pull = jax.vjp(lambda s: ref_with_mask(keep, rate)(s, scale, None, None, True),
+                      s.astype(np.float64))
+    assert_close(dx, pull(g.astype(np.float64))[0], dtype, tol=GRAD_TOL, what=what + " dx")
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
 def test_causal_square_rows(backend, device, rng, dtype):
     # Causal rows without bias or mask over square scores: each row's limit falls at another
     # column, so rows hold whole vectors before the limit, the vector that holds it (any offset)
     # and vectors past it; lengths about the kernels' vector widths and register-row sizes.
-    rate, key, scale = 0.25, jax.random.key(23), 0.6
     for n in (7, 8, 9, 63, 64, 65, 1000, 1024, 2049):
-        shape = (1, 2, n, n)
-        s = rounded(rng.standard_normal(shape) * 2, dtype)
-        g = rounded(rng.standard_normal(shape), dtype)
+        check_causal_rows(device, rng, dtype, (1, 2, n, n), jax.random.key(23), 0.25, 0.6)
 
-        def fwd_bwd(s, g):
-            y, pull = jax.vjp(lambda s: attn(s, key, rate, scale=scale, causal=True), s)
-            return y, pull(g)[0]
 
-        y, dx = run(device, fwd_bwd, s, g)
-        keep = keep_of(key, shape, rate)
-        what = f"n={n}"
-        assert_close(y, np_dropout_attention(s, scale, None, None, True, keep, rate), dtype, what=what + " y")
-        assert np.all(np.triu(np.ones((n, n), bool), 1)[None, None] <= (y == 0)), what
-        _, pull = jax.vjp(lambda s: ref_with_mask(keep, rate)(s, scale, None, None, True),
-                          s.astype(np.float64))
-        assert_close(dx, pull(g.astype(np.float64))[0], dtype, tol=GRAD_TOL, what=what + " dx")
+def pair_shapes(dtype):
+    """(B, H, Sq, Sk) causal scores about the row-pair units of the CUDA causal forward (rows q
+    and Sq - V - 1 - q share a lane group, the last V rows and the middle one of an odd Sq - V go
+    alone; V the vector width): Sq <= V (no pairs), Sq = V + 1 (the middle row only), V + 2 (one
+    pair), an odd and an even Sq - V, Sq < Sk, Sq > Sk (not paired), lane groups of 8 and 32 lanes
+    and blocks of 64 and 128 threads (two and four vectors a thread), several query blocks."""
+    v = VEC[dtype]
+    shapes = [(1, 1, v, v), (2, 1, v + 1, 2 * v), (1, 2, v + 2, 4 * v), (1, 1, 7 * v + 3, 8 * v),
+              (2, 3, 16 * v, 16 * v), (1, 2, 40, 64 * v), (1, 1, 64 * v + 6, 64 * v),
+              (1, 2, 64 * v, 64 * v), (1, 1, 256 * v, 256 * v)]
+    if dtype == jnp.bfloat16:
+        shapes.append((1, 1, 4096, 4096))  # 512 vectors: four vectors a thread
+    return shapes
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
+def test_causal_pair_units(backend, device, rng, dtype):
+    for shape in pair_shapes(dtype):
+        check_causal_rows(device, rng, dtype, shape, jax.random.key(29), 0.3, 0.9)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
