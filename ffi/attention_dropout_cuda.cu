@@ -31,16 +31,6 @@ namespace {
 // 6-10% faster, backward 6%); rows of a causal limit only the causal form (no mask bytes or bias;
 // H100, session 86, bfloat16, us per call against the general form: forward S = 512 214 -> 196,
 // 2048 225 -> 208, 4096 231 -> 214 (191 at four vectors), backward S = 2048 255 -> 223).
-template <typename T, int kVec, int kGroup, int kPacks, bool kBwd, DropoutForm kForm>
-ffi::Error LaunchRegisterRows(const DropoutRows& d, const LaunchCtx& c) {
-  constexpr int kBlock = BlockThreads(kGroup);
-  constexpr int kRowsPerBlock = kBlock / kGroup;
-  const int64_t needed = (d.rows.rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  const int grid = static_cast<int>(std::min<int64_t>(needed, INT_MAX));
-  return Launch(KernelLaunch(grid, kBlock, 0, c.stream, 1, c.dependent),
-                dropout_rows_kernel<T, kVec, kGroup, kPacks, kBwd, kForm>, "dropout row kernel", d);
-}
-
 template <typename T, int kVec, bool kBwd, DropoutForm kForm>
 ffi::Error LaunchStream(const DropoutRows& d, const LaunchCtx& c) {
   constexpr auto kernel = dropout_stream_kernel<T, kVec, kBwd, kForm>;
@@ -51,14 +41,29 @@ ffi::Error LaunchStream(const DropoutRows& d, const LaunchCtx& c) {
                 "dropout streaming kernel", d);
 }
 
-// The register kernel of the fewest threads G >= min_threads (a power of two).
+// The register kernel of the fewest threads G >= min_threads (a power of two), or, given the
+// call's causal pairs, the pair kernel of that G (one pair unit a lane group).
 template <typename T, int kVec, bool kBwd, DropoutForm kForm, int kPacks, int kGroup = 1>
-ffi::Error LaunchRowsOfWidth(const DropoutRows& d, const LaunchCtx& c, int64_t min_threads) {
+ffi::Error LaunchRowsOfWidth(const DropoutRows& d, const LaunchCtx& c, int64_t min_threads,
+                             const CausalPairs* pairs) {
   if constexpr (kGroup < DropoutMaxRowThreads(kPacks)) {
     if (kGroup < min_threads)
-      return LaunchRowsOfWidth<T, kVec, kBwd, kForm, kPacks, 2 * kGroup>(d, c, min_threads);
+      return LaunchRowsOfWidth<T, kVec, kBwd, kForm, kPacks, 2 * kGroup>(d, c, min_threads, pairs);
   }
-  return LaunchRegisterRows<T, kVec, kGroup, kPacks, kBwd, kForm>(d, c);
+  constexpr int kBlock = BlockThreads(kGroup);
+  constexpr int kUnitsPerBlock = kBlock / kGroup;  // rows, or pair units
+  const int64_t units = pairs ? pairs->units : d.rows.rows;
+  const int64_t needed = (units + kUnitsPerBlock - 1) / kUnitsPerBlock;
+  const int grid = static_cast<int>(std::min<int64_t>(needed, INT_MAX));
+  const KernelLaunch launch(grid, kBlock, 0, c.stream, 1, c.dependent);
+  if constexpr (!kBwd && kForm == DropoutForm::kCausal) {
+    if (pairs) {
+      return Launch(launch, dropout_pairs_kernel<T, kVec, kGroup, kPacks>, "dropout pair kernel", d,
+                    *pairs);
+    }
+  }
+  return Launch(launch, dropout_rows_kernel<T, kVec, kGroup, kPacks, kBwd, kForm>,
+                "dropout row kernel", d);
 }
 
 // Forward rows that take four vectors a thread where their form's default is two (DropoutPacks,
@@ -87,38 +92,18 @@ bool CausalPairsOf(const DropoutRows& d, CausalPairs& cp) {
   return true;
 }
 
-template <typename T, int kVec, int kPacks, int kGroup = 1>
-ffi::Error LaunchPairs(const DropoutRows& d, const CausalPairs& cp, const LaunchCtx& c,
-                       int64_t min_threads) {
-  if constexpr (kGroup < DropoutMaxRowThreads(kPacks)) {
-    if (kGroup < min_threads) return LaunchPairs<T, kVec, kPacks, 2 * kGroup>(d, cp, c, min_threads);
-  }
-  constexpr int kBlock = BlockThreads(kGroup);
-  constexpr int kUnitsPerBlock = kBlock / kGroup;
-  const int64_t needed = (cp.units + kUnitsPerBlock - 1) / kUnitsPerBlock;
-  const int grid = static_cast<int>(std::min<int64_t>(needed, INT_MAX));
-  return Launch(KernelLaunch(grid, kBlock, 0, c.stream, 1, c.dependent),
-                dropout_pairs_kernel<T, kVec, kGroup, kPacks>, "dropout pair kernel", d, cp);
-}
-
 template <typename T, int kVec, bool kBwd, DropoutForm kForm, int kPacks = DropoutPacks(kBwd, kForm)>
 ffi::Error LaunchRows(const DropoutRows& d, const LaunchCtx& c, bool vectors) {
   if (!vectors) return LaunchStream<T, 1, kBwd, kForm>(d, c);
   const int64_t width = d.rows.cols / kVec;
-  if constexpr (!kBwd && kForm == DropoutForm::kCausal && kPacks == 2) {
-    CausalPairs cp;
-    if (CausalPairsOf<kVec>(d, cp)) {
-      if (width < kCausalFourPacksFrom && width <= 2 * DropoutMaxRowThreads(2))
-        return LaunchPairs<T, kVec, 2>(d, cp, c, (width + 1) / 2);
-      if (width <= 4 * DropoutMaxRowThreads(4))
-        return LaunchPairs<T, kVec, 4>(d, cp, c, (width + 3) / 4);
-    }
-  }
   if constexpr (!kBwd && kPacks == 2) {
     if (FourPacksForward<kForm>(d, width)) return LaunchRows<T, kVec, kBwd, kForm, 4>(d, c, vectors);
   }
   if (width > int64_t{kPacks} * DropoutMaxRowThreads(kPacks)) return LaunchStream<T, kVec, kBwd, kForm>(d, c);
-  return LaunchRowsOfWidth<T, kVec, kBwd, kForm, kPacks>(d, c, (width + kPacks - 1) / kPacks);
+  CausalPairs cp;
+  const bool paired = !kBwd && kForm == DropoutForm::kCausal && CausalPairsOf<kVec>(d, cp);
+  return LaunchRowsOfWidth<T, kVec, kBwd, kForm, kPacks>(d, c, (width + kPacks - 1) / kPacks,
+                                                         paired ? &cp : nullptr);
 }
 
 template <typename Tag, bool kBwd>

@@ -76,6 +76,22 @@ __device__ __forceinline__ Sum<A> shfl_xor(Sum<A> v, int offset) {
   return {__shfl_xor_sync(0xffffffffu, v.s, offset)};
 }
 
+// Two rows' states reduced side by side (the causal dropout forward's row pairs): one butterfly
+// or block reduction for both, each shuffle carrying both values.
+template <typename S>
+struct Both {
+  S a, b;
+  static __device__ __forceinline__ Both identity() { return {S::identity(), S::identity()}; }
+};
+template <typename S>
+__device__ __forceinline__ Both<S> combine(Both<S> x, Both<S> y) {
+  return {combine(x.a, y.a), combine(x.b, y.b)};
+}
+template <typename S>
+__device__ __forceinline__ Both<S> shfl_xor(Both<S> v, int offset) {
+  return {shfl_xor(v.a, offset), shfl_xor(v.b, offset)};
+}
+
 // --- reductions -------------------------------------------------------------------------------
 // All-reduce over aligned groups of kWidth lanes. Every lane of the warp must call it.
 template <int kWidth, typename S>

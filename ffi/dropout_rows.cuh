@@ -449,28 +449,14 @@ struct CausalPairs {
   }
 };
 
-// Reduction state of a unit's two rows, reduced side by side.
-template <typename S>
-struct Both {
-  S a, b;
-  static __device__ __forceinline__ Both identity() { return {S::identity(), S::identity()}; }
-};
-template <typename S>
-__device__ __forceinline__ Both<S> combine(Both<S> x, Both<S> y) {
-  return {combine(x.a, y.a), combine(x.b, y.b)};
-}
-template <typename S>
-__device__ __forceinline__ Both<S> shfl_xor(Both<S> v, int offset) {
-  return {shfl_xor(v.a, offset), shfl_xor(v.b, offset)};
-}
-
-// One row's outputs at pack slots whose statistics are st: softmax / (1 - rate) at kept
-// positions of a finite row, 0 for a row with nothing finite, NaN at the valid kept positions of
-// a NaN row: store_dropped / store_zeros / store_nan_row's rule, chosen per vector (a unit's
-// vectors belong to two rows) and written against the row's limit and output pointer alone.
-// Through the row loaders (their mask pointers, ends and shifts live to the stores) and with the
-// slot decoding in a helper, ptxas sm_90a gave 2-30 registers more (bfloat16 two vectors 59-63 ->
-// 64, four 95-100 -> 104-107) and spilled the float64 blocks and the 16-bit lane groups.
+// One row's outputs at one vector slot, from e_v = exp(z - shift), the row's sum and fm (the factor
+// that turns e_v into softmax / (1 - rate)): that at kept positions of a finite row, 0 for a row
+// with nothing finite, NaN at the valid kept positions of a NaN row: store_dropped / store_zeros /
+// store_nan_row's rule, chosen per vector (a unit's vectors belong to two rows) and written against
+// the row's limit and output pointer alone. Through the row loaders (their mask pointers, ends and
+// shifts live to the stores) and with the slot decoding in a helper, ptxas sm_90a gave 2-30
+// registers more (bfloat16 two vectors 59-63 -> 64, four 95-100 -> 104-107) and spilled the float64
+// blocks and the 16-bit lane groups.
 template <typename T, typename A, int kVec>
 __device__ __forceinline__ void store_pair_pack(T* dst, int c, int limit, const A (&e_v)[kVec],
                                                 A sum, A fm, const KeepWords<kVec>& keep,

@@ -362,7 +362,7 @@ def pair_shapes(dtype):
     v = VEC[dtype]
     shapes = [(1, 1, v, v), (2, 1, v + 1, 2 * v), (1, 2, v + 2, 4 * v), (1, 1, 7 * v + 3, 8 * v),
               (2, 3, 16 * v, 16 * v), (1, 2, 40, 64 * v), (1, 1, 64 * v + 6, 64 * v),
-              (1, 2, 64 * v, 64 * v), (1, 1, 256 * v, 256 * v)]
+              (1, 2, 64 * v, 64 * v), (1, 1, 128 * v - 3, 128 * v), (1, 1, 256 * v, 256 * v)]
     if dtype == jnp.bfloat16:
         shapes.append((1, 1, 4096, 4096))  # 512 vectors: four vectors a thread
     return shapes
