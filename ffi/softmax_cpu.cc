@@ -63,17 +63,29 @@ float* KeptRowBuffer(int64_t n) {
   return buffer.get();
 }
 
-// Rows of exactly W columns (a multiple of kLanes, at most kShortRowMax) without bias, mask or
-// causal limit: the one-chunk path of ForwardRows below with the width known at compile time, so
-// that every loop is a fixed run of full vectors (no remainder, no padding, no per-row operand
-// lookups), kShortRowGroup rows at a time, each step for all of them before the next (their
-// max, exp and sum chains overlap). The same operations in the same order: the same bits.
+// Rows of exactly W columns (a multiple of kLanes; at most kShortRowMax, and kShortRowMaxBytes of
+// storage: ShortRowWidth) without bias, mask or causal limit: the one-chunk path of ForwardRows
+// below with the width known at compile time, so that every loop is a fixed run of full vectors
+// (no remainder, no padding, no per-row operand lookups), kShortRowGroup rows at a time, each step
+// for all of them before the next (their max, exp and sum chains overlap). The same operations in
+// the same order: the same bits.
 // Measured single-thread (AVX-512, Zen 4 VM; ns per row, generic -> this): float32 N = 32
 // 37 -> 21, 64 57 -> 37, 128 87 -> 68; bfloat16 N = 32 48 -> 25, 64 70 -> 42, 128 108 -> 77,
 // 256 172 -> 143. Groups of 1 / 2 / 4 / 8 rows: bfloat16 N = 64 60 / 48 / 42 / 42, float32 N = 64
-// 40 / 38 / 37 / 58. Not past 256: at 512 float32 went 282 -> 332, at 1024 538 -> 808.
+// 40 / 38 / 37 / 58. Not past 256: at 512 float32 went 282 -> 332, at 1024 538 -> 808. Not past
+// 512 bytes a row: float32 rows of 256 (1 KiB) ran faster on the generic path with inputs cold in
+// the caches (s93: one process, calls interleaved, 695 / 876 -> 590 / 804 us; the benchmark, three
+// rounds alternating builds, 0.80-0.85x -> 0.92-1.22x of XLA), while bfloat16 rows of 256 (512
+// bytes) stayed faster here (1930 / 1129 against 3310 / 1353 us).
 constexpr int64_t kShortRowMax = 256;
+constexpr int64_t kShortRowMaxBytes = 512;
 constexpr int kShortRowGroup = 4;
+
+// Whether rows of W columns of storage type S take the fixed-width path.
+template <typename S>
+constexpr bool ShortRowWidth(int64_t w) {
+  return w <= kShortRowMax && w * int64_t(sizeof(S)) <= kShortRowMaxBytes;
+}
 
 template <typename Tag, int W, int R>
 JS_INLINE void ShortPlainRowGroup(const RowParams& p, int64_t row) {
@@ -137,15 +149,17 @@ JS_INLINE void ShortPlainRows(const RowParams& p, int64_t r0, int64_t r1) {
   for (; row < r1; ++row) ShortPlainRowGroup<Tag, W, 1>(p, row);
 }
 
-// The ShortPlainRows instance for cols W = kLanes * k (k = 1, 2, 4, ..., kShortRowMax / kLanes);
+// The ShortPlainRows instance for cols W = kLanes * k (k = 1, 2, 4, ... while ShortRowWidth);
 // false where none applies.
 template <typename Tag, int W = kLanes>
 JS_INLINE bool RunShortPlainRows(const RowParams& p, int64_t r0, int64_t r1) {
+  using S = typename Dtype<Tag>::Storage;
+  static_assert(ShortRowWidth<S>(W), "the narrowest fixed width takes the fixed-width path");
   if (p.cols == W) {
     ShortPlainRows<Tag, W>(p, r0, r1);
     return true;
   }
-  if constexpr (2 * W <= kShortRowMax) {
+  if constexpr (ShortRowWidth<S>(2 * W)) {
     return RunShortPlainRows<Tag, 2 * W>(p, r0, r1);
   }
   return false;
@@ -153,8 +167,8 @@ JS_INLINE bool RunShortPlainRows(const RowParams& p, int64_t r0, int64_t r1) {
 
 template <typename Tag>
 JS_INLINE void ForwardRows(const RowParams& p, int64_t r0, int64_t r1) {
-  if (!p.bias.data && !p.mask.data && p.causal.d <= 0 && p.cols <= kShortRowMax &&
-      RunShortPlainRows<Tag>(p, r0, r1)) {
+  if (!p.bias.data && !p.mask.data && p.causal.d <= 0 &&
+      ShortRowWidth<typename Dtype<Tag>::Storage>(p.cols) && RunShortPlainRows<Tag>(p, r0, r1)) {
     return;
   }
   using D = Dtype<Tag>;
