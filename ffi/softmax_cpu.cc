@@ -73,10 +73,8 @@ float* KeptRowBuffer(int64_t n) {
 // 37 -> 21, 64 57 -> 37, 128 87 -> 68; bfloat16 N = 32 48 -> 25, 64 70 -> 42, 128 108 -> 77,
 // 256 172 -> 143. Groups of 1 / 2 / 4 / 8 rows: bfloat16 N = 64 60 / 48 / 42 / 42, float32 N = 64
 // 40 / 38 / 37 / 58. Not past 256: at 512 float32 went 282 -> 332, at 1024 538 -> 808. Not past
-// 512 bytes a row: float32 rows of 256 (1 KiB) ran faster on the generic path with inputs cold in
-// the caches (s93: one process, calls interleaved, 695 / 876 -> 590 / 804 us; the benchmark, three
-// rounds alternating builds, 0.80-0.85x -> 0.92-1.22x of XLA), while bfloat16 rows of 256 (512
-// bytes) stayed faster here (1930 / 1129 against 3310 / 1353 us).
+// 512 bytes a row: on inputs cold in the caches float32 rows of 256 ran faster on the generic path
+// (benchmark 0.80-0.85x -> 0.92-1.22x of XLA; bfloat16 256 stayed faster here: TUNING.md, CPU, s93).
 constexpr int64_t kShortRowMax = 256;
 constexpr int64_t kShortRowMaxBytes = 512;
 constexpr int kShortRowGroup = 4;
@@ -120,15 +118,11 @@ JS_INLINE void ShortPlainRowGroup(const RowParams& p, int64_t row) {
 }
 
 // Each group first prefetches the group kShortRowPrefetchBytes ahead of it (rows of the array
-// only; rows of the next block are another thread's, which is harmless). Without it, inputs cold in
-// the caches (a jitted chain on distinct 8 MiB inputs, as the benchmark times) cost these rows far
-// more than the generic path's (float32, us per call, warm -> cold: N = 128 477 -> 767, 256
-// 419 -> 518; N = 512 384 -> 404). A/B in one process, cold inputs, calls interleaved, 2-core
-// Zen 4 VM, two rounds (s93, us per call, none -> 128 KiB ahead): float32 N = 32 713 / 1005 ->
-// 643 / 954, 64 881 / 863 -> 703 / 677, 128 968 / 1044 -> 786 / 814, 256 721 / 1181 -> 569 / 728;
-// bfloat16 N = 32 1463 / 2039 -> 1308 / 1974, 64 1527 / 1363 -> 1348 / 1145, 128 2509 / 1222 ->
-// 1627 / 1080, 256 1199 / 1499 -> 975 / 1127. 32-64 KiB ahead gained less; 256 KiB no more
-// (float32 N = 32 589 / 985, 64 623 / 740).
+// only; rows of the next block are another thread's, which is harmless): inputs cold in the caches,
+// as the benchmark's chains of distinct inputs, cost these rows far more than the generic path's
+// (float32 N = 128 477 -> 767 us warm -> cold, N = 512 384 -> 404), and the prefetch won at every
+// width of both dtypes (float32 N = 128 968 -> 786 us; 32-64 KiB gained less, 256 KiB no more:
+// TUNING.md, CPU, s93).
 constexpr int64_t kShortRowPrefetchBytes = 128 * 1024;
 
 template <typename Tag, int W>
@@ -167,8 +161,7 @@ JS_INLINE bool RunShortPlainRows(const RowParams& p, int64_t r0, int64_t r1) {
 
 template <typename Tag>
 JS_INLINE void ForwardRows(const RowParams& p, int64_t r0, int64_t r1) {
-  if (!p.bias.data && !p.mask.data && p.causal.d <= 0 &&
-      ShortRowWidth<typename Dtype<Tag>::Storage>(p.cols) && RunShortPlainRows<Tag>(p, r0, r1)) {
+  if (!p.bias.data && !p.mask.data && p.causal.d <= 0 && RunShortPlainRows<Tag>(p, r0, r1)) {
     return;
   }
   using D = Dtype<Tag>;
