@@ -37,7 +37,9 @@ namespace jax_softmax {
 // and the causal one 251 -> 273. (Four at 64 registers spilled: 16-bit forward 52-100 bytes, the
 // 16-bit backward 270-410.) Rows of a causal limit only (kCausal) take four from
 // kCausalFourPacksFrom vectors a row: H100, session 86, bfloat16 forward, two -> four vectors: S =
-// 512 (64 vectors) 196 -> 201, 2048 (256) 208 -> 207, 4096 (512) 214 -> 191. Rows of a mask without
+// 512 (64 vectors) 196 -> 201, 2048 (256) 208 -> 207, 4096 (512) 214 -> 191; the row-pair kernel
+// at four from 64 / 128 / 256 vectors instead of 512 (H100, session 94, S = 512-4096) moved no
+// point by more than 2 us of 143-150. Rows of a mask without
 // a bias take four at every width: H100, session 88, bfloat16 forward, a (B, 1, 1, S) padding mask
 // S = 2048 236 -> 205, 4096 242 -> 210, a (B, H, S, S) mask 4096 253 -> 227 (measured with
 // Philox-4x32-7 against 10 rounds, whose own share, the plain forward's control, was 194 -> 190).
@@ -425,26 +427,31 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(Bl
 // CausalPairs), whose live columns, (q + 1) + (R - q) = Sq - kVec + 1, fit ceil(Sq / kVec) <= C
 // vectors even where both rows end inside a vector; the last kVec rows (and the middle one of an
 // odd R) go alone. Row A's live vectors take slots [0, VA), row B's the last VB slots, and the
-// group's lanes share the zeros past both limits. Needs Sq <= Sk (then no row is longer than its
-// query index + 1) and the call's own causal limits (no place table's).
+// group's lanes share the zeros past both limits. Needs Sq <= Sk (then a row's limit is its query
+// position), the call's own causal limits (no place table's) and query blocks that do not straddle
+// two keys (rows per key a multiple of Sq: both rows of a unit share the key, their counters' row
+// indices differ by qb - qa).
 struct CausalPairs {
   int64_t units = 0;          // units of the whole call: (rows / Sq) * units_per_block
   RowDivisor per_block;       // units per query block: R / 2 pairs, then the single rows
   int32_t paired_rows = 0;    // R = max(0, Sq - kVec)
 
-  // The rows of `unit` (b = -1: a single row).
-  __device__ __forceinline__ void rows_of(int64_t unit, int64_t query_len, int64_t& a,
-                                          int64_t& b) const {
+  // The rows of `unit` as its query block's first row and the query positions qa and qb of its
+  // rows in the block (qb = -1: a single row). A causal row's limit is its query position
+  // (Sq <= Sk), so a unit needs no division besides this one.
+  __device__ __forceinline__ void rows_of(int64_t unit, int64_t query_len, int64_t& first,
+                                          int& qa, int& qb) const {
     const int64_t block = per_block.quotient(unit);
-    const int64_t u = unit - block * per_block.d, first = block * query_len;
-    const int64_t pairs = paired_rows / 2, middle = paired_rows & 1;
+    const int u = static_cast<int>(unit - block * per_block.d);
+    first = block * query_len;
+    const int pairs = paired_rows / 2, middle = paired_rows & 1;
     if (u < pairs) {
-      a = first + u;
-      b = first + paired_rows - 1 - u;
+      qa = u;
+      qb = paired_rows - 1 - u;
     } else {
-      const int64_t s = u - pairs;
-      a = first + (s < middle ? pairs : paired_rows + s - middle);
-      b = -1;
+      const int s = u - pairs;
+      qa = s < middle ? pairs : paired_rows + s - middle;
+      qb = -1;
     }
   }
 };
@@ -477,7 +484,6 @@ template <typename T, int kVec, int kGroup, int kPacks>
 __global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(BlockThreads(kGroup), kPacks))
     dropout_pairs_kernel(const DropoutRows d, const CausalPairs cp) {
   using A = acc_t<T>;
-  using Loader = RowLoader<T, kVec, /*kBwd=*/false, Access::kGeneral>;
   constexpr int kBlock = BlockThreads(kGroup);
   constexpr int kUnitsPerBlock = kBlock / kGroup;
   constexpr int kSlots = kGroup * kPacks;
@@ -488,21 +494,26 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(Bl
   const int lane = threadIdx.x % kGroup, group = threadIdx.x / kGroup;
   const A mult = static_cast<A>(d.dropout.multiplier);
   const uint32_t thr = d.dropout.threshold << 16;
+  const A scale = static_cast<A>(p.scale);
   const int width = static_cast<int>(p.cols / kVec);
   uint32_t use = 0;
   for (int64_t unit0 = int64_t(blockIdx.x) * kUnitsPerBlock; unit0 < cp.units;
        unit0 += int64_t(gridDim.x) * kUnitsPerBlock, ++use) {
     const int64_t unit = unit0 + group;
-    int64_t ra = 0, rb = -1;
-    if (unit < cp.units) cp.rows_of(unit, p.causal.d, ra, rb);
-    const bool a_ok = unit < cp.units, b_ok = rb >= 0;
-    const Loader la(p, ra, a_ok), lb(p, b_ok ? rb : 0, b_ok);  // limit -1 where not ok
+    int64_t first = 0;
+    int la = -1, lb = -1;  // the rows' limits (query positions); -1: no such row
+    if (unit < cp.units) cp.rows_of(unit, p.causal.d, first, la, lb);
+    const bool a_ok = la >= 0, b_ok = lb >= 0;
+    const int64_t ra = first + la, rb = first + lb;
     const DropoutKey ka = a_ok ? d.dropout.KeyOf(ra) : DropoutKey{0, 0, 0};
-    const DropoutKey kb = b_ok ? d.dropout.KeyOf(rb) : DropoutKey{0, 0, 0};
-    const int va = (la.limit + kVec) / kVec, vb = (lb.limit + kVec) / kVec;
+    const DropoutKey kb{ka.k0, ka.k1, ka.index + static_cast<uint64_t>(int64_t(lb) - la)};
+    const int va = (la + kVec) / kVec, vb = (lb + kVec) / kVec;
     const int b_from = kSlots - vb;  // row B's slots: [b_from, kSlots); va <= b_from (CausalPairs)
-    T* const out_a = la.out_row(p, ra);
-    T* const out_b = lb.out_row(p, b_ok ? rb : 0);
+    const int64_t off_a = a_ok ? ra * p.cols : 0, off_b = b_ok ? rb * p.cols : 0;
+    const T* const x_a = static_cast<const T*>(p.in) + off_a;
+    const T* const x_b = static_cast<const T*>(p.in) + off_b;
+    T* const out_a = static_cast<T*>(p.out) + off_a;
+    T* const out_b = static_cast<T*>(p.out) + off_b;
 
     // Every load first, then the keep bits while they are on their way (as load_part).
     T xs[kPacks][kVec];
@@ -511,7 +522,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(Bl
       const int j = k * kGroup + lane;
       const bool in_b = j >= b_from;
       zero_vec(xs[k]);
-      if (j < va || in_b) load_vec<kVec>((in_b ? lb.in + (j - b_from) * kVec : la.in + j * kVec), xs[k]);
+      if (j < va || in_b) load_vec<kVec>((in_b ? x_b + (j - b_from) * kVec : x_a + j * kVec), xs[k]);
     }
     KeepWords<kVec> keep[kPacks];
 #pragma unroll
@@ -536,11 +547,11 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(Bl
     for (int k = 0; k < kPacks; ++k) {
       const int j = k * kGroup + lane;
       const bool in_b = j >= b_from, live = j < va || in_b;
-      const int c = (in_b ? j - b_from : j) * kVec, limit = in_b ? lb.limit : la.limit;
+      const int c = (in_b ? j - b_from : j) * kVec, limit = in_b ? lb : la;
       A m = neg_inf<A>();
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        v[k][e] = live && c + e <= limit ? la.scale * to_acc(xs[k][e]) : neg_inf<A>();
+        v[k][e] = live && c + e <= limit ? scale * to_acc(xs[k][e]) : neg_inf<A>();
         m = row_max(m, v[k][e]);
       }
       if (in_b) mb.m = row_max(mb.m, m);
@@ -586,9 +597,9 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(Bl
       const int j = k * kGroup + lane;
       const bool in_b = j >= b_from;
       if (in_b)
-        store_pair_pack<T>(out_b, (j - b_from) * kVec, lb.limit, v[k], st_b.sum, fm_b, keep[k], thr);
+        store_pair_pack<T>(out_b, (j - b_from) * kVec, lb, v[k], st_b.sum, fm_b, keep[k], thr);
       else if (j < va)
-        store_pair_pack<T>(out_a, j * kVec, la.limit, v[k], st_a.sum, fm_a, keep[k], thr);
+        store_pair_pack<T>(out_a, j * kVec, la, v[k], st_a.sum, fm_a, keep[k], thr);
     }
   }
 }

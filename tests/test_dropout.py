@@ -405,6 +405,29 @@ def test_placed_causal_rows(backend, device, rng, dtype):
         assert_close(dx, np.asarray(ref_dx), dtype, tol=GRAD_TOL, what=what + " dx")
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
+def test_causal_pair_keys(backend, device, rng, dtype):
+    # Causal rows under K keys (vmap over keys), with and without broadcast dropout: the CUDA pair
+    # kernel loads a unit's key once for both of its rows (rows per key a multiple of Sq: K = 1, 4,
+    # 8 here); K = 16 splits a query block between two keys, which the pair kernel does not take.
+    # Against the jnp formula of _philox.
+    shape = (4, 2, 40, 56)
+    s = rounded(rng.standard_normal(shape) * 2, dtype)
+    b, m = np.zeros((1, 1, 1, 1), s.dtype), np.ones((1, 1, 1, 1), bool)
+    for num_keys in (1, 4, 8, 16):
+        keys = np.concatenate([key_rows(jax.random.key(40 + i)) for i in range(num_keys)])
+        for broadcast in (False, True):
+            params = dict(scale=0.8, has_bias=False, has_mask=False, causal=True, rate=0.3,
+                          broadcast=broadcast)
+            fwd = lambda *a: jsd.kernel_dropout_fwd_p.bind(*a, **params)
+            out, lse = run(device, fwd, s, b, m, keys, _philox.no_place())
+            ref, ref_lse = _philox.forward(s.astype(np.float32), b.astype(np.float32), m, keys,
+                                           None, **params)
+            what = f"K={num_keys} broadcast={broadcast}"
+            assert_close(out, np.asarray(ref), dtype, what=what + " y")
+            assert_close(lse, np.asarray(ref_lse), jnp.float32, what=what + " lse")
+
+
 # --- broadcast_dropout, vmap, jit ---------------------------------------------------------------------
 def test_broadcast_dropout(backend, device):
     key = jax.random.key(21)
