@@ -63,26 +63,30 @@ float* KeptRowBuffer(int64_t n) {
   return buffer.get();
 }
 
-// Rows of exactly W columns (a multiple of kLanes; at most kShortRowMax, and kShortRowMaxBytes of
-// storage: ShortRowWidth) without bias, mask or causal limit: the one-chunk path of ForwardRows
-// below with the width known at compile time, so that every loop is a fixed run of full vectors
-// (no remainder, no padding, no per-row operand lookups), kShortRowGroup rows at a time, each step
-// for all of them before the next (their max, exp and sum chains overlap). The same operations in
-// the same order: the same bits.
+// Rows of exactly W columns (a multiple of kLanes, at most ShortRowMaxBytes of storage) without
+// bias, mask or causal limit: the one-chunk path of ForwardRows below with the width known at
+// compile time, so that every loop is a fixed run of full vectors (no remainder, no padding, no
+// per-row operand lookups), kShortRowGroup rows at a time, each step for all of them before the
+// next (their max, exp and sum chains overlap). The same operations in the same order: the same
+// bits.
 // Measured single-thread (AVX-512, Zen 4 VM; ns per row, generic -> this): float32 N = 32
 // 37 -> 21, 64 57 -> 37, 128 87 -> 68; bfloat16 N = 32 48 -> 25, 64 70 -> 42, 128 108 -> 77,
 // 256 172 -> 143. Groups of 1 / 2 / 4 / 8 rows: bfloat16 N = 64 60 / 48 / 42 / 42, float32 N = 64
-// 40 / 38 / 37 / 58. Not past 256: at 512 float32 went 282 -> 332, at 1024 538 -> 808. Not past
-// 512 bytes a row: on inputs cold in the caches float32 rows of 256 ran faster on the generic path
-// (benchmark 0.80-0.85x -> 0.92-1.22x of XLA; bfloat16 256 stayed faster here: TUNING.md, CPU, s93).
-constexpr int64_t kShortRowMax = 256;
-constexpr int64_t kShortRowMaxBytes = 512;
+// 40 / 38 / 37 / 58. But on inputs cold in the caches (the benchmark's chains of distinct inputs,
+// two threads) float32 rows past 256 bytes ran faster on the generic path, which reads them in
+// place (N = 128 and 256: 20-30% in every round; float64, read the same way, not measured), while
+// 16-bit rows, which it converts into a buffer, ran as fast or faster here to 512 bytes (TUNING.md,
+// CPU, s93-s94).
+template <typename S>
+constexpr int64_t ShortRowMaxBytes() {
+  return sizeof(S) == 2 ? 512 : 256;
+}
 constexpr int kShortRowGroup = 4;
 
 // Whether rows of W columns of storage type S take the fixed-width path.
 template <typename S>
 constexpr bool ShortRowWidth(int64_t w) {
-  return w <= kShortRowMax && w * int64_t(sizeof(S)) <= kShortRowMaxBytes;
+  return w * int64_t(sizeof(S)) <= ShortRowMaxBytes<S>();
 }
 
 template <typename Tag, int W, int R>

@@ -61,6 +61,26 @@ def test_chunk_boundaries(backend, device, rng, dtype, log, n):
     assert_close(y, np_softmax(x, log=log), dtype, what=f"N={n}")
 
 
+# Rows of W = 16-512 columns without bias or mask take the fixed-width rows while W is at most 256
+# bytes of float32 / float64 or 512 bytes of a 16-bit type (ShortRowWidth: float32 to 64, float64
+# to 32, 16-bit to 256), four rows a step: one row, a group and a remainder (7), and enough rows
+# for the prefetch ahead and for both threads (4099); the width past each bound takes the generic
+# path. Scaled logits, as a causal-free attention call passes them.
+@dtypes
+@logs
+@pytest.mark.parametrize("n", [16, 32, 64, 128, 256, 512])
+def test_fixed_width_rows(backend, device, rng, dtype, log, n):
+    for rows in (1, 7, 4099):
+        x = _randn(rng, (rows, n), dtype)
+        poison(device, x.shape, dtype)
+        y = run(device, _softmax(log), x)
+        assert_close(y, np_softmax(x, log=log), dtype, what=f"rows={rows} N={n}")
+    x = _randn(rng, (2, 3, 7, n), dtype)
+    poison(device, x.shape, dtype)
+    y = run(device, lambda a: js.attention_softmax(a, scale=0.3), x)
+    assert_close(y, np_attention(x, scale=0.3), dtype, what=f"scaled N={n}")
+
+
 @dtypes
 @logs
 @pytest.mark.parametrize("n", [2049, 6145])

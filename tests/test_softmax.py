@@ -107,12 +107,13 @@ def special_rows(dtype):
 # Rows of 4 columns, and the same rows repeated to 1001, 8193 and 24576 columns, which take other
 # kernels on the GPU (bfloat16: staged 32-lane rows and a staged block that keep x as loaded;
 # float16 the 32-lane rows only; both 16-bit types a reread block at 24576, which reads x from
-# shared memory in each pass); unmasked, 32 and 128 take the CPU's fixed-width rows (rows of at
-# most 512 bytes; float64 128 not), 256 those of 16-bit types only.
+# shared memory in each pass); unmasked, 32 and 64 take the CPU's fixed-width rows (float32 and
+# float64 rows of at most 256 bytes: float64 64 not; 16-bit rows of at most 512), 128 and 256 those
+# of 16-bit types only.
 @dtypes
 @funcs
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("n", [4, 32, 128, 256, 1001, 8193, 24576])
+@pytest.mark.parametrize("n", [4, 32, 64, 128, 256, 1001, 8193, 24576])
 def test_special_values_like_jax_nn(backend, device, dtype, fname, masked, n):
     f, ref_f, _ = FUNCS[fname]
     x = np.tile(special_rows(dtype), (1, -(-n // 4)))[:, :n]
