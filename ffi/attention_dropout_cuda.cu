@@ -24,7 +24,8 @@ namespace {
 //     own limits over Sq <= Sk: the pair kernel of the same G and P, two rows a lane group
 //     (CausalPairsOf; H100, session 92, bfloat16 256 MiB, us per call against the register
 //     kernel: S = 512 175 -> 164, 1024 175 -> 167, 2048 168 -> 166, 4096 168 -> 168, 8192
-//     175 -> 173; pairs at two vectors from S = 4096 on lost: 8192 173 -> 180).
+//     175 -> 173; pairs at two vectors from S = 4096 on lost: 8192 173 -> 180; session 94, each
+//     unit's rows, limits and key taken from its position: 164-173 -> 143-152).
 //   longer rows, and rows that are not whole aligned vectors: the streaming kernel (x read twice).
 // Rows without a bias, mask or causal limit take the kernels' plain form (Access::kPlain: no mask
 // bytes, no per-position selects; H100, session 85, bfloat16 S = 512-4096 at two vectors: forward
