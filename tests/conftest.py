@@ -105,6 +105,33 @@ def put(device, *arrays):
     return out[0] if len(out) == 1 else out
 
 
+# References computed with jnp run on the CPU as one compiled program per shape (on_cpu): op by op
+# on a GPU, every new shape compiled each jnp op again (1.5-2 s a dropout reference on the CPU
+# too). float32 dots are exact there too (a GPU's default precision may round inputs to TF32).
+CPU = jax.devices("cpu")[0]
+
+
+def on_cpu(fn, *args, **static):
+    """jax.jit(fn, static_argnames=static's keys) on `args` placed on the CPU; NumPy outputs."""
+    with jax.default_device(CPU):
+        out = jax.jit(fn, static_argnames=tuple(static))(*args, **static)
+    return jax.tree.map(np.asarray, out)
+
+
+def keep_mask_cpu(key, shape, rate, broadcast=False) -> np.ndarray:
+    """The fused dropout's keep mask (jax_softmax._philox) of `key` over `shape`."""
+    from jax_softmax import _philox
+
+    keys = np.asarray(_philox.key_words(key))
+    return on_cpu(_keep_mask, keys, shape=tuple(shape), rate=rate, broadcast=broadcast)
+
+
+def _keep_mask(keys, shape, rate, broadcast):
+    from jax_softmax import _philox
+
+    return _philox.keep_mask(keys, shape, rate, broadcast=broadcast)
+
+
 def run(device, fn, *args, **jit_kwargs):
     """jax.jit(fn) on the arguments placed on `device`; the outputs as NumPy arrays."""
     placed = [None if a is None else jax.device_put(a, device) for a in args]

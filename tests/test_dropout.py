@@ -5,8 +5,6 @@ vmap, errors, edge cases, and the Flax plug-in's dropout."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +18,9 @@ from conftest import (
     compiled_hlo,
     count_custom_calls,
     jnp_attention,
+    keep_mask_cpu,
     np_attention,
+    on_cpu,
     put,
     rounded,
     run,
@@ -44,7 +44,7 @@ def key_rows(key):
 
 
 def keep_of(key, shape, rate, broadcast=False):
-    return np.asarray(_philox.keep_mask(key_rows(key), shape, rate, broadcast=broadcast))
+    return keep_mask_cpu(key, shape, rate, broadcast)
 
 
 def np_dropout_attention(scores, scale, bias, mask, causal, keep, rate):
@@ -209,6 +209,18 @@ def ref_with_mask(keep, rate):
     return f
 
 
+def _ref_dx(s, g, keep, bias, mask, rate, scale, causal):
+    _, pull = jax.vjp(lambda s: ref_with_mask(keep, rate)(s, scale, bias, mask, causal), s)
+    return pull(g)[0]
+
+
+def ref_dx(s, g, keep, rate, scale, bias=None, mask=None, causal=False):
+    """float64 gradient of ref_with_mask(keep, rate) at s for the cotangent g (on the CPU)."""
+    f64 = lambda a: None if a is None else np.asarray(a, np.float64)
+    return on_cpu(_ref_dx, f64(s), f64(g), keep, f64(bias), mask, rate=rate, scale=scale,
+                  causal=causal)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=lambda d: DTYPE_IDS[d])
 @pytest.mark.parametrize("bias_shape,mask_shape,causal,scale,sk", [
     ((1, 3, 5, 7), (2, 1, 1, 7), True, 0.7, 7),
@@ -318,9 +330,8 @@ def test_tier_lengths(backend, device, rng, dtype, variant):
         keep = keep_of(key, s.shape, rate)
         assert_close(y, np_dropout_attention(s, scale, b, m, causal, keep, rate), dtype, what=what + " y")
         assert np.all(y[~keep] == 0), what
-        _, pull = jax.vjp(lambda s: ref_with_mask(keep, rate)(
-            s, scale, None if b is None else b.astype(np.float64), m, causal), s.astype(np.float64))
-        assert_close(dx, pull(g.astype(np.float64))[0], dtype, tol=GRAD_TOL, what=what + " dx")
+        assert_close(dx, ref_dx(s, g, keep, rate, scale, b, m, causal), dtype, tol=GRAD_TOL,
+                     what=what + " dx")
 
 
 def check_causal_rows(device, rng, dtype, shape, key, rate, scale):
@@ -339,9 +350,8 @@ def check_causal_rows(device, rng, dtype, shape, key, rate, scale):
     assert_close(y, np_dropout_attention(s, scale, None, None, True, keep, rate), dtype, what=what + " y")
     sq, sk = shape[-2:]
     assert np.all(np.triu(np.ones((sq, sk), bool), 1)[None, None] <= (y == 0)), what
-    _, pull = jax.vjp(lambda s: ref_with_mask(keep, rate)(s, scale, None, None, True),
-                      s.astype(np.float64))
-    assert_close(dx, pull(g.astype(np.float64))[0], dtype, tol=GRAD_TOL, what=what + " dx")
+    assert_close(dx, ref_dx(s, g, keep, rate, scale, causal=True), dtype, tol=GRAD_TOL,
+                 what=what + " dx")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: DTYPE_IDS[d])
@@ -394,9 +404,9 @@ def test_placed_causal_rows(backend, device, rng, dtype):
         out, lse = run(device, fwd, s, b, m, keys, place)
         dx = run(device, bwd, s, b, m, keys, lse, g, place)
         f32 = s.astype(np.float32)
-        ref, ref_lse = _philox.forward(f32, b.astype(np.float32), m, keys, place, **params)
-        ref_dx = _philox.backward(f32, b.astype(np.float32), m, keys, lse, g.astype(np.float32),
-                                  place, grad_scale=0.6, **params)
+        ref, ref_lse = on_cpu(_philox.forward, f32, b.astype(np.float32), m, keys, place, **params)
+        ref_dx = on_cpu(_philox.backward, f32, b.astype(np.float32), m, keys, lse,
+                        g.astype(np.float32), place, grad_scale=0.6, **params)
         what = f"cols={cols}"
         limit = first + np.arange(6)
         assert np.all((np.arange(cols) > limit[:, None]) <= (out == 0)), what
@@ -421,8 +431,8 @@ def test_causal_pair_keys(backend, device, rng, dtype):
                           broadcast=broadcast)
             fwd = lambda *a: jsd.kernel_dropout_fwd_p.bind(*a, **params)
             out, lse = run(device, fwd, s, b, m, keys, _philox.no_place())
-            ref, ref_lse = _philox.forward(s.astype(np.float32), b.astype(np.float32), m, keys,
-                                           None, **params)
+            ref, ref_lse = on_cpu(_philox.forward, s.astype(np.float32), b.astype(np.float32), m,
+                                  keys, None, **params)
             what = f"K={num_keys} broadcast={broadcast}"
             assert_close(out, np.asarray(ref), dtype, what=what + " y")
             assert_close(lse, np.asarray(ref_lse), jnp.float32, what=what + " lse")

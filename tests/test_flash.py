@@ -10,7 +10,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import DTYPE_IDS, assert_close, jnp_attention, np_attention, poison, rounded, run
+from conftest import (
+    DTYPE_IDS,
+    assert_close,
+    jnp_attention,
+    keep_mask_cpu,
+    np_attention,
+    on_cpu,
+    poison,
+    rounded,
+    run,
+)
 
 from jax_softmax import _philox
 from jax_softmax import flash as jsf
@@ -50,6 +60,17 @@ def jnp_flash(keep, rate, mask, causal, scale):
     return f
 
 
+def _flash_grads(q, k, v, g, keep, mask, rate, causal, scale):
+    return jax.vjp(jnp_flash(keep, rate, mask, causal, scale), q, k, v)[1](g)
+
+
+def flash_grads(q, k, v, g, keep, mask, rate, causal, scale):
+    """float32 (dq, dk, dv) of jnp_flash for the cotangent g (on the CPU)."""
+    f32 = [a.astype(np.float32) for a in (q, k, v, g)]
+    return on_cpu(_flash_grads, *f32, np.asarray(keep, np.float32), mask, rate=rate,
+                  causal=causal, scale=scale)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: DTYPE_IDS[d])
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_flash_matches_reference(backend, device, rng, dtype, case):
@@ -70,15 +91,14 @@ def test_flash_matches_reference(backend, device, rng, dtype, case):
     poison(device, q.shape, dtype, count=2)  # unwritten outputs show up as NaN
     poison(device, k.shape, dtype, count=2)
     y, dq, dk, dv = run(device, fwd_bwd, q, k, v, g)
-    keep = np.asarray(_philox.keep_mask(_philox.key_words(key), (b, h, sq, sk), rate, broadcast=False)) if rate else 1.0
+    keep = keep_mask_cpu(key, (b, h, sq, sk), rate) if rate else np.ones((b, h, sq, sk), bool)
     what = _case_id(case)
     assert_close(y, np_flash(q, k, v, mask, causal, scale, keep, rate), dtype, tol=OUT_TOL, what=what + " y")
     if masked:
         assert np.all(y[0, 3] == 0), what
-    f32 = [a.astype(np.float32) for a in (q, k, v, g)]
-    _, pull = jax.vjp(jnp_flash(jnp.asarray(keep, jnp.float32), rate, mask, causal, scale), *f32[:3])
-    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), pull(f32[3])):
-        assert_close(got, np.asarray(want), dtype, tol=GRAD_TOLS, what=f"{what} {name}")
+    want = flash_grads(q, k, v, g, keep, mask, rate, causal, scale)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        assert_close(got, want, dtype, tol=GRAD_TOLS, what=f"{what} {name}")
 
 
 @pytest.mark.parametrize("broadcast", [False, True], ids=["per_element", "broadcast"])
@@ -222,10 +242,9 @@ def test_flash_mask_tiles(backend, device, rng, pattern):
         return (y,) + pull(g)
 
     y, dq, dk, dv = run(device, fwd_bwd, q, k, v, g)
-    keep = np.asarray(_philox.keep_mask(_philox.key_words(key), (b, h, s, s), rate, broadcast=False))
+    keep = keep_mask_cpu(key, (b, h, s, s), rate)
     assert_close(y, np_flash(q, k, v, mask, False, scale, keep, rate), jnp.bfloat16, tol=OUT_TOL,
                  what=pattern + " y")
-    f32 = [a.astype(np.float32) for a in (q, k, v, g)]
-    _, pull = jax.vjp(jnp_flash(jnp.asarray(keep, jnp.float32), rate, mask, False, scale), *f32[:3])
-    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), pull(f32[3])):
-        assert_close(got, np.asarray(want), jnp.bfloat16, tol=GRAD_TOLS, what=f"{pattern} {name}")
+    want = flash_grads(q, k, v, g, keep, mask, rate, False, scale)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        assert_close(got, want, jnp.bfloat16, tol=GRAD_TOLS, what=f"{pattern} {name}")
