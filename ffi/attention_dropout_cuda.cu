@@ -67,38 +67,35 @@ ffi::Error LaunchRowsOfWidth(const DropoutRows& d, const LaunchCtx& c, int64_t m
                 "dropout row kernel", d);
 }
 
-// Causal forward rows in pairs (dropout_pairs_kernel): rows of the call's own causal limits (no
-// place table's) over Sq <= Sk, in query blocks of one key each (rows per key a multiple of Sq),
-// on the pair kernel of the fewest threads G (a power of two) whose G * P slots hold a row's
-// vectors. The units of a query block: R / 2 pairs (R = Sq - kVec), the middle row of an odd R,
-// then the last kVec rows alone.
-bool CausalPairsApply(const DropoutRows& d) {
-  const RowParams& p = d.rows;
-  const int64_t sq = p.causal.d;
-  return sq > 0 && sq <= p.cols && !d.dropout.place_causal && p.rows % sq == 0 &&
-         d.dropout.rows_per_key.d % sq == 0;
-}
-template <int kVec>
-CausalPairs CausalPairsOf(const DropoutRows& d) {
-  const RowParams& p = d.rows;
-  const int64_t sq = p.causal.d;
-  const int64_t paired = sq > kVec ? sq - kVec : 0;
-  const int64_t per_block = paired / 2 + paired % 2 + (sq - paired);
-  CausalPairs cp;
-  cp.units = p.rows / sq * per_block;
-  cp.per_block = RowDivisor(per_block, cp.units < (int64_t{1} << 31));
-  cp.paired_rows = static_cast<int32_t>(paired);
-  return cp;
-}
 // Forward rows that take four vectors a thread where their form's default is two (DropoutPacks,
 // dropout_rows.cuh says why): causal rows from kCausalFourPacksFrom vectors; general rows (a
 // mask, perhaps a causal limit) without a bias (a bias is not fetched ahead at four).
 template <DropoutForm kForm>
 bool FourPacksForward(const DropoutRows& d, int64_t width) {
-  if constexpr (kForm == DropoutForm::kCausal)
-    return width >= kCausalFourPacksFrom;
+  if constexpr (kForm == DropoutForm::kCausal) return width >= kCausalFourPacksFrom;
   else return kForm == DropoutForm::kGeneral && !d.rows.bias.data;
 }
+
+// Causal forward rows in pairs (dropout_pairs_kernel): rows of the call's own causal limits (no
+// place table's) over Sq <= Sk, in query blocks of one key each (rows per key a multiple of Sq),
+// on the pair kernel of the fewest threads G (a power of two) whose G * P slots hold a row's
+// vectors. The units of a query block: R / 2 pairs (R = Sq - kVec), the middle row of an odd R,
+// then the last kVec rows alone.
+template <int kVec>
+bool CausalPairsOf(const DropoutRows& d, CausalPairs& cp) {
+  const RowParams& p = d.rows;
+  const int64_t sq = p.causal.d;
+  if (sq <= 0 || sq > p.cols || d.dropout.place_causal || p.rows % sq != 0 ||
+      d.dropout.rows_per_key.d % sq != 0)
+    return false;
+  const int64_t paired = sq > kVec ? sq - kVec : 0;
+  const int64_t per_block = paired / 2 + paired % 2 + (sq - paired);
+  cp.units = p.rows / sq * per_block;
+  cp.per_block = RowDivisor(per_block, cp.units < (int64_t{1} << 31));
+  cp.paired_rows = static_cast<int32_t>(paired);
+  return true;
+}
+
 template <typename T, int kVec, bool kBwd, DropoutForm kForm, int kPacks = DropoutPacks(kBwd, kForm)>
 ffi::Error LaunchRows(const DropoutRows& d, const LaunchCtx& c, bool vectors) {
   if (!vectors) return LaunchStream<T, 1, kBwd, kForm>(d, c);
@@ -107,8 +104,8 @@ ffi::Error LaunchRows(const DropoutRows& d, const LaunchCtx& c, bool vectors) {
     if (FourPacksForward<kForm>(d, width)) return LaunchRows<T, kVec, kBwd, kForm, 4>(d, c, vectors);
   }
   if (width > int64_t{kPacks} * DropoutMaxRowThreads(kPacks)) return LaunchStream<T, kVec, kBwd, kForm>(d, c);
-  const bool paired = !kBwd && kForm == DropoutForm::kCausal && CausalPairsApply(d);
-  const CausalPairs cp = paired ? CausalPairsOf<kVec>(d) : CausalPairs{};
+  CausalPairs cp;
+  const bool paired = !kBwd && kForm == DropoutForm::kCausal && CausalPairsOf<kVec>(d, cp);
   return LaunchRowsOfWidth<T, kVec, kBwd, kForm, kPacks>(d, c, (width + kPacks - 1) / kPacks,
                                                          paired ? &cp : nullptr);
 }

@@ -506,7 +506,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(Bl
     const bool a_ok = la >= 0, b_ok = lb >= 0;
     const int64_t ra = first + la, rb = first + lb;
     const DropoutKey ka = a_ok ? d.dropout.KeyOf(ra) : DropoutKey{0, 0, 0};
-    const DropoutKey kb{ka.k0, ka.k1, ka.index + static_cast<uint64_t>(int64_t(lb) - la)};
+    const DropoutKey kb = ka.RowsOn(int64_t(lb) - la);
     const int va = (la + kVec) / kVec, vb = (lb + kVec) / kVec;
     const int b_from = kSlots - vb;  // row B's slots: [b_from, kSlots); va <= b_from (CausalPairs)
     const int64_t off_a = a_ok ? ra * p.cols : 0, off_b = b_ok ? rb * p.cols : 0;

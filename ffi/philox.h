@@ -78,6 +78,12 @@ JS_HOST_DEVICE uint32_t DropoutUniform16(const Philox4& bits, int j) {
 struct DropoutKey {
   uint32_t k0, k1;
   uint64_t index;
+
+  // The key of the row `rows` rows on, where both rows lie in one query block of one key and the
+  // call has no place table (KeyOf's index then differs by the row distance, broadcast or not).
+  JS_HOST_DEVICE DropoutKey RowsOn(int64_t rows) const {
+    return DropoutKey{k0, k1, index + static_cast<uint64_t>(rows)};
+  }
 };
 
 // What one call's dropout needs besides the rows (the host fills it, FillDropout; see the

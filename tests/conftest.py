@@ -31,6 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_softmax  # noqa: E402
+from jax_softmax import _philox  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
@@ -120,16 +121,8 @@ def on_cpu(fn, *args, **static):
 
 def keep_mask_cpu(key, shape, rate, broadcast=False) -> np.ndarray:
     """The fused dropout's keep mask (jax_softmax._philox) of `key` over `shape`."""
-    from jax_softmax import _philox
-
     keys = np.asarray(_philox.key_words(key))
-    return on_cpu(_keep_mask, keys, shape=tuple(shape), rate=rate, broadcast=broadcast)
-
-
-def _keep_mask(keys, shape, rate, broadcast):
-    from jax_softmax import _philox
-
-    return _philox.keep_mask(keys, shape, rate, broadcast=broadcast)
+    return on_cpu(_philox.keep_mask, keys, shape=tuple(shape), rate=rate, broadcast=broadcast)
 
 
 def run(device, fn, *args, **jit_kwargs):

@@ -43,10 +43,6 @@ def key_rows(key):
     return np.asarray(_philox.key_words(key))
 
 
-def keep_of(key, shape, rate, broadcast=False):
-    return keep_mask_cpu(key, shape, rate, broadcast)
-
-
 def np_dropout_attention(scores, scale, bias, mask, causal, keep, rate):
     """float64 reference: softmax times keep / (1 - rate)."""
     return np_attention(scores, scale, bias, mask, causal) * keep / (1.0 - rate)
@@ -98,7 +94,7 @@ def test_bits_equal_reference(backend, device, shape, broadcast):
     key = jax.random.key(11)
     rate = 0.4
     out = run(device, lambda s: attn(s, key, rate, broadcast=broadcast), np.zeros(shape, np.float32))
-    keep = keep_of(key, shape, rate, broadcast)
+    keep = keep_mask_cpu(key, shape, rate, broadcast)
     np.testing.assert_array_equal(out != 0, keep)
 
 
@@ -137,7 +133,7 @@ def test_forward_vs_f64_reference(backend, device, rng, dtype):
                [c[:3] for c in cases])
     for (s, b, m, c), y in zip(cases, outs):
         assert y.dtype == np.dtype(dtype) and y.shape == s.shape
-        keep = keep_of(key, s.shape, rate)
+        keep = keep_mask_cpu(key, s.shape, rate)
         expect = np_dropout_attention(s, 0.7, b, m, c, keep, rate)
         assert_close(y, expect, dtype, what=f"{s.shape}")
         assert np.all(y[~keep] == 0)
@@ -236,7 +232,7 @@ def test_grads_vs_reference(backend, device, rng, dtype, bias_shape, mask_shape,
     bias = rounded(rng.standard_normal(bias_shape), dtype)
     mask = None if mask_shape is None else rng.random(mask_shape) < 0.8
     g = rounded(rng.standard_normal(shape), dtype)
-    keep = keep_of(key, shape, rate)
+    keep = keep_mask_cpu(key, shape, rate)
 
     def vjp(fn):
         def f(s, b, m, g):
@@ -258,7 +254,7 @@ def test_grads_vs_reference(backend, device, rng, dtype, bias_shape, mask_shape,
 def test_grads_16bit(backend, device, rng):
     shape = (2, 2, 4, 19)
     key = jax.random.PRNGKey(4)
-    keep = keep_of(key, shape, 0.2)
+    keep = keep_mask_cpu(key, shape, 0.2)
     for dtype in (jnp.float16, jnp.bfloat16):
         s = rounded(rng.standard_normal(shape), dtype)
         bias = rounded(rng.standard_normal((1, 2, 4, 19)), dtype)
@@ -327,7 +323,7 @@ def test_tier_lengths(backend, device, rng, dtype, variant):
 
     for (s, b, m, g), (y, dx) in zip(cases, run(device, fwd_bwd, cases)):
         what = f"n={s.shape[-1]} {variant}"
-        keep = keep_of(key, s.shape, rate)
+        keep = keep_mask_cpu(key, s.shape, rate)
         assert_close(y, np_dropout_attention(s, scale, b, m, causal, keep, rate), dtype, what=what + " y")
         assert np.all(y[~keep] == 0), what
         assert_close(dx, ref_dx(s, g, keep, rate, scale, b, m, causal), dtype, tol=GRAD_TOL,
@@ -345,7 +341,7 @@ def check_causal_rows(device, rng, dtype, shape, key, rate, scale):
         return y, pull(g)[0]
 
     y, dx = run(device, fwd_bwd, s, g)
-    keep = keep_of(key, shape, rate)
+    keep = keep_mask_cpu(key, shape, rate)
     what = f"shape={shape}"
     assert_close(y, np_dropout_attention(s, scale, None, None, True, keep, rate), dtype, what=what + " y")
     sq, sk = shape[-2:]
@@ -434,8 +430,8 @@ def test_causal_pair_keys(backend, device, rng, dtype):
             ref, ref_lse = on_cpu(_philox.forward, s.astype(np.float32), b.astype(np.float32), m,
                                   keys, None, **params)
             what = f"K={num_keys} broadcast={broadcast}"
-            assert_close(out, np.asarray(ref), dtype, what=what + " y")
-            assert_close(lse, np.asarray(ref_lse), jnp.float32, what=what + " lse")
+            assert_close(out, ref, dtype, what=what + " y")
+            assert_close(lse, ref_lse, jnp.float32, what=what + " lse")
 
 
 # --- broadcast_dropout, vmap, jit ---------------------------------------------------------------------
@@ -445,7 +441,7 @@ def test_broadcast_dropout(backend, device):
     kept = run(device, lambda s: attn(s, key, 0.5, broadcast=True), np.zeros(shape, np.float32)) != 0
     assert np.all(kept == kept[:1, :1])  # one mask for every batch entry and head
     assert len({kept[0, 0, q].tobytes() for q in range(16)}) == 16  # queries differ
-    np.testing.assert_array_equal(kept[0, 0], keep_of(key, shape[-2:], 0.5))
+    np.testing.assert_array_equal(kept[0, 0], keep_mask_cpu(key, shape[-2:], 0.5))
 
 
 def test_vmap_unbatched_key(backend, device, rng):
@@ -548,7 +544,7 @@ def test_fully_masked_rows(backend, device, rng):
     assert np.all(y[0, :, 0] == 0) and np.all(ds[0, :, 0] == 0)
     assert np.all(db[0, :, 0] == 0)
     # the other rows: the reference
-    keep = keep_of(k, s.shape, 0.3)
+    keep = keep_mask_cpu(k, s.shape, 0.3)
     assert_close(y, np_dropout_attention(s, 1.0, bias, mask, True, keep, 0.3), jnp.float32)
 
 
@@ -561,7 +557,7 @@ def test_nonfinite_logits(backend, device):
     s[2] = -np.inf
     k = jax.random.key(2)
     y = run(device, lambda s: attn(s, k, 0.5), s)
-    keep = keep_of(k, s.shape, 0.5)
+    keep = keep_mask_cpu(k, s.shape, 0.5)
     np.testing.assert_array_equal(np.isnan(y[:2]), keep[:2])
     assert np.all(y[:2][~keep[:2]] == 0) and np.all(y[2] == 0)
     kr = key_rows(k)
@@ -657,7 +653,7 @@ def test_flax_plugin_dropout(rng):
         kw = dict(mask=mask, dropout_rng=key, dropout_rate=0.3, deterministic=False, broadcast_dropout=bcast)
         y = np.asarray(jax.jit(lambda q, k, v: jsf.dot_product_attention(q, k, v, **kw))(q, k, v))
         shape = (B, H, L, L)
-        keep = keep_of(key, shape, 0.3, broadcast=bcast)
+        keep = keep_mask_cpu(key, shape, 0.3, broadcast=bcast)
         w = np_dropout_attention(np.einsum("bqhd,bkhd->bhqk", q, k), 1 / np.sqrt(D), None, mask, False,
                                  keep, 0.3)
         np.testing.assert_allclose(y, np.einsum("bhqk,bkhd->bqhd", w, v), rtol=2e-5, atol=2e-6)
