@@ -131,7 +131,7 @@ JS_INLINE void DropoutForwardRows(const DropoutRows& dp, int64_t r0, int64_t r1)
       const int64_t len = std::min(kChunk, n - c0);
       if (!one_chunk) {
         LoadLogits<Tag>(x, in, c0, len, scale, z);
-        for (int64_t i = 0; i < len; ++i) e[i] = Exp(z[i] - m);
+        for (int64_t i = 0; i < len; ++i) e[i] = ExpNonPositive(z[i] - m);
       }
       DropoutFactors(dp.dropout, key, c0, len, mult, f, words);
       S* oc = out + c0;
@@ -175,7 +175,7 @@ JS_INLINE void DropoutBackwardRows(const DropoutRows& dp, int64_t r0, int64_t r1
     // masked positions out.
     auto load = [&](int64_t c0, int64_t len) JS_LAMBDA_INLINE {
       LoadLogits<Tag>(x, in, c0, len, scale, y);
-      for (int64_t i = 0; i < len; ++i) y[i] = Exp(y[i] - lse);
+      for (int64_t i = 0; i < len; ++i) y[i] = ExpNonPositive(y[i] - lse);
       DropoutFactors(dp.dropout, key, c0, len, mult, f, words);
       const S* dyc = dy + c0;
       for (int64_t i = 0; i < len; ++i) g[i] = f[i] != A(0) ? D::Load(dyc[i]) * f[i] : A(0);

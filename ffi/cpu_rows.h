@@ -13,6 +13,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -222,6 +223,56 @@ JS_INLINE double Exp(double x) {
   return e;
 }
 
+// exp(x) for x <= 0 (or NaN), the softmax's exp(z - max): results below the smallest normal are
+// flushed to 0, as the CUDA kernels' ex2.approx.ftz does (the softmax loses at most that much per
+// element), so that 2^n is one factor and nothing needs clamping above. Normal results are Exp()'s
+// bit for bit (checked over every float in [-88, 0] and 2e8 doubles in [-750, 0]). ExpSum of a
+// 2048-float row in L1, single-thread, AVX-512: 3.7 -> 2.5 ns per 16 floats; forward on cold
+// 8 MiB inputs, two threads, N = 1000-32768: float32 8-20%, bfloat16 10-20% faster (TUNING.md).
+// The clamp at kLo makes n = -127 (float) / -1023 (double), whose factor 2^n is the bits 0: the
+// result 0 for everything from there down to -inf.
+JS_INLINE float ExpNonPositive(float x) {
+  constexpr float kLo = -88.0f;  // x * log2(e) = -126.96: n = -127
+  constexpr float kRound = 12582912.0f;
+  const float xc = x < kLo ? kLo : x;
+  const float t = xc * 1.44269504088896341f + kRound;
+  const float n = t - kRound;  // in [-127, 0]
+  const int32_t ni = static_cast<int32_t>(BitsOf(t) - BitsOf(kRound));
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;  // the polynomial of Exp(float)
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.0f;
+  return e * BitCast<float>(static_cast<uint32_t>(ni + 127) << 23);
+}
+
+JS_INLINE double ExpNonPositive(double x) {
+  constexpr double kLo = -709.0;  // x * log2(e) = -1022.87: n = -1023
+  constexpr double kRound = 6755399441055744.0;
+  const double xc = x < kLo ? kLo : x;
+  const double n = (xc * 1.4426950408889634074 + kRound) - kRound;  // in [-1023, 0]
+  double r = xc - n * 6.93145751953125e-1;
+  r = r - n * 1.42860682030941723212e-6;
+  double p = 1.0 / 6227020800.0;  // the series of Exp(double)
+  p = p * r + 1.0 / 479001600.0;
+  p = p * r + 1.0 / 39916800.0;
+  p = p * r + 1.0 / 3628800.0;
+  p = p * r + 1.0 / 362880.0;
+  p = p * r + 1.0 / 40320.0;
+  p = p * r + 1.0 / 5040.0;
+  p = p * r + 1.0 / 720.0;
+  p = p * r + 1.0 / 120.0;
+  p = p * r + 1.0 / 24.0;
+  p = p * r + 1.0 / 6.0;
+  p = p * r + 0.5;
+  const double e = p * r * r + r + 1.0;
+  return e * BitCast<double>((BitsOf(n + kRound) - BitsOf(kRound) + 1023) << 52);
+}
+
 // ------------------------------------------------------------------------------------------
 // Elementwise building blocks over the row buffer. `n` is a multiple of kLanes.
 
@@ -325,7 +376,7 @@ JS_INLINE A Dot(const A* a, const A* b, int64_t n) {
 // handles; fusing the sum into it measured no faster.
 template <typename A>
 JS_INLINE A ExpSum(const A* z, A m, int64_t n, A* e) {
-  for (int64_t i = 0; i < n; ++i) e[i] = Exp(z[i] - m);
+  for (int64_t i = 0; i < n; ++i) e[i] = ExpNonPositive(z[i] - m);
   return Sum(e, n);
 }
 

@@ -284,7 +284,7 @@ JS_INLINE void ForwardRows(const RowParams& p, int64_t r0, int64_t r1) {
         const int64_t len = std::min(kChunk, n - c0);
         if (!one_chunk) {
           const A* zc = logits(c0, len);
-          for (int64_t i = 0; i < len; ++i) e[i] = Exp(zc[i] - m);
+          for (int64_t i = 0; i < len; ++i) e[i] = ExpNonPositive(zc[i] - m);
         }
         S* out = y + c0;
         for (int64_t i = 0; i < len; ++i) out[i] = D::Store(e[i] * inv_s);
