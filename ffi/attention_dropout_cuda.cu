@@ -42,6 +42,19 @@ ffi::Error LaunchStream(const DropoutRows& d, const LaunchCtx& c) {
                 "dropout streaming kernel", d);
 }
 
+template <typename T, int kVec, bool kBwd, DropoutForm kForm, int kPacks, int kGroup, bool kFold>
+ffi::Error LaunchRowKernel(const DropoutRows& d, const KernelLaunch& launch,
+                           const CausalPairs* pairs) {
+  if constexpr (!kBwd && kForm == DropoutForm::kCausal) {
+    if (pairs) {
+      return Launch(launch, dropout_pairs_kernel<T, kVec, kGroup, kPacks, kFold>,
+                    "dropout pair kernel", d, *pairs);
+    }
+  }
+  return Launch(launch, dropout_rows_kernel<T, kVec, kGroup, kPacks, kBwd, kForm, kFold>,
+                "dropout row kernel", d);
+}
+
 // The register kernel of the fewest threads G >= min_threads (a power of two), or, given the
 // call's causal pairs, the pair kernel of that G (one pair unit a lane group).
 template <typename T, int kVec, bool kBwd, DropoutForm kForm, int kPacks, int kGroup = 1>
@@ -57,14 +70,12 @@ ffi::Error LaunchRowsOfWidth(const DropoutRows& d, const LaunchCtx& c, int64_t m
   const int64_t needed = (units + kUnitsPerBlock - 1) / kUnitsPerBlock;
   const int grid = static_cast<int>(std::min<int64_t>(needed, INT_MAX));
   const KernelLaunch launch(grid, kBlock, 0, c.stream, 1, c.dependent);
-  if constexpr (!kBwd && kForm == DropoutForm::kCausal) {
-    if (pairs) {
-      return Launch(launch, dropout_pairs_kernel<T, kVec, kGroup, kPacks>, "dropout pair kernel", d,
-                    *pairs);
-    }
+  // The folded instance (FoldsScale) where the kernel has one and the call's scale is positive.
+  if constexpr (FoldsScale<T>(kBwd, kForm, kGroup, kPacks)) {
+    if (d.rows.scale > 0)
+      return LaunchRowKernel<T, kVec, kBwd, kForm, kPacks, kGroup, true>(d, launch, pairs);
   }
-  return Launch(launch, dropout_rows_kernel<T, kVec, kGroup, kPacks, kBwd, kForm>,
-                "dropout row kernel", d);
+  return LaunchRowKernel<T, kVec, kBwd, kForm, kPacks, kGroup, false>(d, launch, pairs);
 }
 
 // Forward rows that take four vectors a thread where their form's default is two (DropoutPacks,

@@ -58,10 +58,25 @@ constexpr int DropoutPacks(bool bwd, DropoutForm form) {
 constexpr int64_t kCausalFourPacksFrom = 512;
 constexpr int kStreamPacks = 2;
 
+// 256-thread four-vector forward kernels of 16-bit plain and causal rows (S = 4097-8192) fold the
+// scale into their exps (with_shifted_exp) and run three CTAs an SM (80 registers, no spills) where
+// the other four-vector kernels run two (128 allowed, 94-96 used: 16 warps an SM). Measured
+// together (H100, session 96, bfloat16 256 MiB, two rounds, us per call): plain S = 8192 224 -> 214
+// (the fold alone) -> 181; causal 8192 152 -> 150 -> 142. Narrower kernels lost with the same fold:
+// plain S = 2048 (64 threads a row) 188 -> 203, its 8 more registers (94 -> 102) costing one CTA an
+// SM (20 -> 18 warps); causal S = 512 and 2048 did not move.
+// Which kernels have a folded instance; the launcher takes it under a positive scale (the max over
+// x is the max over z only then).
+template <typename T>
+constexpr bool FoldsScale(bool bwd, DropoutForm form, int group, int packs) {
+  return sizeof(T) == 2 && !bwd && form != DropoutForm::kGeneral && packs == 4 &&
+         BlockThreads(group) == 256;
+}
+
 // CTAs per SM that the register kernel's launch bounds ask for: 1024 threads an SM at two vectors
-// a thread (64 registers), 512 at four (128).
-constexpr int DropoutMinBlocksPerSm(int block, int packs) {
-  return packs <= 2 ? MinBlocksPerSm(block) : block >= 512 ? 1 : 512 / block;
+// a thread (64 registers), 512 at four (128), 768 for the folded kernels (FoldsScale).
+constexpr int DropoutMinBlocksPerSm(int block, int packs, bool folds) {
+  return folds ? 768 / block : packs <= 2 ? MinBlocksPerSm(block) : block >= 512 ? 1 : 512 / block;
 }
 // The widest register kernel: 1024 threads at two vectors, 512 at four (both 2048 vectors).
 constexpr int DropoutMaxRowThreads(int packs) { return packs <= 2 ? 1024 : 512; }
@@ -122,6 +137,50 @@ __device__ __forceinline__ typename Loader::Bytes valid_at(const Loader& loader,
   else return loader.valid_bytes(c);
 }
 
+// The folded kernels (FoldsScale; their launcher gives them a positive scale) keep x (as float),
+// take the row's max over x (zmax = scale * max x) and compute exp(scale * x - zmax) as
+// ex2(fma(x, scale * log2(e), -zmax * log2(e))): one FFMA per value where z = scale * x, z - zmax
+// and the product by log2(e) took three. The two products' roundings put |zmax| * log2(e) * 2^-24
+// on the exponent: under 2^-13 relative for |zmax| < 1024, below a 16-bit type's half ulp. Rows
+// with a larger |zmax| (or +inf: a NaN row) take the three-instruction form.
+constexpr float kLog2e = 1.4426950408889634f;
+__device__ __forceinline__ bool folds(float shift) { return fabsf(shift) < 1024.f; }
+
+// Calls body(shifted_exp) once, where shifted_exp(v, shift) = exp(z - shift) for a value v held as
+// z, or (kFold) as x under the folded scale: the FFMA form where `fold` (folds(shift) for every
+// shift that body passes), else the three-instruction one. body is instantiated once per form, so
+// that the choice is one uniform branch around its loops: a select per value made nvcc issue both
+// forms, predicated (ptxas sm_90a, session 96).
+template <bool kFold, typename A, typename Body>
+__device__ __forceinline__ void with_shifted_exp(A scale, bool fold, Body&& body) {
+  if constexpr (kFold) {
+    if (fold) {
+      const A scale_log2e = scale * kLog2e;
+      body([=](A v, A shift) { return exp2_acc(fmaf(v, scale_log2e, -shift * kLog2e)); });
+    } else {
+      body([=](A v, A shift) { return exp_acc(v * scale - shift); });
+    }
+  } else {
+    body([](A v, A shift) { return exp_acc(v - shift); });
+  }
+}
+
+// A lane group's (max, sum) of folded values (x, not z): group_maxsum's, the max in z units.
+template <int kGroup, typename A, int N>
+__device__ __forceinline__ MaxSum<A> folded_group_maxsum(A (&v)[N], A scale, bool any) {
+  const A zmax = group_allreduce<kGroup>(Max<A>{thread_max(v)}).m * scale;
+  const A shift = zmax == neg_inf<A>() ? A(0) : zmax;
+  A s = A(0);
+  with_shifted_exp<true>(scale, folds(shift), [&](auto shifted_exp) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      v[i] = shifted_exp(v[i], shift);
+      s += v[i];
+    }
+  });
+  return {zmax, group_allreduce<kGroup>(Sum<A>{any ? s : -A(0)}).s};
+}
+
 // --- per-vector pieces shared by the two kernels ---------------------------------------------------
 // One thread's part of a row: kPacks vectors at window offsets first + k * stride. Every load is
 // issued before any is used: x, dy (kWithDy) and, general rows, the mask bytes and (where the
@@ -133,8 +192,8 @@ __device__ __forceinline__ typename Loader::Bytes valid_at(const Loader& loader,
 // and g = dy. valid[k]: the positions of vector k that take part; keep[k]: its keep words.
 // Returns whether any position takes part. (Fetched ahead, the bias of 32 16-bit values made the
 // forward spill 56-92 bytes at 64 registers: ptxas sm_90a.)
-template <int kPacks, bool kWithDy, bool kCausalOnly, bool kSkipDead, typename Loader, typename A,
-          int kVec = Loader::kVecWidth>
+template <int kPacks, bool kWithDy, bool kCausalOnly, bool kSkipDead, bool kFold, typename Loader,
+          typename A, int kVec = Loader::kVecWidth>
 __device__ __forceinline__ bool load_part(const Loader& loader, const typename Loader::Elem* dy,
                                           int first, int stride, const DropoutKey& key,
                                           A (&v)[kPacks][kVec],
@@ -143,6 +202,7 @@ __device__ __forceinline__ bool load_part(const Loader& loader, const typename L
                                           KeepWords<kVec> (&keep)[kPacks]) {
   using T = typename Loader::Elem;
   constexpr bool kGeneral = !Loader::kPlain && !kCausalOnly;  // mask bytes and bias fetched
+  static_assert(!kFold || (!kWithDy && !kGeneral), "folded values: forward rows without a bias");
   constexpr bool kBiasAhead = kGeneral && kPacks * kVec * (kWithDy ? 2 : 1) <= 16;
   T xs[kPacks][kVec], gs[kWithDy ? kPacks : 1][kVec], bs[kBiasAhead ? kPacks : 1][kVec];
   typename Loader::Bytes mask[kGeneral ? kPacks : 1];
@@ -191,7 +251,8 @@ __device__ __forceinline__ bool load_part(const Loader& loader, const typename L
         for (int e = 0; e < kVec; ++e) v[k][e] = neg_inf<A>();
       } else {
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) v[k][e] = loader.scale * to_acc(xs[k][e]);
+        for (int e = 0; e < kVec; ++e)
+          v[k][e] = kFold ? to_acc(xs[k][e]) : loader.scale * to_acc(xs[k][e]);
         if (w + kVec - 1 > loader.limit) {
 #pragma unroll
           for (int e = 0; e < kVec; ++e) v[k][e] = w + e <= loader.limit ? v[k][e] : neg_inf<A>();
@@ -201,7 +262,12 @@ __device__ __forceinline__ bool load_part(const Loader& loader, const typename L
       const bool inside = w <= loader.limit;
       valid[k] = inside ? Loader::kAllBytes : 0;
       any |= inside;
-      loader.plain_values(xs[k], v[k]);
+      if constexpr (kFold) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[k][e] = to_acc(xs[k][e]);
+      } else {
+        loader.plain_values(xs[k], v[k]);
+      }
       if (!inside) {
 #pragma unroll
         for (int e = 0; e < kVec; ++e) v[k][e] = neg_inf<A>();
@@ -325,13 +391,15 @@ __device__ __forceinline__ void store_dx(const Loader& loader, typename Loader::
 // --- register rows ---------------------------------------------------------------------------------
 // kGroup threads per row (lane groups share 128-thread CTAs; blocks take one row per CTA), kPacks
 // vectors per thread; pack k of lane l covers columns (k * kGroup + l) * kVec.
-template <typename T, int kVec, int kGroup, int kPacks, bool kBwd, DropoutForm kForm>
-__global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(BlockThreads(kGroup), kPacks))
+template <typename T, int kVec, int kGroup, int kPacks, bool kBwd, DropoutForm kForm, bool kFold>
+__global__ void __launch_bounds__(BlockThreads(kGroup),
+                                  DropoutMinBlocksPerSm(BlockThreads(kGroup), kPacks, kFold))
     dropout_rows_kernel(const DropoutRows d) {
   using A = acc_t<T>;
   using Loader = RowLoader<T, kVec, /*kBwd=*/false, FormAccess(kForm)>;
   constexpr bool kCausalOnly = kForm == DropoutForm::kCausal;
   constexpr bool kSkipDead = kCausalOnly && !kBwd && kPacks == 2;  // live_group_maxsum says why
+  static_assert(!kFold || FoldsScale<T>(kBwd, kForm, kGroup, kPacks), "no folded instance");
   using Bytes = typename Loader::Bytes;
   using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;
   constexpr int kBlock = BlockThreads(kGroup);
@@ -358,8 +426,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(Bl
     A g[kBwd ? kPacks : 1][kVec];
     Bytes valid[kPacks];
     KeepWords<kVec> keep[kPacks];
-    const bool any = load_part<kPacks, kBwd, kCausalOnly, kSkipDead>(loader, dy, first, kStride, key,
-                                                                      v, g, valid, keep);
+    const bool any = load_part<kPacks, kBwd, kCausalOnly, kSkipDead, kFold>(
+        loader, dy, first, kStride, key, v, g, valid, keep);
     T* dst = loader.out_row(p, row);
 
     if constexpr (!kBwd) {
@@ -374,6 +442,7 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(Bl
       } else {
         MaxSum<A> warp;
         if constexpr (kSkipDead) warp = live_group_maxsum<32>(v, live, any);
+        else if constexpr (kFold) warp = folded_group_maxsum<32>(vr, loader.scale, any);
         else warp = group_maxsum<32>(vr, any, /*log=*/false);
         const MaxSum<A> total = block_allreduce<kBlock, /*kWarpReduced=*/true>(warp, slots[use & 1]);
         st = fwd_stats(warp.m, total, false);
@@ -480,10 +549,13 @@ __device__ __forceinline__ void store_pair_pack(T* dst, int c, int limit, const 
   store_vec_acc<kVec>(dst + c, o);
 }
 
-template <typename T, int kVec, int kGroup, int kPacks>
-__global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(BlockThreads(kGroup), kPacks))
+template <typename T, int kVec, int kGroup, int kPacks, bool kFold>
+__global__ void __launch_bounds__(BlockThreads(kGroup),
+                                  DropoutMinBlocksPerSm(BlockThreads(kGroup), kPacks, kFold))
     dropout_pairs_kernel(const DropoutRows d, const CausalPairs cp) {
   using A = acc_t<T>;
+  static_assert(!kFold || FoldsScale<T>(false, DropoutForm::kCausal, kGroup, kPacks),
+                "no folded instance");
   constexpr int kBlock = BlockThreads(kGroup);
   constexpr int kUnitsPerBlock = kBlock / kGroup;
   constexpr int kSlots = kGroup * kPacks;
@@ -540,7 +612,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(Bl
       else store_vec_acc<kVec>(out_b + (vb + t - dead_a) * kVec, zeros);
     }
 
-    // z = scale * x up to each row's limit, -inf past it and in the slots of neither row.
+    // z = scale * x (the folded kernels: x) up to each row's limit, -inf past it and in the slots
+    // of neither row.
     A v[kPacks][kVec];
     Max<A> ma = Max<A>::identity(), mb = Max<A>::identity();
 #pragma unroll
@@ -551,31 +624,36 @@ __global__ void __launch_bounds__(BlockThreads(kGroup), DropoutMinBlocksPerSm(Bl
       A m = neg_inf<A>();
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
-        v[k][e] = live && c + e <= limit ? scale * to_acc(xs[k][e]) : neg_inf<A>();
+        v[k][e] = live && c + e <= limit ? (kFold ? to_acc(xs[k][e]) : scale * to_acc(xs[k][e]))
+                                         : neg_inf<A>();
         m = row_max(m, v[k][e]);
       }
       if (in_b) mb.m = row_max(mb.m, m);
       else ma.m = row_max(ma.m, m);
     }
-    const Both<Max<A>> group_max = group_allreduce<kGroup <= 32 ? kGroup : 32>(Both<Max<A>>{ma, mb});
+    Both<Max<A>> group_max = group_allreduce<kGroup <= 32 ? kGroup : 32>(Both<Max<A>>{ma, mb});
+    if constexpr (kFold) group_max.a.m *= scale, group_max.b.m *= scale;  // z units
     const A shift_a = group_max.a.m == neg_inf<A>() ? A(0) : group_max.a.m;
     const A shift_b = group_max.b.m == neg_inf<A>() ? A(0) : group_max.b.m;
     A sa = A(0), sb = A(0);
     bool any_a = false, any_b = false;
+    // One form for both rows: the branch stays uniform around the pack loop.
+    with_shifted_exp<kFold>(scale, folds(shift_a) && folds(shift_b), [&](auto shifted_exp) {
 #pragma unroll
-    for (int k = 0; k < kPacks; ++k) {
-      const int j = k * kGroup + lane;
-      const bool in_b = j >= b_from;
-      const A shift = in_b ? shift_b : shift_a;
-      A s = A(0);
+      for (int k = 0; k < kPacks; ++k) {
+        const int j = k * kGroup + lane;
+        const bool in_b = j >= b_from;
+        const A shift = in_b ? shift_b : shift_a;
+        A s = A(0);
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        v[k][e] = exp_acc(v[k][e] - shift);
-        s += v[k][e];
+        for (int e = 0; e < kVec; ++e) {
+          v[k][e] = shifted_exp(v[k][e], shift);
+          s += v[k][e];
+        }
+        if (in_b) sb += s, any_b = true;
+        else if (j < va) sa += s, any_a = true;
       }
-      if (in_b) sb += s, any_b = true;
-      else if (j < va) sa += s, any_a = true;
-    }
+    });
     // A thread with no position of a row reports -0 for it (exp_sum's convention).
     const Both<Sum<A>> group_sum = group_allreduce<kGroup <= 32 ? kGroup : 32>(
         Both<Sum<A>>{{any_a ? sa : -A(0)}, {any_b ? sb : -A(0)}});
@@ -640,8 +718,8 @@ __global__ void __launch_bounds__(512, 2) dropout_stream_kernel(const DropoutRow
     KeepWords<kVec> keep[kPacks];
     // Columns past the causal limit are not valid: not read, written as 0.
     const auto part = [&](int c0) {
-      return load_part<kPacks, kBwd, kCausalOnly, false>(loader, dy, c0 + first, kStride, key, v, g,
-                                                         valid, keep);
+      return load_part<kPacks, kBwd, kCausalOnly, false, false>(loader, dy, c0 + first, kStride,
+                                                                key, v, g, valid, keep);
     };
     if constexpr (!kBwd) {
       const int end = loader.limit + 1;

@@ -29,6 +29,7 @@ CASES = [  # (rows, cols, dtype)
     (4, 1000, jnp.float32),  # warp per row
     (3, 1001, jnp.bfloat16),  # warp per row, scalar
     (2, 8192, jnp.float32),  # block per row
+    (2, 4104, jnp.bfloat16),  # dropout: 16-bit rows of 513-1024 vectors take the folded kernels
     # forward: staged reread blocks of 10 and 11 warps; backward: on sm_90 the staged backward
     # block (y and dy in one stage, sessions 51-52), before sm_90 one 512-thread block of 40 and of
     # 48 values (plain rows of 16385-24576 since session 45, y and dy read again), which sm_90

@@ -330,6 +330,75 @@ def test_tier_lengths(backend, device, rng, dtype, variant):
                      what=what + " dx")
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: DTYPE_IDS[d])
+@pytest.mark.parametrize("variant", ["plain", "causal"])
+@pytest.mark.parametrize("width", [264, 4104])
+def test_scale_and_magnitude_16bit(backend, device, rng, dtype, variant, width):
+    """16-bit forward rows without a bias or mask. Rows of 513-1024 vectors (4104 columns) run the
+    CUDA kernels' folded instances under a positive scale (FoldsScale: the max over x, scale and
+    log2(e) in one FFMA per value where the row's scaled max is under 1024 in magnitude, the
+    three-instruction form beyond it) and the plain instances under a scale <= 0; rows of 33
+    vectors (264) never fold. Rows of each kind (maxima of about 1, 900, 1100, -1100 and the dtype's
+    largest values) on both sides of that bound, under scales of 1, 0.5, 0 and -0.7, against
+    float64."""
+    rate, key = 0.2, jax.random.key(23)
+    big = float(jnp.finfo(dtype).max) / 2
+    shape = (2, 2, 6, width)
+    s = rng.standard_normal(shape)
+    s[:, :, 1] += 900
+    s[:, :, 2] += 1100
+    s[:, :, 3] -= 1100
+    s[:, :, 4] = rng.uniform(-1, 1, shape[-1]) * big
+    s[:, :, 5, 7] = big
+    s = rounded(s, dtype)
+    causal = variant == "causal"
+    g = rounded(rng.standard_normal(shape), dtype)
+    scales = (1.0, 0.5, 0.0, -0.7)
+
+    def fwd_bwd(s, g):
+        out = []
+        for scale in scales:
+            y, pull = jax.vjp(
+                lambda s: attn(s, key, rate, scale=scale, causal=causal), s)
+            out.append((y, pull(g)[0]))
+        return out
+
+    keep = keep_mask_cpu(key, shape, rate)
+    for scale, (y, dx) in zip(scales, run(device, fwd_bwd, s, g)):
+        what = f"{variant} scale={scale}"
+        assert not np.isnan(y).any(), what
+        assert_close(y, np_dropout_attention(s, scale, None, None, causal, keep, rate), dtype,
+                     what=what + " y")
+        assert np.all(y[~keep] == 0), what
+        # Row 4's float64 reference gradient comes out NaN under XLA's CPU compile at scale -0.7
+        # (the exact one is finite); the other rows check dx.
+        rows = [0, 1, 2, 3, 5]
+        assert not np.isnan(dx).any(), what
+        expect_dx = ref_dx(s, g, keep, rate, scale, None, None, causal)
+        assert_close(dx[:, :, rows], expect_dx[:, :, rows], dtype, tol=GRAD_TOL,
+                     what=what + " dx")
+
+
+def test_masked_nonfinite_16bit(backend, device):
+    """Mask-only rows of 16-bit logits: NaN and inf at masked positions stay out of the row; at a
+    valid position they make the row NaN at its kept positions, as without a mask."""
+    for dtype in (jnp.bfloat16, jnp.float16):
+        s = np.zeros((4, 32), np.float32)
+        mask = np.ones((4, 32), bool)
+        s[0, 3], s[1, 5], s[2, 9] = np.nan, np.inf, -np.inf
+        mask[0, 3] = mask[1, 5] = mask[2, 9] = False
+        s[3, 7] = np.nan  # valid
+        s = s.astype(dtype)
+        k = jax.random.key(5)
+        y = np.asarray(run(device, lambda s: attn(s, k, 0.4, scale=0.5, mask=mask), s))
+        y = y.astype(np.float64)
+        keep = keep_mask_cpu(k, s.shape, 0.4)
+        expect = np_dropout_attention(np.where(mask, s.astype(np.float64), 0.0)[:3], 0.5, None,
+                                      mask[:3], False, keep[:3], 0.4)
+        assert_close(y[:3], expect, dtype, what=f"{DTYPE_IDS[dtype]} masked")
+        np.testing.assert_array_equal(np.isnan(y[3]), keep[3])
+
+
 def check_causal_rows(device, rng, dtype, shape, key, rate, scale):
     """Causal dropout attention over (B, H, Sq, Sk) scores without bias or mask: y and dx against
     float64 references applying the same keep mask, and zeros past every query's limit."""
