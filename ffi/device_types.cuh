@@ -46,10 +46,11 @@ __device__ __forceinline__ float exp2_acc(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+constexpr float kLog2e = 1.4426950408889634f;
 // exp through the SFU: ex2.approx.ftz(x * log2(e)). Relative error: ex2.approx's 2 ulp plus the
 // rounding of x * log2(e), i.e. at most 2 ulp + |x| * 2^-24 with x = z - max <= 0. Results below
 // 2^-126 flush to zero. exp(-inf) = 0 and exp(NaN) = NaN, as softmax needs.
-__device__ __forceinline__ float exp_acc(float x) { return exp2_acc(x * 1.4426950408889634f); }
+__device__ __forceinline__ float exp_acc(float x) { return exp2_acc(x * kLog2e); }
 __device__ __forceinline__ double exp_acc(double x) { return exp(x); }
 // 1 / x through the SFU: rcp.approx.ftz, at most 1 ulp (PTX ISA); 1/0 = inf, 1/NaN = NaN.
 // Used once per row for the softmax's 1 / sum, where an IEEE division costs a slow-path check.

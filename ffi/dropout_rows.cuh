@@ -64,9 +64,9 @@ constexpr int kStreamPacks = 2;
 // together (H100, session 96, bfloat16 256 MiB, two rounds, us per call): plain S = 8192 224 -> 214
 // (the fold alone) -> 181; causal 8192 152 -> 150 -> 142. Narrower kernels lost with the same fold:
 // plain S = 2048 (64 threads a row) 188 -> 203, its 8 more registers (94 -> 102) costing one CTA an
-// SM (20 -> 18 warps); causal S = 512 and 2048 did not move.
-// Which kernels have a folded instance; the launcher takes it under a positive scale (the max over
-// x is the max over z only then).
+// SM (20 -> 18 warps); causal S = 512 and 2048 did not move. FoldsScale: which kernels have a
+// folded instance; the launcher takes it under a positive scale (the max over x is the max over z
+// only then).
 template <typename T>
 constexpr bool FoldsScale(bool bwd, DropoutForm form, int group, int packs) {
   return sizeof(T) == 2 && !bwd && form != DropoutForm::kGeneral && packs == 4 &&
@@ -75,8 +75,8 @@ constexpr bool FoldsScale(bool bwd, DropoutForm form, int group, int packs) {
 
 // CTAs per SM that the register kernel's launch bounds ask for: 1024 threads an SM at two vectors
 // a thread (64 registers), 512 at four (128), 768 for the folded kernels (FoldsScale).
-constexpr int DropoutMinBlocksPerSm(int block, int packs, bool folds) {
-  return folds ? 768 / block : packs <= 2 ? MinBlocksPerSm(block) : block >= 512 ? 1 : 512 / block;
+constexpr int DropoutMinBlocksPerSm(int block, int packs, bool folded) {
+  return folded ? 768 / block : packs <= 2 ? MinBlocksPerSm(block) : block >= 512 ? 1 : 512 / block;
 }
 // The widest register kernel: 1024 threads at two vectors, 512 at four (both 2048 vectors).
 constexpr int DropoutMaxRowThreads(int packs) { return packs <= 2 ? 1024 : 512; }
@@ -143,7 +143,6 @@ __device__ __forceinline__ typename Loader::Bytes valid_at(const Loader& loader,
 // and the product by log2(e) took three. The two products' roundings put |zmax| * log2(e) * 2^-24
 // on the exponent: under 2^-13 relative for |zmax| < 1024, below a 16-bit type's half ulp. Rows
 // with a larger |zmax| (or +inf: a NaN row) take the three-instruction form.
-constexpr float kLog2e = 1.4426950408889634f;
 __device__ __forceinline__ bool folds(float shift) { return fabsf(shift) < 1024.f; }
 
 // Calls body(shifted_exp) once, where shifted_exp(v, shift) = exp(z - shift) for a value v held as

@@ -480,7 +480,7 @@ __device__ __forceinline__ void row_stats(const FlashParams& p, int bh, int row,
     return;
   }
   const int64_t i = int64_t(bh) * p.sq + row;
-  lse2 = p.lse[i] * 1.4426950408889634f;
+  lse2 = p.lse[i] * kLog2e;
   delta = p.delta[i];
 }
 
