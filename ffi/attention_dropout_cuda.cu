@@ -16,8 +16,8 @@ namespace jax_softmax {
 namespace {
 
 // Which kernel takes a row of W vectors (kVec columns each), P = DropoutPacks (dropout_rows.cuh:
-// four for plain forward rows and for causal-only forward rows of kCausalFourPacksFrom vectors or
-// more, two otherwise):
+// four for plain and mask-only forward rows, for causal-only forward rows of kCausalFourPacksFrom
+// vectors or more and for other forward rows without a bias, two otherwise):
 //   W <= 2048: the register kernel on the fewest threads G (a power of two, 1-1024 at two vectors
 //     a thread, 1-512 at four) that hold the row at P vectors a thread: lane groups of G <= 32
 //     lanes in 128-thread CTAs, blocks of G threads above. Causal-only forward rows of the call's
@@ -31,7 +31,11 @@ namespace {
 // bytes, no per-position selects; H100, session 85, bfloat16 S = 512-4096 at two vectors: forward
 // 6-10% faster, backward 6%); rows of a causal limit only the causal form (no mask bytes or bias;
 // H100, session 86, bfloat16, us per call against the general form: forward S = 512 214 -> 196,
-// 2048 225 -> 208, 4096 231 -> 214 (191 at four vectors), backward S = 2048 255 -> 223).
+// 2048 225 -> 208, 4096 231 -> 214 (191 at four vectors), backward S = 2048 255 -> 223); 16-bit
+// forward rows of a mask only, under a positive scale, the mask-only form (x's masked bits set to
+// -inf before the conversion, no per-column selects after it; with the fold, FoldsScale, at 768
+// threads an SM: H100, session 97, bfloat16, padding mask S = 1024 / 2048 / 4096 195 / 198 / 200
+// -> 186 / 188 / 190 us; wider types, not measured, keep the general form).
 template <typename T, int kVec, bool kBwd, DropoutForm kForm>
 ffi::Error LaunchStream(const DropoutRows& d, const LaunchCtx& c) {
   constexpr auto kernel = dropout_stream_kernel<T, kVec, kBwd, kForm>;
@@ -71,7 +75,7 @@ ffi::Error LaunchRowsOfWidth(const DropoutRows& d, const LaunchCtx& c, int64_t m
   const int grid = static_cast<int>(std::min<int64_t>(needed, INT_MAX));
   const KernelLaunch launch(grid, kBlock, 0, c.stream, 1, c.dependent);
   // The folded instance (FoldsScale) where the kernel has one and the call's scale is positive.
-  if constexpr (FoldsScale<T>(kBwd, kForm, kGroup, kPacks)) {
+  if constexpr (FoldsScale<T>(kBwd, kForm, kPacks)) {
     if (d.rows.scale > 0)
       return LaunchRowKernel<T, kVec, kBwd, kForm, kPacks, kGroup, true>(d, launch, pairs);
   }
@@ -109,12 +113,15 @@ bool CausalPairsOf(const DropoutRows& d, CausalPairs& cp) {
 
 template <typename T, int kVec, bool kBwd, DropoutForm kForm, int kPacks = DropoutPacks(kBwd, kForm)>
 ffi::Error LaunchRows(const DropoutRows& d, const LaunchCtx& c, bool vectors) {
-  if (!vectors) return LaunchStream<T, 1, kBwd, kForm>(d, c);
+  // The streaming kernel reads mask-only rows in the general form.
+  constexpr DropoutForm kStreamForm = kForm == DropoutForm::kMask ? DropoutForm::kGeneral : kForm;
+  if (!vectors) return LaunchStream<T, 1, kBwd, kStreamForm>(d, c);
   const int64_t width = d.rows.cols / kVec;
   if constexpr (!kBwd && kPacks == 2) {
     if (FourPacksForward<kForm>(d, width)) return LaunchRows<T, kVec, kBwd, kForm, 4>(d, c, vectors);
   }
-  if (width > int64_t{kPacks} * DropoutMaxRowThreads(kPacks)) return LaunchStream<T, kVec, kBwd, kForm>(d, c);
+  if (width > int64_t{kPacks} * DropoutMaxRowThreads(kPacks))
+    return LaunchStream<T, kVec, kBwd, kStreamForm>(d, c);
   CausalPairs cp;
   const bool paired = !kBwd && kForm == DropoutForm::kCausal && CausalPairsOf<kVec>(d, cp);
   return LaunchRowsOfWidth<T, kVec, kBwd, kForm, kPacks>(d, c, (width + kPacks - 1) / kPacks,
@@ -134,6 +141,10 @@ ffi::Error LaunchDropout(const DropoutRows& dp, cudaStream_t stream) {
   // XLA aligns buffers; the check depends on addresses, never on data.
   const bool vectors = p.cols % kVec == 0 && BuffersAligned16(p);
   const bool causal = p.causal.d > 0 || dp.dropout.place_causal;
+  if constexpr (!kBwd && sizeof(T) == 2) {
+    if (p.mask.data && !p.bias.data && !causal && p.scale > 0)
+      return LaunchRows<T, kVec, kBwd, DropoutForm::kMask>(dp, ctx, vectors);
+  }
   if (p.bias.data || p.mask.data) return LaunchRows<T, kVec, kBwd, DropoutForm::kGeneral>(dp, ctx, vectors);
   return causal ? LaunchRows<T, kVec, kBwd, DropoutForm::kCausal>(dp, ctx, vectors)
                 : LaunchRows<T, kVec, kBwd, DropoutForm::kPlain>(dp, ctx, vectors);

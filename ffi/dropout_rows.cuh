@@ -47,36 +47,41 @@ namespace jax_softmax {
 //   kPlain:   no bias, mask or causal limit (Access::kPlain: x only);
 //   kCausal:  a causal limit only (the general loader for its limit; no mask bytes or bias, and
 //             per-position selects only in the vector that holds the limit);
+//   kMask:    16-bit forward rows of a mask only (no bias or causal limit) under a positive scale,
+//             on the register kernel: x's masked positions set to -inf before the conversion
+//             (mask_bits);
 //   kGeneral: a bias or mask (and perhaps a causal limit).
-enum class DropoutForm { kPlain, kCausal, kGeneral };
+enum class DropoutForm { kPlain, kCausal, kMask, kGeneral };
 constexpr Access FormAccess(DropoutForm f) {
   return f == DropoutForm::kPlain ? Access::kPlain : Access::kGeneral;
 }
 constexpr int DropoutPacks(bool bwd, DropoutForm form) {
-  return !bwd && form == DropoutForm::kPlain ? 4 : 2;
+  return !bwd && (form == DropoutForm::kPlain || form == DropoutForm::kMask) ? 4 : 2;
 }
 constexpr int64_t kCausalFourPacksFrom = 512;
 constexpr int kStreamPacks = 2;
 
-// 256-thread four-vector forward kernels of 16-bit plain and causal rows (S = 4097-8192) fold the
-// scale into their exps (with_shifted_exp) and run three CTAs an SM (80 registers, no spills) where
-// the other four-vector kernels run two (128 allowed, 94-96 used: 16 warps an SM). Measured
-// together (H100, session 96, bfloat16 256 MiB, two rounds, us per call): plain S = 8192 224 -> 214
-// (the fold alone) -> 181; causal 8192 152 -> 150 -> 142. Narrower kernels lost with the same fold:
-// plain S = 2048 (64 threads a row) 188 -> 203, its 8 more registers (94 -> 102) costing one CTA an
-// SM (20 -> 18 warps); causal S = 512 and 2048 did not move. FoldsScale: which kernels have a
-// folded instance; the launcher takes it under a positive scale (the max over x is the max over z
-// only then).
+// The 16-bit four-vector forward kernels of plain, causal and mask-only rows (FoldsScale) have a
+// folded instance (with_shifted_exp), which the launcher takes under a positive scale (the max
+// over x is the max over z only then), and run 768 threads an SM under 512-thread blocks (80
+// registers, no spills: 24 warps) where the others at four vectors run 512 (128 registers allowed,
+// 94-102 used: 16-20 warps). Measured (H100, session 97, bfloat16 256 MiB, two rounds each, us per
+// call; 512 threads an SM -> 768 -> 768 with the fold and the mask-only form): plain S = 1024 /
+// 2048 / 4096 / 8192 187 / 188 / 190 / 224 -> 180 / 181 / 182 / 186 -> 180 / 179 / 179 / 182
+// (99% of the copy at 1024-4096); padding mask S = 1024 / 2048 / 4096 201 / 205 / 210 -> 195 /
+// 198 / 200 -> 186 / 188 / 190; causal S = 8192 153 -> 143 -> 142 (causal rows under 4096
+// columns take two vectors a thread: 146-150 us, unmoved). At 512 threads an SM the fold's
+// registers had cost narrow kernels a CTA (plain S = 2048 188 -> 203, session 96). Not measured
+// for wider types or the general form (whose 16-bit kernels spill 28-32 bytes at 80 registers).
 template <typename T>
-constexpr bool FoldsScale(bool bwd, DropoutForm form, int group, int packs) {
-  return sizeof(T) == 2 && !bwd && form != DropoutForm::kGeneral && packs == 4 &&
-         BlockThreads(group) == 256;
+constexpr bool FoldsScale(bool bwd, DropoutForm form, int packs) {
+  return sizeof(T) == 2 && !bwd && form != DropoutForm::kGeneral && packs == 4;
 }
 
 // CTAs per SM that the register kernel's launch bounds ask for: 1024 threads an SM at two vectors
-// a thread (64 registers), 512 at four (128), 768 for the folded kernels (FoldsScale).
-constexpr int DropoutMinBlocksPerSm(int block, int packs, bool folded) {
-  return folded ? 768 / block : packs <= 2 ? MinBlocksPerSm(block) : block >= 512 ? 1 : 512 / block;
+// a thread (64 registers), 512 at four (128), 768 for the FoldsScale kernels (80).
+constexpr int DropoutMinBlocksPerSm(int block, int packs, bool folds) {
+  return packs <= 2 ? MinBlocksPerSm(block) : block >= 512 ? 1 : (folds ? 768 : 512) / block;
 }
 // The widest register kernel: 1024 threads at two vectors, 512 at four (both 2048 vectors).
 constexpr int DropoutMaxRowThreads(int packs) { return packs <= 2 ? 1024 : 512; }
@@ -137,6 +142,35 @@ __device__ __forceinline__ typename Loader::Bytes valid_at(const Loader& loader,
   else return loader.valid_bytes(c);
 }
 
+// Mask-only forward rows (DropoutForm::kMask): x's bits at the masked positions of a vector replaced
+// by -inf's before the conversion. 16-bit types: bit 0 of each mask byte (a bool's 0 or 1; the
+// bytes of a vector past the row are 0) is shifted to the byte's sign bit, a PRMT replicates two
+// of those signs over the 16-bit lanes of a pair, and one LOP3 selects x or -inf for the pair,
+// where the general form tests and selects each column after the conversion. -inf * scale stays
+// -inf for a positive scale only: the launcher's rule.
+template <int kSelector>
+__device__ __forceinline__ uint32_t replicate_signs(uint32_t bytes) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(bytes), "n"(kSelector));
+  return r;
+}
+
+template <typename T, int kVec, typename Bytes>
+__device__ __forceinline__ void mask_bits(T (&xs)[kVec], Bytes bytes) {
+  static_assert(sizeof(T) == 2 && kVec % 4 == 0, "16-bit values, whole words of mask bytes");
+  constexpr uint32_t kNegInfPair = std::is_same_v<T, __half> ? 0xfc00fc00u : 0xff80ff80u;
+  uint32_t raw[kVec / 2];
+  memcpy(raw, xs, sizeof raw);
+#pragma unroll
+  for (int q = 0; q < kVec / 4; ++q) {
+    const uint32_t signs = static_cast<uint32_t>(bytes >> (32 * q)) << 7;
+    const uint32_t lo = replicate_signs<0x9988>(signs), hi = replicate_signs<0xbbaa>(signs);
+    raw[2 * q] = (raw[2 * q] & lo) | (kNegInfPair & ~lo);
+    raw[2 * q + 1] = (raw[2 * q + 1] & hi) | (kNegInfPair & ~hi);
+  }
+  memcpy(xs, raw, sizeof raw);
+}
+
 // The folded kernels (FoldsScale; their launcher gives them a positive scale) keep x (as float),
 // take the row's max over x (zmax = scale * max x) and compute exp(scale * x - zmax) as
 // ex2(fma(x, scale * log2(e), -zmax * log2(e))): one FFMA per value where z = scale * x, z - zmax
@@ -191,7 +225,7 @@ __device__ __forceinline__ MaxSum<A> folded_group_maxsum(A (&v)[N], A scale, boo
 // and g = dy. valid[k]: the positions of vector k that take part; keep[k]: its keep words.
 // Returns whether any position takes part. (Fetched ahead, the bias of 32 16-bit values made the
 // forward spill 56-92 bytes at 64 registers: ptxas sm_90a.)
-template <int kPacks, bool kWithDy, bool kCausalOnly, bool kSkipDead, bool kFold, typename Loader,
+template <int kPacks, bool kWithDy, DropoutForm kForm, bool kSkipDead, bool kFold, typename Loader,
           typename A, int kVec = Loader::kVecWidth>
 __device__ __forceinline__ bool load_part(const Loader& loader, const typename Loader::Elem* dy,
                                           int first, int stride, const DropoutKey& key,
@@ -200,11 +234,14 @@ __device__ __forceinline__ bool load_part(const Loader& loader, const typename L
                                           typename Loader::Bytes (&valid)[kPacks],
                                           KeepWords<kVec> (&keep)[kPacks]) {
   using T = typename Loader::Elem;
-  constexpr bool kGeneral = !Loader::kPlain && !kCausalOnly;  // mask bytes and bias fetched
+  constexpr bool kCausalOnly = kForm == DropoutForm::kCausal;
+  constexpr bool kMaskOnly = kForm == DropoutForm::kMask;
+  constexpr bool kGeneral = kForm == DropoutForm::kGeneral;  // mask bytes and bias fetched
+  static_assert(!kMaskOnly || !kWithDy, "mask-only rows are forward rows");
   static_assert(!kFold || (!kWithDy && !kGeneral), "folded values: forward rows without a bias");
   constexpr bool kBiasAhead = kGeneral && kPacks * kVec * (kWithDy ? 2 : 1) <= 16;
   T xs[kPacks][kVec], gs[kWithDy ? kPacks : 1][kVec], bs[kBiasAhead ? kPacks : 1][kVec];
-  typename Loader::Bytes mask[kGeneral ? kPacks : 1];
+  typename Loader::Bytes mask[kGeneral || kMaskOnly ? kPacks : 1];
 #pragma unroll
   for (int k = 0; k < kPacks; ++k) loader.fetch_x(first + k * stride, xs[k]);
   if constexpr (kWithDy) {
@@ -216,7 +253,7 @@ __device__ __forceinline__ bool load_part(const Loader& loader, const typename L
       if (c <= loader.limit) load_vec<kVec>(dy + c, gs[k]);
     }
   }
-  if constexpr (kGeneral) {
+  if constexpr (kGeneral || kMaskOnly) {
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) {
       mask[k] = loader.fetch_mask(first + k * stride);
@@ -239,6 +276,17 @@ __device__ __forceinline__ bool load_part(const Loader& loader, const typename L
     if constexpr (kGeneral) {
       valid[k] = loader.limit_bytes(w, mask[k]);
       any |= loader.template load_fwd<kBiasAhead>(w, xs[k], mask[k], bs[kBiasAhead ? k : 0], v[k]);
+    } else if constexpr (kMaskOnly) {
+      // Whole aligned vectors: a vector lies wholly inside the row or wholly past it.
+      valid[k] = w <= loader.limit ? mask[k] : 0;
+      any |= Loader::any_byte(valid[k]);
+      mask_bits(xs[k], valid[k]);
+      if constexpr (kFold) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[k][e] = to_acc(xs[k][e]);
+      } else {
+        loader.plain_values(xs[k], v[k]);
+      }
     } else if constexpr (kCausalOnly) {
       // z = scale * x (as the general path's scale * x + 0) up to the limit, -inf past it; only
       // the vector that holds the limit selects per position (kSkipDead: the vectors past it take
@@ -392,13 +440,14 @@ __device__ __forceinline__ void store_dx(const Loader& loader, typename Loader::
 // vectors per thread; pack k of lane l covers columns (k * kGroup + l) * kVec.
 template <typename T, int kVec, int kGroup, int kPacks, bool kBwd, DropoutForm kForm, bool kFold>
 __global__ void __launch_bounds__(BlockThreads(kGroup),
-                                  DropoutMinBlocksPerSm(BlockThreads(kGroup), kPacks, kFold))
+                                  DropoutMinBlocksPerSm(BlockThreads(kGroup), kPacks,
+                                                        FoldsScale<T>(kBwd, kForm, kPacks)))
     dropout_rows_kernel(const DropoutRows d) {
   using A = acc_t<T>;
   using Loader = RowLoader<T, kVec, /*kBwd=*/false, FormAccess(kForm)>;
-  constexpr bool kCausalOnly = kForm == DropoutForm::kCausal;
-  constexpr bool kSkipDead = kCausalOnly && !kBwd && kPacks == 2;  // live_group_maxsum says why
-  static_assert(!kFold || FoldsScale<T>(kBwd, kForm, kGroup, kPacks), "no folded instance");
+  // live_group_maxsum says why
+  constexpr bool kSkipDead = kForm == DropoutForm::kCausal && !kBwd && kPacks == 2;
+  static_assert(!kFold || FoldsScale<T>(kBwd, kForm, kPacks), "no folded instance");
   using Bytes = typename Loader::Bytes;
   using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;
   constexpr int kBlock = BlockThreads(kGroup);
@@ -425,8 +474,8 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
     A g[kBwd ? kPacks : 1][kVec];
     Bytes valid[kPacks];
     KeepWords<kVec> keep[kPacks];
-    const bool any = load_part<kPacks, kBwd, kCausalOnly, kSkipDead, kFold>(
-        loader, dy, first, kStride, key, v, g, valid, keep);
+    const bool any = load_part<kPacks, kBwd, kForm, kSkipDead, kFold>(loader, dy, first, kStride,
+                                                                      key, v, g, valid, keep);
     T* dst = loader.out_row(p, row);
 
     if constexpr (!kBwd) {
@@ -434,15 +483,16 @@ __global__ void __launch_bounds__(BlockThreads(kGroup),
       bool live[kPacks];
 #pragma unroll
       for (int k = 0; k < kPacks; ++k) live[k] = first + k * kStride <= loader.limit;
+      // The (max, sum) of the row's lane group, or (blocks) of this warp's part.
+      constexpr int kWarpGroup = kGroup <= 32 ? kGroup : 32;
+      MaxSum<A> warp;
+      if constexpr (kSkipDead) warp = live_group_maxsum<kWarpGroup>(v, live, any);
+      else if constexpr (kFold) warp = folded_group_maxsum<kWarpGroup>(vr, loader.scale, any);
+      else warp = group_maxsum<kWarpGroup>(vr, any, /*log=*/false);
       FwdStats<A> st;
       if constexpr (kGroup <= 32) {
-        if constexpr (kSkipDead) st = group_stats(live_group_maxsum<kGroup>(v, live, any), false);
-        else st = group_stats(group_maxsum<kGroup>(vr, any, /*log=*/false), false);
+        st = group_stats(warp, false);
       } else {
-        MaxSum<A> warp;
-        if constexpr (kSkipDead) warp = live_group_maxsum<32>(v, live, any);
-        else if constexpr (kFold) warp = folded_group_maxsum<32>(vr, loader.scale, any);
-        else warp = group_maxsum<32>(vr, any, /*log=*/false);
         const MaxSum<A> total = block_allreduce<kBlock, /*kWarpReduced=*/true>(warp, slots[use & 1]);
         st = fwd_stats(warp.m, total, false);
       }
@@ -550,11 +600,11 @@ __device__ __forceinline__ void store_pair_pack(T* dst, int c, int limit, const 
 
 template <typename T, int kVec, int kGroup, int kPacks, bool kFold>
 __global__ void __launch_bounds__(BlockThreads(kGroup),
-                                  DropoutMinBlocksPerSm(BlockThreads(kGroup), kPacks, kFold))
+                                  DropoutMinBlocksPerSm(BlockThreads(kGroup), kPacks,
+                                                        FoldsScale<T>(false, DropoutForm::kCausal, kPacks)))
     dropout_pairs_kernel(const DropoutRows d, const CausalPairs cp) {
   using A = acc_t<T>;
-  static_assert(!kFold || FoldsScale<T>(false, DropoutForm::kCausal, kGroup, kPacks),
-                "no folded instance");
+  static_assert(!kFold || FoldsScale<T>(false, DropoutForm::kCausal, kPacks), "no folded instance");
   constexpr int kBlock = BlockThreads(kGroup);
   constexpr int kUnitsPerBlock = kBlock / kGroup;
   constexpr int kSlots = kGroup * kPacks;
@@ -689,7 +739,7 @@ template <typename T, int kVec, bool kBwd, DropoutForm kForm>
 __global__ void __launch_bounds__(512, 2) dropout_stream_kernel(const DropoutRows d) {
   using A = acc_t<T>;
   using Loader = RowLoader<T, kVec, /*kBwd=*/false, FormAccess(kForm)>;
-  constexpr bool kCausalOnly = kForm == DropoutForm::kCausal;
+  static_assert(kForm != DropoutForm::kMask, "the launcher streams mask-only rows in the general form");
   using Bytes = typename Loader::Bytes;
   using S = std::conditional_t<kBwd, Sum<A>, MaxSum<A>>;
   constexpr int kBlock = 512;
@@ -717,8 +767,8 @@ __global__ void __launch_bounds__(512, 2) dropout_stream_kernel(const DropoutRow
     KeepWords<kVec> keep[kPacks];
     // Columns past the causal limit are not valid: not read, written as 0.
     const auto part = [&](int c0) {
-      return load_part<kPacks, kBwd, kCausalOnly, false, false>(loader, dy, c0 + first, kStride,
-                                                                key, v, g, valid, keep);
+      return load_part<kPacks, kBwd, kForm, false, false>(loader, dy, c0 + first, kStride, key, v,
+                                                          g, valid, keep);
     };
     if constexpr (!kBwd) {
       const int end = loader.limit + 1;

@@ -69,8 +69,8 @@ def _xla_bwd(y, g, mask=None):
 def _attention_case(kind, s, dtype=jnp.bfloat16, dropout=0.0):
     """(B, H, s, s) scores of the benchmark's shape (jax_softmax_bench's attention_shape: 16
     heads, fewer where one head's scores pass the tensor size) in bfloat16 (float32 for the
-    attn32_ and attnbwd32_ cases) with a padding mask (B, 1, 1, s) that drops a random 10% of the
-    keys ("pad") or, as the benchmark's, all keys past a length drawn per batch element from
+    attn32_, attnbwd32_ and attndrop32_ cases) with a padding mask (B, 1, 1, s) that drops a random
+    10% of the keys ("pad"; "padcausal": with the causal rule too) or, as the benchmark's, all keys past a length drawn per batch element from
     [s/2, s] ("padlen"), a full mask (1, 1, s, s), a per-head bias, the causal rule or none of
     them (scale only); the XLA side is the benchmark's own expression
     (jax_softmax_bench.providers.xla_attention_softmax). With `dropout`, attention dropout at that
@@ -79,7 +79,8 @@ def _attention_case(kind, s, dtype=jnp.bfloat16, dropout=0.0):
     rng = np.random.default_rng(1)
     scores = jnp.asarray(rng.standard_normal((b, h, s, s)).astype(np.float32), dtype)
     lens = rng.integers(s // 2, s + 1, size=(b, 1, 1, 1))
-    operand = {"pad": ("mask", lambda: jnp.asarray(rng.random((b, 1, 1, s)) > 0.1)),
+    pad = lambda: jnp.asarray(rng.random((b, 1, 1, s)) > 0.1)  # noqa: E731
+    operand = {"pad": ("mask", pad), "padcausal": ("mask", pad),
                "padlen": ("mask", lambda: jnp.asarray(np.arange(s) < lens)),
                "full": ("mask", lambda: jnp.asarray(rng.random((1, 1, s, s)) > 0.1)),
                "bias": ("bias", lambda: jnp.asarray(rng.standard_normal((1, h, s, s)), dtype)),
@@ -91,7 +92,8 @@ def _attention_case(kind, s, dtype=jnp.bfloat16, dropout=0.0):
 
     def bind(fn):
         def call(x, *extra):
-            kw = {name: extra[0]} if name else {"is_causal": kind == "causal"}
+            kw = {name: extra[0]} if name else {}
+            kw["is_causal"] = kind in ("causal", "padcausal")
             return fn(x, scale=0.125, **kw, **drop)
         return call
 
@@ -187,11 +189,13 @@ for _n in (256, 1024, 4096, 8192, 16384, 32768):
     for _dt, _name in (("float32", "f32"), ("bfloat16", "bf16")):
         CASES[f"triton_{_name}_fwd_{_n}"] = (lambda dt=_dt, n=_n: _triton_case(dt, n))
         CASES[f"triton_{_name}_bwd_{_n}"] = (lambda dt=_dt, n=_n: _triton_case(dt, n, True))
-for _kind in ("none", "pad", "padlen", "full", "bias", "causal"):
+for _kind in ("none", "pad", "padlen", "full", "bias", "causal", "padcausal"):
     for _s in (128, 256, 512, 1024, 2048, 4096, 8192):
         CASES[f"attn_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_case(k, s))
         CASES[f"attn32_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_case(k, s, jnp.float32))
         CASES[f"attndrop_{_kind}_{_s}"] = (lambda k=_kind, s=_s: _attention_case(k, s, dropout=0.1))
+        CASES[f"attndrop32_{_kind}_{_s}"] = (
+            lambda k=_kind, s=_s: _attention_case(k, s, jnp.float32, dropout=0.1))
         CASES[f"attndropbwd_{_kind}_{_s}"] = (
             lambda k=_kind, s=_s: _attention_bwd_case(k, s, dropout=0.1))
         if _kind != "bias":

@@ -288,10 +288,11 @@ def main():
         if every_op:
             # Attention dropout (ffi/dropout_rows.cuh): the register kernel of the row's width, or
             # the streaming one (long or odd rows), in each of its forms: a padding mask and
-            # causal rows (general), causal rows alone, neither (plain).
+            # causal rows (general), a padding mask alone (mask-only), causal rows alone, neither
+            # (plain).
             s = jnp.asarray(rng.standard_normal((2, 3, 5, cols)), dtype)
             pad = jnp.arange(cols) < jnp.array([cols // 2 + 3, cols])[:, None, None, None]
-            for mask, causal in ((pad, True), (None, True), (None, False)):
+            for mask, causal in ((pad, True), (pad, False), (None, True), (None, False)):
                 y, vjp = jax.vjp(lambda a: jax_softmax.attention_softmax(
                     a, scale=0.5, mask=mask, is_causal=causal, dropout_rate=0.2,
                     dropout_rng=jax.random.key(0)), s)

@@ -300,9 +300,10 @@ def tier_lengths(dtype):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: DTYPE_IDS[d])
-@pytest.mark.parametrize("variant", ["plain", "bias_mask", "causal_mask"])
+@pytest.mark.parametrize("variant", ["plain", "mask", "bias_mask", "causal_mask"])
 def test_tier_lengths(backend, device, rng, dtype, variant):
     # Shapes (2, 3, n): with causal, query i of 3 sees keys 0..i; the padding mask cuts the rest.
+    # "mask" (a mask alone, a positive scale): the CUDA forward's mask-only form.
     # Every length in one jitted program (one compile per variant and dtype).
     rate, key, scale = 0.3, jax.random.key(17), 0.8
     causal = variant == "causal_mask"
@@ -331,16 +332,17 @@ def test_tier_lengths(backend, device, rng, dtype, variant):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: DTYPE_IDS[d])
-@pytest.mark.parametrize("variant", ["plain", "causal"])
+@pytest.mark.parametrize("variant", ["plain", "mask", "causal"])
 @pytest.mark.parametrize("width", [264, 4104])
 def test_scale_and_magnitude_16bit(backend, device, rng, dtype, variant, width):
-    """16-bit forward rows without a bias or mask. Rows of 513-1024 vectors (4104 columns) run the
-    CUDA kernels' folded instances under a positive scale (FoldsScale: the max over x, scale and
-    log2(e) in one FFMA per value where the row's scaled max is under 1024 in magnitude, the
-    three-instruction form beyond it) and the plain instances under a scale <= 0; rows of 33
-    vectors (264) never fold. Rows of each kind (maxima of about 1, 900, 1100, -1100 and the dtype's
-    largest values) on both sides of that bound, under scales of 1, 0.5, 0 and -0.7, against
-    float64."""
+    """16-bit forward rows without a bias. Four-vector kernels (plain and mask-only rows at both
+    widths; causal rows at 513-1024 vectors, 4104 columns) run the CUDA kernels' folded instances
+    under a positive scale (FoldsScale: the max over x, scale and log2(e) in one FFMA per value
+    where the row's scaled max is under 1024 in magnitude, the three-instruction form beyond it)
+    and the other forms under a scale <= 0 (a mask then takes the general form); causal rows of 33
+    vectors (264) never fold. Rows of each kind (maxima of about 1, 900, 1100, -1100 and the
+    dtype's largest values) on both sides of that bound, under scales of 1, 0.5, 0 and -0.7,
+    against float64."""
     rate, key = 0.2, jax.random.key(23)
     big = float(jnp.finfo(dtype).max) / 2
     shape = (2, 2, 6, width)
@@ -352,6 +354,7 @@ def test_scale_and_magnitude_16bit(backend, device, rng, dtype, variant, width):
     s[:, :, 5, 7] = big
     s = rounded(s, dtype)
     causal = variant == "causal"
+    mask = rng.random((2, 1, 1, width)) < 0.7 if variant == "mask" else None
     g = rounded(rng.standard_normal(shape), dtype)
     scales = (1.0, 0.5, 0.0, -0.7)
 
@@ -359,7 +362,7 @@ def test_scale_and_magnitude_16bit(backend, device, rng, dtype, variant, width):
         out = []
         for scale in scales:
             y, pull = jax.vjp(
-                lambda s: attn(s, key, rate, scale=scale, causal=causal), s)
+                lambda s: attn(s, key, rate, scale=scale, mask=mask, causal=causal), s)
             out.append((y, pull(g)[0]))
         return out
 
@@ -367,14 +370,14 @@ def test_scale_and_magnitude_16bit(backend, device, rng, dtype, variant, width):
     for scale, (y, dx) in zip(scales, run(device, fwd_bwd, s, g)):
         what = f"{variant} scale={scale}"
         assert not np.isnan(y).any(), what
-        assert_close(y, np_dropout_attention(s, scale, None, None, causal, keep, rate), dtype,
+        assert_close(y, np_dropout_attention(s, scale, None, mask, causal, keep, rate), dtype,
                      what=what + " y")
         assert np.all(y[~keep] == 0), what
         # Row 4's float64 reference gradient comes out NaN under XLA's CPU compile at scale -0.7
         # (the exact one is finite); the other rows check dx.
         rows = [0, 1, 2, 3, 5]
         assert not np.isnan(dx).any(), what
-        expect_dx = ref_dx(s, g, keep, rate, scale, None, None, causal)
+        expect_dx = ref_dx(s, g, keep, rate, scale, None, mask, causal)
         assert_close(dx[:, :, rows], expect_dx[:, :, rows], dtype, tol=GRAD_TOL,
                      what=what + " dx")
 
