@@ -15,7 +15,7 @@ import pytest
 
 from conftest import gpu_available
 
-from jax_softmax_bench import environment, providers, softmax_sweep, timeline, timing
+from jax_softmax_bench import environment, providers, softmax_sweep, sweep, timeline, timing
 
 
 def test_cpu_chain_is_host_timed():
@@ -45,6 +45,44 @@ def test_sweep_writes_timing_fields(tmp_path):
     # A finished sweep's file holds every planned point and does not call itself partial.
     assert data["meta"]["points_planned"] == len(data["records"]) == 2
     assert "partial" not in data["meta"]
+
+
+def test_rounds_rotate_and_keep_the_median_round():
+    """--rounds: each provider measured once a round, the order rotated by one each round; its
+    record is its median round's fields; a failing provider raises its error for run_point and
+    is not measured again."""
+    calls = []
+    times = {"a": iter([30.0, 10.0, 20.0]), "b": iter([5.0, 7.0, 6.0])}
+
+    def measure(name):
+        calls.append(name)
+        if name == "c":
+            raise RuntimeError("no kernel")
+        return {"time_us": next(times[name]), "round": len(calls)}
+
+    measures = {name: (lambda name=name: measure(name)) for name in ("a", "b", "c")}
+    rounds = sweep.measure_in_rounds(measures, 3)
+    assert calls == ["a", "b", "c", "b", "a", "a", "b"]
+    assert rounds["a"]() == {"time_us": 20.0, "round": 6, "rounds_us": [30.0, 10.0, 20.0]}
+    assert rounds["b"]()["time_us"] == 6.0
+    with pytest.raises(RuntimeError, match="no kernel"):
+        rounds["c"]()
+
+
+def test_sweep_in_rounds(tmp_path):
+    """A tiny sweep with --rounds 3: every record holds its three rounds' times and reports the
+    median one."""
+    rc = softmax_sweep.run_softmax(["--quick", "--ns", "32", "--dtypes", "float32", "--modes", "fwd",
+                                    "--sizes-mib", "1", "--copy-mib", "1", "--reps", "2",
+                                    "--rounds", "3", "--providers", "jax_softmax", "jax_nn",
+                                    "--no-plot", "--out", str(tmp_path), "--tag", "t"])
+    assert rc == 0
+    recs = [r for r in json.loads((tmp_path / "t.json").read_text())["records"]
+            if r["provider"] in ("jax_softmax", "jax_nn")]
+    assert len(recs) == 2
+    for r in recs:
+        assert len(r["rounds_us"]) == 3 and r["check"] == "ok"
+        assert r["time_us"] == sorted(r["rounds_us"])[1]
 
 
 def test_interrupted_sweep_says_partial(tmp_path, monkeypatch):

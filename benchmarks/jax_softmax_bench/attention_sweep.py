@@ -15,8 +15,8 @@ from .environment import MIB, import_jax, prepare_environment
 from .providers import available_providers, xla_attention_softmax
 from .report import LAYOUTS
 from .sweep import (Sweep, add_common_args, api_under_test, calibrate, itemsize, jnp_dtype,
-                    log_to_stderr, parse_ints, parse_list, resolve_common, start_results,
-                    time_jax_point)
+                    log_to_stderr, measure_in_rounds, parse_ints, parse_list, resolve_common,
+                    start_results, time_jax_point)
 
 ATTN_SEQS = [128, 256, 512, 1024, 2048, 4096, 8192]
 QUICK_SEQS = [128, 1024]
@@ -101,15 +101,18 @@ def run_attention(argv=None) -> int:
     # Every provider of a grid point draws its inputs from the point's seed.
     for seed, (size_mib, dtype, mode, variant, s) in enumerate(grid, start=101):
         b, h = attention_shape(s, size_mib, dtype, cfg["heads"])
-        for prov, fn in fns.items():
+        measures = {prov: functools.partial(measure_attention_point, fn, dtype, mode, variant, b,
+                                            h, s, cfg, seed) for prov, fn in fns.items()}
+        if cfg["rounds"] > 1:
+            sweep.bar.set(f"{dtype} {mode} {variant} S={s}: {cfg['rounds']} rounds")
+            measures = measure_in_rounds(measures, cfg["rounds"])
+        for prov in fns:
             sweep.bar.set(f"{dtype} {mode} {variant} S={s} {prov}")
             rec = {"bench": "attention", "op": "attention_softmax",
                    "provider": label.get(prov, prov), "provider_id": prov, "dtype": dtype,
                    "mode": mode, "variant": variant, "N": s, "S": s, "shape": f"{b}x{h}x{s}x{s}",
                    "size_mib": size_mib}
-            measure = functools.partial(measure_attention_point, fn, dtype, mode, variant, b, h, s,
-                                        cfg, seed)
-            sweep.run_point(rec, measure, f"{prov} {dtype} {mode} {variant} S={s}")
+            sweep.run_point(rec, measures[prov], f"{prov} {dtype} {mode} {variant} S={s}")
     return sweep.finish(layout.title, args.no_plot)
 
 

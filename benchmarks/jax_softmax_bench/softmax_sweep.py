@@ -14,8 +14,8 @@ from .environment import MIB, import_jax, prepare_environment, torch_cuda
 from .providers import COPY_PROVIDERS, available_providers, triton_softmax_bwd, triton_softmax_fwd
 from .report import LAYOUTS
 from .sweep import (Sweep, add_common_args, api_under_test, calibrate, itemsize, jnp_dtype,
-                    log_to_stderr, parse_ints, resolve_common, start_results, time_jax_point,
-                    torch_dtype)
+                    log_to_stderr, measure_in_rounds, parse_ints, resolve_common, start_results,
+                    time_jax_point, torch_dtype)
 from .timing import summarize, time_cuda
 
 SOFTMAX_NS = sorted([2**k for k in range(5, 19)] + [1000, 3000, 50257])
@@ -183,17 +183,22 @@ def run_softmax(argv=None) -> int:
     for seed, (size_mib, dtype, mode, n) in enumerate(grid, start=1):
         rows = max(1, (size_mib * MIB) // (n * itemsize(dtype)))
         nbytes = rows * n * itemsize(dtype)
+        measures = {}
+        for prov in point_providers:
+            if prov in jax_fns:
+                measures[prov] = functools.partial(measure_jax_point, jax_fns[prov], cfg["op"],
+                                                   dtype, mode, rows, n, cfg, seed)
+            else:
+                measures[prov] = functools.partial(measure_torch_point, prov, cfg["op"], dtype,
+                                                   mode, rows, n, cfg, seed)
+        if cfg["rounds"] > 1:
+            sweep.bar.set(f"{size_mib}MiB {dtype} {mode} N={n}: {cfg['rounds']} rounds")
+            measures = measure_in_rounds(measures, cfg["rounds"])
         for prov in point_providers:
             sweep.bar.set(f"{size_mib}MiB {dtype} {mode} N={n} {prov}")
             rec = {"bench": "softmax", "op": cfg["op"], "provider": label.get(prov, prov),
                    "provider_id": prov, "dtype": dtype, "mode": mode, "variant": None, "N": n,
                    "S": None, "shape": f"{rows}x{n}", "rows": rows, "size_mib": size_mib,
                    "bytes": softmax_bytes(mode, nbytes)}
-            if prov in jax_fns:
-                measure = functools.partial(measure_jax_point, jax_fns[prov], cfg["op"], dtype,
-                                            mode, rows, n, cfg, seed)
-            else:
-                measure = functools.partial(measure_torch_point, prov, cfg["op"], dtype, mode,
-                                            rows, n, cfg, seed)
-            sweep.run_point(rec, measure, f"{prov} {dtype} {mode} N={n}")
+            sweep.run_point(rec, measures[prov], f"{prov} {dtype} {mode} N={n}")
     return sweep.finish(layout.title.format(op=cfg["op"]), args.no_plot)

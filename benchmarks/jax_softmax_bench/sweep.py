@@ -6,6 +6,7 @@ current after every point and prints the table at the end."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -141,6 +142,10 @@ def add_common_args(p: argparse.ArgumentParser, providers, modes):
     p.add_argument("--pipeline", type=int, default=None,
                    help="R: JAX executions enqueued back to back per sample (default 20; quick 4)")
     p.add_argument("--warmup", type=int, default=None, help="untimed executions (default 3)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="each point's providers measured this many times in turn, the order "
+                        "rotated each round; a provider's record is its median round (default 1; "
+                        "for machines whose speed drifts between two providers' measurements)")
     p.add_argument("--copy-mib", type=int, default=None,
                    help="size of the copy-ceiling buffer (default 1024; quick 256 GPU / 16 CPU)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness checks")
@@ -170,12 +175,13 @@ def resolve_common(args, providers, modes, quick_sizes_gpu=64, quick_sizes_cpu=4
     cfg["reps"] = args.reps or (5 if args.quick else 10)
     cfg["pipeline"] = args.pipeline or (4 if args.quick else 20)
     cfg["warmup"] = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    cfg["rounds"] = args.rounds or 1
     cfg["copy_mib"] = args.copy_mib or ((256 if gpu else 16) if args.quick else 1024)
     cfg["check"] = not args.no_check
     cfg["quick"] = bool(args.quick)
     cfg["out"] = args.out or default_out_dir()
-    if cfg["chain"] < 1 or cfg["reps"] < 1:
-        raise SystemExit("--chain and --reps must be >= 1")
+    if cfg["chain"] < 1 or cfg["reps"] < 1 or cfg["rounds"] < 1:
+        raise SystemExit("--chain, --reps and --rounds must be >= 1")
     return cfg
 
 
@@ -220,6 +226,36 @@ def calibrate(meta: dict, cfg: dict, providers, jax_fns: dict, shapes: dict, log
                                         cfg["warmup"], log, pipeline=cfg["pipeline"])
     meta["dispatch_check"] = dispatch_check(jax_fns, cfg["chain"], cfg["reps"], cfg["warmup"],
                                             log, pipeline=cfg["pipeline"], shapes=shapes)
+
+
+def measure_in_rounds(measures: dict, rounds: int) -> dict:
+    """The providers of one point measured `rounds` times each, in turn, the order rotated by one
+    each round, so that a drift of the machine's speed falls on every provider alike. Returns,
+    per provider, a callable giving its median round's timing fields (by time_us; that round's
+    samples and check together), or raising the error of its first failed round (for
+    Sweep.run_point). One round calls each measure once, as without rounds."""
+    names = list(measures)
+    results = {name: [] for name in names}
+    errors = {}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if name in errors:
+                continue
+            try:
+                results[name].append(measures[name]())
+            except Exception as e:  # recorded by run_point, as a measure's own error
+                errors[name] = e
+
+    def median_round(name):
+        if name in errors:
+            raise errors[name]
+        runs = sorted(results[name], key=lambda f: f["time_us"])
+        fields = dict(runs[(len(runs) - 1) // 2])
+        if len(runs) > 1:
+            fields["rounds_us"] = [f["time_us"] for f in results[name]]
+        return fields
+
+    return {name: functools.partial(median_round, name) for name in names}
 
 
 def time_jax_point(call, arg_sets, cfg: dict, check_rows: int):
