@@ -1,6 +1,6 @@
 // CUDA FFI handlers of the attention dropout (attention_dropout.h) and the rule that picks its
-// kernel (dropout_rows.cuh). Command-buffer safe: no synchronisation, allocation or data-dependent
-// host logic; device properties are read once per device.
+// kernel (dropout_rows.cuh, dropout_pairs.cuh). Command-buffer safe: no synchronisation,
+// allocation or data-dependent host logic; device properties are read once per device.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "attention_dropout.h"
+#include "dropout_pairs.cuh"
 #include "dropout_rows.cuh"
 #include "launch_device.cuh"
 #include "softmax_cuda.h"
