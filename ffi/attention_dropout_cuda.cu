@@ -75,12 +75,18 @@ ffi::Error LaunchRowsOfWidth(const DropoutRows& d, const LaunchCtx& c, int64_t m
   const int64_t needed = (units + kUnitsPerBlock - 1) / kUnitsPerBlock;
   const int grid = static_cast<int>(std::min<int64_t>(needed, INT_MAX));
   const KernelLaunch launch(grid, kBlock, 0, c.stream, 1, c.dependent);
-  // The folded instance (FoldsScale) where the kernel has one and the call's scale is positive.
-  if constexpr (FoldsScale<T>(kBwd, kForm, kPacks)) {
-    if (d.rows.scale > 0)
-      return LaunchRowKernel<T, kVec, kBwd, kForm, kPacks, kGroup, true>(d, launch, pairs);
+  // The folded instance (FoldsScale) where the kernel has one and the call's scale is positive;
+  // mask-only rows have no other (LaunchDropout gives them a positive scale).
+  if constexpr (kForm == DropoutForm::kMask) {
+    static_assert(FoldsScale<T>(kBwd, kForm, kPacks), "mask-only rows fold");
+    return LaunchRowKernel<T, kVec, kBwd, kForm, kPacks, kGroup, true>(d, launch, pairs);
+  } else {
+    if constexpr (FoldsScale<T>(kBwd, kForm, kPacks)) {
+      if (d.rows.scale > 0)
+        return LaunchRowKernel<T, kVec, kBwd, kForm, kPacks, kGroup, true>(d, launch, pairs);
+    }
+    return LaunchRowKernel<T, kVec, kBwd, kForm, kPacks, kGroup, false>(d, launch, pairs);
   }
-  return LaunchRowKernel<T, kVec, kBwd, kForm, kPacks, kGroup, false>(d, launch, pairs);
 }
 
 // Forward rows that take four vectors a thread where their form's default is two (DropoutPacks,

@@ -48,8 +48,8 @@ namespace jax_softmax {
 //   kCausal:  a causal limit only (the general loader for its limit; no mask bytes or bias, and
 //             per-position selects only in the vector that holds the limit);
 //   kMask:    16-bit forward rows of a mask only (no bias or causal limit) under a positive scale,
-//             on the register kernel: x's masked positions set to -inf before the conversion
-//             (mask_bits);
+//             on the register kernel's folded instances only: x's masked positions set to -inf
+//             before the conversion (mask_bits);
 //   kGeneral: a bias or mask (and perhaps a causal limit).
 enum class DropoutForm { kPlain, kCausal, kMask, kGeneral };
 constexpr Access FormAccess(DropoutForm f) {
@@ -142,12 +142,12 @@ __device__ __forceinline__ typename Loader::Bytes valid_at(const Loader& loader,
   else return loader.valid_bytes(c);
 }
 
-// Mask-only forward rows (DropoutForm::kMask): x's bits at the masked positions of a vector replaced
-// by -inf's before the conversion. 16-bit types: bit 0 of each mask byte (a bool's 0 or 1; the
-// bytes of a vector past the row are 0) is shifted to the byte's sign bit, a PRMT replicates two
-// of those signs over the 16-bit lanes of a pair, and one LOP3 selects x or -inf for the pair,
-// where the general form tests and selects each column after the conversion. -inf * scale stays
-// -inf for a positive scale only: the launcher's rule.
+// Mask-only forward rows (DropoutForm::kMask): x's bits at the masked positions of a vector
+// replaced by -inf's before the conversion. 16-bit types: bit 0 of each mask byte (a bool's 0 or
+// 1; the bytes of a vector past the row are 0) is shifted to the byte's sign bit, a PRMT
+// replicates two of those signs over the 16-bit lanes of a pair, and one LOP3 selects x or -inf
+// for the pair, where the general form tests and selects each column after the conversion.
+// -inf * scale stays -inf for a positive scale only: the launcher's rule.
 template <int kSelector>
 __device__ __forceinline__ uint32_t replicate_signs(uint32_t bytes) {
   uint32_t r;
@@ -237,7 +237,7 @@ __device__ __forceinline__ bool load_part(const Loader& loader, const typename L
   constexpr bool kCausalOnly = kForm == DropoutForm::kCausal;
   constexpr bool kMaskOnly = kForm == DropoutForm::kMask;
   constexpr bool kGeneral = kForm == DropoutForm::kGeneral;  // mask bytes and bias fetched
-  static_assert(!kMaskOnly || !kWithDy, "mask-only rows are forward rows");
+  static_assert(!kMaskOnly || kFold, "mask-only rows: forward rows, folded instances only");
   static_assert(!kFold || (!kWithDy && !kGeneral), "folded values: forward rows without a bias");
   constexpr bool kBiasAhead = kGeneral && kPacks * kVec * (kWithDy ? 2 : 1) <= 16;
   T xs[kPacks][kVec], gs[kWithDy ? kPacks : 1][kVec], bs[kBiasAhead ? kPacks : 1][kVec];
@@ -281,12 +281,8 @@ __device__ __forceinline__ bool load_part(const Loader& loader, const typename L
       valid[k] = w <= loader.limit ? mask[k] : 0;
       any |= Loader::any_byte(valid[k]);
       mask_bits(xs[k], valid[k]);
-      if constexpr (kFold) {
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) v[k][e] = to_acc(xs[k][e]);
-      } else {
-        loader.plain_values(xs[k], v[k]);
-      }
+      for (int e = 0; e < kVec; ++e) v[k][e] = to_acc(xs[k][e]);
     } else if constexpr (kCausalOnly) {
       // z = scale * x (as the general path's scale * x + 0) up to the limit, -inf past it; only
       // the vector that holds the limit selects per position (kSkipDead: the vectors past it take

@@ -70,11 +70,12 @@ def _attention_case(kind, s, dtype=jnp.bfloat16, dropout=0.0):
     """(B, H, s, s) scores of the benchmark's shape (jax_softmax_bench's attention_shape: 16
     heads, fewer where one head's scores pass the tensor size) in bfloat16 (float32 for the
     attn32_, attnbwd32_ and attndrop32_ cases) with a padding mask (B, 1, 1, s) that drops a random
-    10% of the keys ("pad"; "padcausal": with the causal rule too) or, as the benchmark's, all keys past a length drawn per batch element from
-    [s/2, s] ("padlen"), a full mask (1, 1, s, s), a per-head bias, the causal rule or none of
-    them (scale only); the XLA side is the benchmark's own expression
-    (jax_softmax_bench.providers.xla_attention_softmax). With `dropout`, attention dropout at that
-    rate on both sides (the attndrop_ cases: fused Philox bits against Flax's bernoulli draw)."""
+    10% of the keys ("pad"; "padcausal": with the causal rule too) or, as the benchmark's, all
+    keys past a length drawn per batch element from [s/2, s] ("padlen"), a full mask (1, 1, s, s),
+    a per-head bias, the causal rule or none of them (scale only); the XLA side is the benchmark's
+    own expression (jax_softmax_bench.providers.xla_attention_softmax). With `dropout`, attention
+    dropout at that rate on both sides (the attndrop_ cases: fused Philox bits against Flax's
+    bernoulli draw)."""
     b, h = attention_sweep.attention_shape(s, TENSOR_BYTES // MIB, jnp.dtype(dtype).name, 16)
     rng = np.random.default_rng(1)
     scores = jnp.asarray(rng.standard_normal((b, h, s, s)).astype(np.float32), dtype)
