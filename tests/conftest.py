@@ -44,6 +44,8 @@ if "cpu" not in jax_softmax.available_platforms():
 BACKENDS = ("cpu", "gpu")
 FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 DTYPE_IDS = {jnp.float16: "f16", jnp.bfloat16: "bf16", jnp.float32: "f32", jnp.float64: "f64"}
+# Elements of each dtype in a 16-byte vector: the CUDA kernels' unit of loads and stores.
+VEC = {jnp.float16: 8, jnp.bfloat16: 8, jnp.float32: 4, jnp.float64: 2}
 
 # (atol, rtol) per dtype for outputs. atol is relative to the largest magnitude of the expected
 # array (see assert_close), rtol to each element. The inputs are first rounded to the dtype, so

@@ -13,6 +13,7 @@ from conftest import (
     DTYPE_IDS,
     FLOAT_DTYPES,
     GRAD_TOL,
+    VEC,
     assert_close,
     attention_valid,
     compiled_hlo,
@@ -287,7 +288,6 @@ def test_hlo_fused_calls(backend, device, rng):
 # past 2048 vectors, or with cols % V != 0, the streaming kernel (chunks of 512 x 2 vectors, x read
 # twice; element by element where cols % V != 0). Each boundary: the widest row of a G, the next
 # width, and an odd length (element by element). The CPU runs the same lengths (its own chunking).
-VEC = {jnp.float16: 8, jnp.bfloat16: 8, jnp.float32: 4, jnp.float64: 2}
 
 
 def tier_lengths(dtype):
