@@ -150,10 +150,11 @@ test_part() { [ "$TEST_PART" = all ] || [ "$TEST_PART" = "$1" ]; }
 
 if want test; then
   # The suite in parallel processes (a GPU test spends most of its time in XLA's compiler, on the
-  # CPU; one process ran past a device call's 10 minutes). -k selects by test and module name;
-  # the shards cover every test once. The kernel-tier module's shards were split off one at a
+  # CPU; one process ran past a device call's 10 minutes). -k selects by test and module name (a
+  # substring: test_kernel_tiers matches test_kernel_tiers.py and test_kernel_tiers_attention.py);
+  # the shards cover every test once. The kernel-tier modules' shards were split off one at a
   # time, each where a shard ran past a call's limit beside the others (the timings that decided
-  # each split are in git's log of this file); tiers_rest takes the module's other tests, so the
+  # each split are in git's log of this file); tiers_rest takes the modules' other tests, so the
   # selections (name:selection) are written once here and joined for it.
   tier_shards=(
     "tiers_boundaries:tier_boundaries"
