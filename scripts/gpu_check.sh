@@ -178,7 +178,7 @@ if want test; then
   done
   shards+=(
     "tiers_rest:test_kernel_tiers and not ($tiers_split) and not ($big)"
-    "softmax:not test_kernel_tiers and (test_softmax or test_transforms or test_errors)"
+    "softmax:not (test_kernel_tiers or test_dropout) and (test_softmax or test_transforms or test_errors)"
     "dropout:test_dropout"
     "rest:not (test_kernel_tiers or test_softmax or test_transforms or test_errors or test_dropout)"
   )
