@@ -316,6 +316,18 @@ def assert_close(actual, expected, dtype, tol=None, what="", mag=None):
         )
 
 
+def check_scores_vjp(y, ds, z, g, valid, scale, dtype, what):
+    """An attention_softmax output y and its scores cotangent ds against float64: y against the
+    softmax of z (the scaled and biased scores, float64) over `valid`, ds against scale times that
+    softmax's VJP for cotangent g. Returns the VJP and its error scale (the bias gradient sums
+    them)."""
+    assert_close(np.asarray(y), np_softmax(z, -1, valid), dtype, what=what)
+    dz = np_softmax_vjp(z, g, -1, valid)
+    mag = np_softmax_vjp_scale(z, g, -1, valid, dtype=dtype)
+    assert_close(np.asarray(ds), scale * dz, dtype, tol=GRAD_TOL, mag=scale * mag, what="d " + what)
+    return dz, mag
+
+
 # --- HLO inspection -------------------------------------------------------------------------------
 FWD_TARGET = "jax_softmax_fwd"
 BWD_TARGET = "jax_softmax_bwd"

@@ -15,7 +15,6 @@ from conftest import (
     GRAD_TOL,
     VEC,
     assert_close,
-    attention_valid,
     compiled_hlo,
     count_custom_calls,
     jnp_attention,

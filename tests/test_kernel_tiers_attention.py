@@ -26,10 +26,9 @@ from conftest import (
     VEC,
     assert_close,
     attention_valid,
+    check_scores_vjp,
     np_attention,
     np_softmax,
-    np_softmax_vjp,
-    np_softmax_vjp_scale,
     poison,
     put,
     rounded,
@@ -100,18 +99,6 @@ def test_causal_long_keys(backend, device, rng, dtype):
     valid = np.arange(sk)[None, :] <= sample[:, None]
     expect = np_attention(z, 1.0, None, valid, False)
     assert_close(y, expect, dtype, what=f"causal rows {sample.tolist()} of Sk={sk}")
-
-
-def check_scores_vjp(y, ds, z, g, valid, scale, dtype, what):
-    """An attention_softmax output y and its scores cotangent ds against float64: y against the
-    softmax of z (the scaled and biased scores, float64) over `valid`, ds against scale times that
-    softmax's VJP for cotangent g. Returns the VJP and its error scale (the bias gradient sums
-    them)."""
-    assert_close(np.asarray(y), np_softmax(z, -1, valid), dtype, what=what)
-    dz = np_softmax_vjp(z, g, -1, valid)
-    mag = np_softmax_vjp_scale(z, g, -1, valid, dtype=dtype)
-    assert_close(np.asarray(ds), scale * dz, dtype, tol=GRAD_TOL, mag=scale * mag, what="d " + what)
-    return dz, mag
 
 
 @pytest.mark.gpu
