@@ -71,8 +71,7 @@ __device__ __forceinline__ void store_pair_pack(T* dst, int c, int limit, const 
 
 template <typename T, int kVec, int kGroup, int kPacks, bool kFold>
 __global__ void __launch_bounds__(BlockThreads(kGroup),
-                                  DropoutMinBlocksPerSm(BlockThreads(kGroup), kPacks,
-                                                        FoldsScale<T>(false, DropoutForm::kCausal, kPacks)))
+                                  DropoutMinBlocksPerSm(BlockThreads(kGroup), kPacks))
     dropout_pairs_kernel(const DropoutRows d, const CausalPairs cp) {
   using A = acc_t<T>;
   static_assert(!kFold || FoldsScale<T>(false, DropoutForm::kCausal, kPacks), "no folded instance");

@@ -29,20 +29,23 @@ namespace jax_softmax {
 // for causal rows of kCausalFourPacksFrom vectors and more and for mask rows without a bias). 16
 // bytes of x (and of dy) in flight twice per thread, with 1024 or more threads an SM, are 32 KiB
 // and more per SM: above what the H200's DRAM needs in flight (bandwidth x latency / SMs, ~25 KiB).
-// At four, a thread holds 128 registers (512 threads an SM, the same bytes in flight) and the row's
-// setup, key and reductions are paid once per 32 16-bit values instead of 16. Measured (H100,
-// session 85, bfloat16 B*H*S*S of 256 MiB, us per call, two vectors -> four): plain forward S = 512
-// 194 -> 189, 2048 206 -> 190, 4096 219 -> 192; causal forward 221 -> 219; but a forward with a
-// bias 265 -> 376 (its bias is no longer fetched ahead, kBiasAhead), the plain backward 261 -> 275
-// and the causal one 251 -> 273. (Four at 64 registers spilled: 16-bit forward 52-100 bytes, the
-// 16-bit backward 270-410.) Rows of a causal limit only (kCausal) take four from
+// At four (768 threads an SM at 80 registers since session 99; 512 at 128 before it) the row's
+// setup, key and reductions are paid once per 32 16-bit values instead of 16.
+// Measured (H100, session 85, bfloat16 B*H*S*S of 256 MiB, us per call, two vectors -> four): plain
+// forward S = 512 194 -> 189, 2048 206 -> 190, 4096 219 -> 192; causal forward 221 -> 219; but a
+// forward with a bias 265 -> 376 (its bias is no longer fetched ahead, kBiasAhead), the plain
+// backward 261 -> 275 and the causal one 251 -> 273. (Four at 64 registers spilled: 16-bit forward
+// 52-100 bytes, the 16-bit backward 270-410.) Rows of a causal limit only (kCausal) take four from
 // kCausalFourPacksFrom vectors a row: H100, session 86, bfloat16 forward, two -> four vectors: S =
-// 512 (64 vectors) 196 -> 201, 2048 (256) 208 -> 207, 4096 (512) 214 -> 191; the row-pair kernel
-// at four from 64 / 128 / 256 vectors instead of 512 (H100, session 94, S = 512-4096) moved no
-// point by more than 2 us of 143-150. Rows of a mask without
-// a bias take four at every width: H100, session 88, bfloat16 forward, a (B, 1, 1, S) padding mask
-// S = 2048 236 -> 205, 4096 242 -> 210, a (B, H, S, S) mask 4096 253 -> 227 (measured with
-// Philox-4x32-7 against 10 rounds, whose own share, the plain forward's control, was 194 -> 190).
+// 512 (64 vectors) 196 -> 201, 2048 (256) 208 -> 207, 4096 (512) 214 -> 191. With the row-pair
+// kernel and 768 threads an SM (H100, session 99, bfloat16 256 MiB, two rounds agreeing to 1 us,
+// four from 512 vectors -> from 64): S = 512 149 -> 151, 1024 146 -> 145, 2048 145 -> 144, 4096 143
+// -> 143, float32 1024 142 -> 142; so four from 128 (S = 1024 in 16-bit types) on, two below
+// (session 94's same A/B at 512 threads an SM moved no point by more than 2 us). Rows of a mask
+// without a bias take four at every width: H100, session 88, bfloat16 forward, a (B, 1, 1, S)
+// padding mask S = 2048 236 -> 205, 4096 242 -> 210, a (B, H, S, S) mask 4096 253 -> 227 (measured
+// with Philox-4x32-7 against 10 rounds, whose own share, the plain forward's control, was 194 ->
+// 190).
 // What a call's rows carry, and so which loader and value path the kernels compile:
 //   kPlain:   no bias, mask or causal limit (Access::kPlain: x only);
 //   kCausal:  a causal limit only (the general loader for its limit; no mask bytes or bias, and
@@ -58,31 +61,34 @@ constexpr Access FormAccess(DropoutForm f) {
 constexpr int DropoutPacks(bool bwd, DropoutForm form) {
   return !bwd && (form == DropoutForm::kPlain || form == DropoutForm::kMask) ? 4 : 2;
 }
-constexpr int64_t kCausalFourPacksFrom = 512;
+constexpr int64_t kCausalFourPacksFrom = 128;
 constexpr int kStreamPacks = 2;
 
 // The 16-bit four-vector forward kernels of plain, causal and mask-only rows (FoldsScale) have a
 // folded instance (with_shifted_exp), which the launcher takes under a positive scale (the max
-// over x is the max over z only then), and run 768 threads an SM under 512-thread blocks (80
-// registers, no spills: 24 warps) where the others at four vectors run 512 (128 registers allowed,
-// 94-102 used: 16-20 warps). Measured (H100, session 97, bfloat16 256 MiB, two rounds each, us per
-// call; 512 threads an SM -> 768 -> 768 with the fold and the mask-only form): plain S = 1024 /
-// 2048 / 4096 / 8192 187 / 188 / 190 / 224 -> 180 / 181 / 182 / 186 -> 180 / 179 / 179 / 182
-// (99% of the copy at 1024-4096); padding mask S = 1024 / 2048 / 4096 201 / 205 / 210 -> 195 /
-// 198 / 200 -> 186 / 188 / 190; causal S = 8192 153 -> 143 -> 142 (causal rows under 4096
-// columns take two vectors a thread: 146-150 us, unmoved). At 512 threads an SM the fold's
-// registers had cost narrow kernels a CTA (plain S = 2048 188 -> 203, session 96). Not measured
-// for wider types or the general form (whose 16-bit kernels spill 28-32 bytes at 80 registers).
+// over x is the max over z only then). Every four-vector kernel (all forward) runs 768 threads an
+// SM under blocks up to 512 threads (80 registers: no spills but for the 16-bit general form's
+// 28-32 bytes), the two-vector ones 1024 (64 registers). Measured (H100, session 97, bfloat16 256
+// MiB, two rounds each, us per call; 512 threads an SM -> 768 -> 768 with the fold and the
+// mask-only form): plain S = 1024 / 2048 / 4096 / 8192 187 / 188 / 190 / 224 -> 180 / 181 / 182 /
+// 186 -> 180 / 179 / 179 / 182 (99% of the copy at 1024-4096); padding mask S = 1024 / 2048 /
+// 4096 201 / 205 / 210 -> 195 / 198 / 200 -> 186 / 188 / 190; causal S = 8192 153 -> 143 -> 142.
+// At 512 threads an SM the fold's registers had cost narrow kernels a CTA (plain S = 2048 188 ->
+// 203, session 96). The other four-vector kernels, 512 -> 768 threads an SM (H100, session 99, two
+// rounds agreeing to 1 us): float32 plain S = 1024 178 -> 179, 4096 206 -> 178; float32 padding
+// mask S = 2048 190 -> 179; bfloat16 padding mask with the causal rule (general form) S = 1024 /
+// 2048 / 4096 187 / 192 / 195 -> 177 / 185 / 185; float32 causal 8192 160 -> 160.
 template <typename T>
 constexpr bool FoldsScale(bool bwd, DropoutForm form, int packs) {
   return sizeof(T) == 2 && !bwd && form != DropoutForm::kGeneral && packs == 4;
 }
 
 // CTAs per SM that the register kernel's launch bounds ask for: 1024 threads an SM at two vectors
-// a thread (64 registers), 512 at four (128), 768 for the FoldsScale kernels (80).
-constexpr int DropoutMinBlocksPerSm(int block, int packs, bool folds) {
-  return packs <= 2 ? MinBlocksPerSm(block) : block >= 512 ? 1 : (folds ? 768 : 512) / block;
+// a thread (64 registers), 768 at four (80).
+constexpr int DropoutMinBlocksPerSm(int block, int packs) {
+  return packs <= 2 ? MinBlocksPerSm(block) : 768 / block;
 }
+
 // The widest register kernel: 1024 threads at two vectors, 512 at four (both 2048 vectors).
 constexpr int DropoutMaxRowThreads(int packs) { return packs <= 2 ? 1024 : 512; }
 
@@ -436,8 +442,7 @@ __device__ __forceinline__ void store_dx(const Loader& loader, typename Loader::
 // vectors per thread; pack k of lane l covers columns (k * kGroup + l) * kVec.
 template <typename T, int kVec, int kGroup, int kPacks, bool kBwd, DropoutForm kForm, bool kFold>
 __global__ void __launch_bounds__(BlockThreads(kGroup),
-                                  DropoutMinBlocksPerSm(BlockThreads(kGroup), kPacks,
-                                                        FoldsScale<T>(kBwd, kForm, kPacks)))
+                                  DropoutMinBlocksPerSm(BlockThreads(kGroup), kPacks))
     dropout_rows_kernel(const DropoutRows d) {
   using A = acc_t<T>;
   using Loader = RowLoader<T, kVec, /*kBwd=*/false, FormAccess(kForm)>;
