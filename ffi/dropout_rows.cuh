@@ -44,8 +44,8 @@ namespace jax_softmax {
 // (session 94's same A/B at 512 threads an SM moved no point by more than 2 us). Rows of a mask
 // without a bias take four at every width: H100, session 88, bfloat16 forward, a (B, 1, 1, S)
 // padding mask S = 2048 236 -> 205, 4096 242 -> 210, a (B, H, S, S) mask 4096 253 -> 227 (measured
-// with Philox-4x32-7 against 10 rounds, whose own share, the plain forward's control, was 194 ->
-// 190).
+// with Philox-4x32-7 against 10 rounds, whose own share, the plain forward's control, was
+// 194 -> 190).
 // What a call's rows carry, and so which loader and value path the kernels compile:
 //   kPlain:   no bias, mask or causal limit (Access::kPlain: x only);
 //   kCausal:  a causal limit only (the general loader for its limit; no mask bytes or bias, and

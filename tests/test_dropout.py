@@ -430,19 +430,24 @@ def test_causal_square_rows(backend, device, rng, dtype):
         check_causal_rows(device, rng, dtype, (1, 2, n, n), jax.random.key(23), 0.25, 0.6)
 
 
+# ffi/dropout_rows.cuh's kCausalFourPacksFrom: causal-only forward rows of this many vectors and
+# more take four vectors a thread, shorter ones two.
+CAUSAL_FOUR_FROM = 128
+
+
 def pair_shapes(dtype):
     """(B, H, Sq, Sk) causal scores about the row-pair units of the CUDA causal forward (rows q
     and Sq - V - 1 - q share a lane group, the last V rows and the middle one of an odd Sq - V go
     alone; V the vector width): Sq <= V (no pairs), Sq = V + 1 (the middle row only), V + 2 (one
     pair), an odd and an even Sq - V, Sq < Sk, Sq > Sk (not paired), lane groups of 8 and 32 lanes
-    at two vectors a thread, a block of 64 threads at two (127 vectors: four from 128, ffi's
-    kCausalFourPacksFrom), 32 lanes (paired, and Sq > Sk) and blocks of 64 and 128 threads at
-    four, several query blocks."""
-    v = VEC[dtype]
+    at two vectors a thread, a block of 64 threads at two (the widest row under CAUSAL_FOUR_FROM),
+    32 lanes at four (the narrowest row from it, paired and Sq > Sk) and blocks of 64 and 128
+    threads at four, several query blocks."""
+    v, four = VEC[dtype], CAUSAL_FOUR_FROM
     shapes = [(1, 1, v, v), (2, 1, v + 1, 2 * v), (1, 2, v + 2, 4 * v), (1, 1, 7 * v + 3, 8 * v),
               (2, 3, 16 * v, 16 * v), (1, 2, 40, 64 * v), (1, 1, 64 * v + 6, 64 * v),
-              (1, 2, 64 * v, 64 * v), (1, 1, 127 * v, 127 * v), (1, 1, 128 * v - 3, 128 * v),
-              (1, 1, 128 * v + 5, 128 * v), (1, 1, 256 * v, 256 * v)]
+              (1, 2, 64 * v, 64 * v), (1, 1, (four - 1) * v, (four - 1) * v),
+              (1, 1, four * v - 3, four * v), (1, 1, four * v + 5, four * v), (1, 1, 256 * v, 256 * v)]
     if dtype == jnp.bfloat16:
         shapes.append((1, 1, 4096, 4096))  # 512 vectors: 128 threads at four vectors a thread
     return shapes
@@ -458,14 +463,15 @@ def test_causal_pair_units(backend, device, rng, dtype):
 def test_placed_causal_rows(backend, device, rng, dtype):
     # A shard's causal rows at query positions about S / 2 of (1, 2, S, S) scores (its place
     # table), limits in the middle of long rows: the register kernels at two and four vectors a
-    # thread (causal forward rows of 128 vectors and more: bfloat16 S = 1016 / 1024 is 127 / 128
-    # vectors; 4096 takes 128 threads), the streaming kernel of whole vectors (S = 20000) and of
-    # single elements (20001); against the jnp formula of _philox.
+    # thread (the rows on both sides of CAUSAL_FOUR_FROM vectors; bfloat16 S = 4096 takes 128
+    # threads at four), the streaming kernel of whole vectors (S = 20000) and of single elements
+    # (20001); against the jnp formula of _philox.
     rate, keys = 0.25, key_rows(jax.random.key(31))
     params = dict(scale=0.6, has_bias=False, has_mask=False, causal=True, rate=rate, broadcast=False)
     fwd = lambda *a: jsd.kernel_dropout_fwd_p.bind(*a, **params)
     bwd = lambda *a: jsd.kernel_dropout_bwd_p.bind(*a, grad_scale=0.6, **params)
-    for cols in (1016, 1024, 4096, 16384, 20000, 20001):
+    four = CAUSAL_FOUR_FROM * VEC[dtype]
+    for cols in (four - VEC[dtype], four, 4096, 16384, 20000, 20001):
         local, first = (1, 2, 6, cols), cols // 2 - 3
         place = _philox.place_table(local, (1, 2, cols, cols), (0, 0, first), 1, broadcast=False)
         s = rounded(rng.standard_normal(local) * 2, dtype)
